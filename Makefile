@@ -1,0 +1,128 @@
+# vmmshim — plain GNU make.  `make` builds, `make check` runs every test variant (the CI command).
+CUDA_HOME ?= /usr/local/cuda
+PREFIX    ?= /usr/local
+SAN       ?=
+BUILD     ?= build$(if $(SAN),-$(SAN))
+
+CC      ?= cc
+WARN    := -std=c11 -Wall -Wextra -Wpedantic -Werror
+CPPFLAGS += -D_GNU_SOURCE -I$(CUDA_HOME)/include -Ishim -Itools/include
+CFLAGS  ?= -O2 -g
+CFLAGS  += $(WARN) -fPIC -fvisibility=hidden -pthread
+LDLIBS  := -ldl -pthread
+ifeq ($(SAN),asan)
+  CFLAGS  += -fsanitize=address -fno-omit-frame-pointer
+  LDFLAGS += -fsanitize=address
+endif
+ifeq ($(SAN),ubsan)
+  CFLAGS  += -fsanitize=undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+  LDFLAGS += -fsanitize=undefined
+endif
+
+CORE_SRC   := $(wildcard shim/core/*.c shim/registry/*.c)
+SHIM_SRC   := $(wildcard shim/hooks/*.c shim/backing/*.c shim/broker/*.c)
+CLIENT_SRC := $(wildcard tools/client/*.c)
+CTL_SRC    := $(wildcard tools/vmmctl/*.c)
+FAKE_SRC   := $(wildcard tests/fakecuda/*.c)
+FAKERT_SRC := $(wildcard tests/fakecudart/*.c)
+PROG_SRC   := $(wildcard tests/progs/*.c)
+TEST_SRC   := $(wildcard tests/unit/test_*.c)
+HELPER_SRC := $(wildcard tests/unit/prog_*.c)
+
+obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
+CORE_A   := $(BUILD)/libvmmcore.a
+SHIM_SO  := $(BUILD)/libvmmshim.so
+CLIENT_SO:= $(BUILD)/libvmmshim-client.so
+CLIENT_A := $(BUILD)/libvmmshim-client.a
+VMMCTL   := $(BUILD)/vmmctl
+FAKE_SO  := $(BUILD)/fakecuda/libcuda.so.1
+FAKERT_SO:= $(BUILD)/fakecuda/libcudart.so.13
+PROGS    := $(patsubst tests/progs/%.c,$(BUILD)/progs/%,$(PROG_SRC))
+TESTS    := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC) $(HELPER_SRC))
+
+.PHONY: all deps test check test-gpu demo install clean
+all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(PROGS)
+
+# Debian packages the build needs; installed when root, otherwise the exact command is printed.
+deps:
+	@if ! printf '#include <uthash.h>\n#include <libunwind.h>\n' | $(CC) -E -x c - >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then echo "vmmshim: installing uthash-dev libunwind-dev"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq uthash-dev libunwind-dev) >/dev/null || exit 1; \
+	  else echo "vmmshim: error: missing build dependencies; run: sudo apt-get install -y uthash-dev libunwind-dev"; exit 1; fi; \
+	fi
+
+$(BUILD)/obj/%.o: %.c | deps
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -MMD -MP -c $< -o $@
+
+$(CORE_A): $(call obj,$(CORE_SRC))
+	@rm -f $@; ar rcs $@ $^
+
+# The shim.  libcuda/libcudart are never linked (found at run time).  Debian's libunwind.a is not
+# PIC, so libunwind.so.8 ships beside the shim and is dlopen'ed privately (backing.c says why).
+$(SHIM_SO): $(call obj,$(SHIM_SRC)) $(CORE_A) shim/vmmshim.map
+	$(CC) -shared $(LDFLAGS) -Wl,--version-script=shim/vmmshim.map -Wl,-z,defs -o $@ \
+	  $(call obj,$(SHIM_SRC)) $(CORE_A) $(LDLIBS)
+	cp -L $$($(CC) -print-file-name=libunwind.so.8) $(BUILD)/libunwind.so.8
+	@if readelf -d $@ | grep -E 'NEEDED.*lib(cuda|cudart)' ; then echo "vmmshim: error: $@ must not link libcuda or libcudart"; rm -f $@; exit 1; fi
+
+$(CLIENT_SO): $(call obj,$(CLIENT_SRC)) $(CORE_A) tools/client/vmmclient.map
+	$(CC) -shared $(LDFLAGS) -Wl,--version-script=tools/client/vmmclient.map -Wl,-z,defs -o $@ \
+	  $(call obj,$(CLIENT_SRC)) $(CORE_A) $(LDLIBS)
+	@if readelf -d $@ | grep -E 'NEEDED.*lib(cuda|cudart)' ; then echo "vmmshim: error: $@ must not link libcuda or libcudart"; rm -f $@; exit 1; fi
+
+$(CLIENT_A): $(call obj,$(CLIENT_SRC))
+	@rm -f $@; ar rcs $@ $^
+
+$(VMMCTL): $(call obj,$(CTL_SRC)) $(CLIENT_A) $(CORE_A)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+# Test equipment only: an emulated libcuda.so.1, never installed.
+$(FAKE_SO): $(call obj,$(FAKE_SRC))
+	@mkdir -p $(dir $@)
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,libcuda.so.1 -o $@ $^ $(LDLIBS)
+
+# An emulated runtime over the emulated driver, versioned like NVIDIA's libcudart.
+$(FAKERT_SO): $(call obj,$(FAKERT_SRC)) $(FAKE_SO) tests/fakecudart/cudart.map
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,libcudart.so.13 -Wl,--version-script=tests/fakecudart/cudart.map -o $@ \
+	  $(call obj,$(FAKERT_SRC)) -L$(BUILD)/fakecuda -l:libcuda.so.1 $(LDLIBS)
+
+# Plain CUDA runtime programs the tests run natively and under the shim (on the GPU machine the
+# same sources build against NVIDIA's libcudart: tests/gpu/run.sh).
+$(BUILD)/progs/%: $(BUILD)/obj/tests/progs/%.o $(FAKERT_SO)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $< -L$(BUILD)/fakecuda -l:libcudart.so.13 -l:libcuda.so.1 $(LDLIBS)
+
+$(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(CLIENT_A) $(CORE_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+test: all
+	@BUILD=$(BUILD) SAN=$(SAN) tests/run.sh
+
+# The CI command: the plain build, then the sanitizer builds, each running every test.
+check:
+	@tests/check.sh
+
+# On the GPU machine, with build/ carried from a development machine (the GPU machine has no
+# uthash or libunwind): the real-GPU checks, the PyTorch runs and the benchmark table.
+test-gpu:
+	@BUILD=$(BUILD) tests/gpu/run.sh
+
+# The main job: a sample CUDA program under the shim, then vmmctl as a companion.
+demo: all
+	@BUILD=$(BUILD) tests/scripts/demo.sh
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/share/vmmshim
+	install -m 755 $(SHIM_SO) $(CLIENT_SO) $(BUILD)/libunwind.so.8 $(DESTDIR)$(PREFIX)/lib/
+	install -m 644 $(CLIENT_A) $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(VMMCTL) $(DESTDIR)$(PREFIX)/bin/
+	install -m 644 tools/include/vmmshim.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 config/vmmshim.conf $(DESTDIR)$(PREFIX)/share/vmmshim/
+	sed -e 's|@PREFIX@|$(PREFIX)|g' tools/client/vmmshim.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/vmmshim.pc
+
+clean:
+	rm -rf build build-asan build-ubsan
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
