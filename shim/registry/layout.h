@@ -1,0 +1,254 @@
+/* vmmshim registry: the shared-memory layout.  This file is the whole contract for a reader in
+ * any language; nothing else is needed to read the registry.
+ *
+ * WHERE: a POSIX shared-memory object (/dev/shm/<name>), name from VMMSHIM_REGISTRY, default
+ * "/vmmshim-<uid>", mode 0600 (0660 when VMMSHIM_REGISTRY_GROUP names a group).  All integers are
+ * little-endian fixed-width; every reference is an offset from the start of the segment, never a
+ * pointer.  The file is never shrunk (readers would get SIGBUS); it is created sparse and pages
+ * are allocated (fallocate) as chunks of records are first used.
+ *
+ *   0                 header_size        proc_off           chunk_off       index_off      rec_off
+ *   +-----------------+------------------+------------------+---------------+--------------+----------------------+
+ *   | vmm_reg_header  | (reserved)       | proc_capacity x  | chunk_count x | index_slots x| capacity x           |
+ *   | 512 bytes       |                  | vmm_reg_proc     | u64 owner     | u32 entry    | vmm_reg_alloc        |
+ *   +-----------------+------------------+------------------+---------------+--------------+----------------------+
+ *
+ * OPENING (readers):  map the object read-only.  Refuse unless magic == VMM_REG_MAGIC, ready == 1,
+ * compat_version <= the version you implement, header_size/record sizes are at least the sizes
+ * you know, and every region lies inside the object's size.  Never guess at a layout you do not
+ * know.  Fields beyond the sizes you know are for newer versions: skip them.
+ *
+ * READING A RECORD (vmm_reg_alloc or vmm_reg_proc) -- a sequence counter, like Linux's
+ * perf_event_mmap_page:
+ *     do {
+ *         s1 = load_acquire(&rec->seq);
+ *         if (s1 & 1) { retry, at most a few thousand times, then treat the record as busy }
+ *         copy the record with 8-byte loads (relaxed atomics in C/C++/Rust);
+ *         fence_acquire();
+ *         s2 = load_relaxed(&rec->seq);
+ *     } while (s1 != s2);
+ * An odd seq means a write is in progress.  A seq that stays odd means the writer died mid-write:
+ * check the owner (below) and treat the record as dead.  The writer increments seq (relaxed
+ * store), issues a release fence, writes the fields with 8-byte stores, then stores seq+1 again
+ * with release.  The live counters of vmm_reg_proc (n_allocs...) are outside that protocol:
+ * plain 8-byte atomic loads.
+ *
+ * OWNERS AND LIVENESS: a record's owner is (pid, start_time, pidns).  A process is alive iff
+ * /proc/<pid>/stat exists in a reader sharing pidns (compare the inode of /proc/self/ns/pid) and
+ * its field 22 (starttime, clock ticks since boot) equals start_time.  Never judge by pid alone:
+ * pids are reused.  A reader in another pid namespace cannot judge and must say "unknown".
+ *
+ * RECORDS never move while bound.  Records come in chunks of chunk_records consecutive slots; the
+ * chunk table holds each chunk's owner as (proc_generation << 32 | (proc_index + 1)), 0 = free,
+ * bit 63 set while a reclaimer clears it.  A process writes only its own chunks' records.
+ *
+ * FINDING (pid, address): every record's address is aligned to the next power of two >= its
+ * mapped_size (at least 2 MiB), so for k = 21 .. 47 compute base = address & ~((1<<k)-1) and look
+ * (pid, base) up in the index: linear probing over index_slots u32 entries (0 = empty, else
+ * record index + 1) starting at vmm_reg_hash(pid, base) & (index_slots - 1), until an empty
+ * entry.  Check each candidate record (seq protocol): state LIVE, pid, base <= address <
+ * base + mapped_size.  Index writers are serialised by an OFD lock and bracket every change by
+ * incrementing index_seq (odd while changing): a reader whose search found nothing retries if
+ * index_seq was odd or changed meanwhile.
+ *
+ * LOCKS: only open-file-description locks (fcntl F_OFD_SETLKW), which the kernel drops when their
+ * holder dies: byte VMM_REG_LOCK_INIT while creating the segment, byte VMM_REG_LOCK_INDEX while
+ * changing the index, byte VMM_REG_LOCK_GC while reclaiming dead owners.  Readers take none.
+ */
+#ifndef VMM_REGISTRY_LAYOUT_H
+#define VMM_REGISTRY_LAYOUT_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define VMM_REG_MAGIC 0x4745525348534d56ull /* "VMMSHREG" little-endian */
+#define VMM_REG_VERSION 1u
+#define VMM_REG_COMPAT_VERSION 1u
+#define VMM_REG_CHUNK_RECORDS 64u
+#define VMM_REG_MIN_ALIGN_SHIFT 21u /* 2 MiB */
+#define VMM_REG_MAX_ALIGN_SHIFT 47u
+#define VMM_REG_LOCK_INIT 0
+#define VMM_REG_LOCK_INDEX 1
+#define VMM_REG_LOCK_GC 2
+#define VMM_REG_CHUNK_RECLAIMING (1ull << 63)
+
+/* vmm_reg_alloc.state */
+enum { VMM_REG_UNBOUND = 0, VMM_REG_BOUND = 1, VMM_REG_LIVE = 2 };
+
+/* vmm_reg_alloc.handle_kinds: how a companion can obtain the memory */
+enum {
+    VMM_HANDLE_BROKER = 1u << 0, /* ask the owner's broker socket (vmm_reg_proc.broker_path) */
+    VMM_HANDLE_PIDFD = 1u << 1,  /* pidfd_getfd(owner, exported_fd) */
+    VMM_HANDLE_FABRIC = 1u << 2  /* fabric[] bytes, cuMemImportFromShareableHandle(FABRIC) */
+};
+
+/* vmm_reg_alloc.flags */
+enum { VMM_REG_F_NOT_EXPORTABLE = 1u << 0 /* passed through (e.g. during stream capture) */ };
+
+/* vmm_reg_alloc.api: the call that made the allocation */
+enum {
+    VMM_API_UNKNOWN = 0,
+    VMM_API_CUDA_MALLOC = 1,
+    VMM_API_CUDA_MALLOC_ASYNC = 2,
+    VMM_API_CU_MEM_ALLOC = 3,
+    VMM_API_CU_MEM_ALLOC_ASYNC = 4,
+    VMM_API_CU_MEM_ALLOC_PITCH = 5,
+    VMM_API_TEST = 15
+};
+
+typedef struct vmm_reg_header {
+    uint64_t magic;            /*   0 */
+    uint32_t version;          /*   8 layout version of the writer */
+    uint32_t compat_version;   /*  12 lowest reader version that can read it */
+    uint32_t header_size;      /*  16 */
+    uint32_t ready;            /*  20 1 once initialised (release store) */
+    uint32_t proc_size;        /*  24 sizeof(vmm_reg_proc) */
+    uint32_t alloc_size;       /*  28 sizeof(vmm_reg_alloc) */
+    uint32_t chunk_records;    /*  32 */
+    uint32_t proc_capacity;    /*  36 */
+    uint64_t capacity;         /*  40 allocation records */
+    uint64_t chunk_count;      /*  48 */
+    uint64_t index_slots;      /*  56 power of two */
+    uint64_t proc_off;         /*  64 */
+    uint64_t chunk_off;        /*  72 */
+    uint64_t index_off;        /*  80 */
+    uint64_t rec_off;          /*  88 */
+    uint64_t total_size;       /*  96 */
+    uint64_t created_ns;       /* 104 CLOCK_REALTIME */
+    uint64_t chunks_hwm;       /* 112 chunks ever handed out by bump allocation (atomic) */
+    uint64_t index_seq;        /* 120 odd while the index changes */
+    uint64_t stat_publishes;   /* 128 total publishes (atomic) */
+    uint64_t stat_retracts;    /* 136 total retracts (atomic) */
+    uint64_t stat_reclaimed;   /* 144 records reclaimed from dead owners (atomic) */
+    uint32_t creator_pid;      /* 152 */
+    uint32_t creator_uid;      /* 156 */
+    uint8_t reserved[352];     /* 160 */
+} vmm_reg_header;              /* 512 */
+
+typedef struct vmm_reg_proc {
+    uint64_t claim;            /*   0 (generation << 32) | pid; pid 0 = free slot (CAS) */
+    uint32_t seq;              /*   8 sequence counter over the fields up to counters */
+    uint32_t pid;              /*  12 in the owner's pid namespace */
+    uint64_t start_time;       /*  16 /proc/<pid>/stat field 22 */
+    uint64_t pidns;            /*  24 inode of the owner's /proc/self/ns/pid */
+    uint64_t registered_ns;    /*  32 CLOCK_REALTIME */
+    uint32_t uid;              /*  40 */
+    uint32_t generation;       /*  44 equals claim >> 32 */
+    char broker_path[112];     /*  48 Unix socket of the owner's broker; "" = none yet */
+    char cmdline[256];         /* 160 NUL-separated argv, truncated */
+    uint64_t n_allocs;         /* 416 live counters, atomic, outside the seq protocol */
+    uint64_t bytes_requested;  /* 424 */
+    uint64_t bytes_mapped;     /* 432 */
+    uint8_t reserved[72];      /* 440 */
+} vmm_reg_proc;                /* 512 */
+
+typedef struct vmm_reg_alloc {
+    uint32_t seq;              /*   0 sequence counter; odd while written */
+    uint32_t state;            /*   4 VMM_REG_UNBOUND / BOUND / LIVE */
+    uint64_t generation;       /*   8 changes at every publish and retract */
+    uint8_t alloc_id[16];      /*  16 random, never reused */
+    uint32_t proc_index;       /*  32 owner's slot in the proc table */
+    uint32_t pid;              /*  36 */
+    uint64_t start_time;       /*  40 */
+    uint64_t pidns;            /*  48 */
+    uint32_t device;           /*  56 ordinal in the owner */
+    uint32_t api;              /*  60 VMM_API_* */
+    uint8_t device_uuid[16];   /*  64 */
+    uint64_t address;          /*  80 owner's virtual address (index key with pid) */
+    uint64_t requested_size;   /*  88 */
+    uint64_t mapped_size;      /*  96 multiple of 2 MiB */
+    uint64_t stream;           /* 104 for async allocations, the owner's stream handle */
+    uint64_t created_ns;       /* 112 CLOCK_REALTIME */
+    uint32_t handle_kinds;     /* 120 VMM_HANDLE_* */
+    int32_t exported_fd;       /* 124 fd number in the owner when VMM_HANDLE_PIDFD, else -1 */
+    uint32_t flags;            /* 128 VMM_REG_F_* */
+    uint32_t n_frames;         /* 132 valid entries of frames[] */
+    char tag[32];              /* 136 user tag, NUL-terminated */
+    uint64_t frames[8];        /* 168 call-site return addresses in the owner */
+    uint8_t fabric[64];        /* 232 CUmemFabricHandle when VMM_HANDLE_FABRIC */
+    uint8_t reserved[88];      /* 296 */
+} vmm_reg_alloc;               /* 384 */
+
+#define VMM_ASSERT_OFF(T, f, o) _Static_assert(offsetof(T, f) == (o), #T "." #f " offset")
+_Static_assert(sizeof(vmm_reg_header) == 512, "header size");
+VMM_ASSERT_OFF(vmm_reg_header, magic, 0);
+VMM_ASSERT_OFF(vmm_reg_header, version, 8);
+VMM_ASSERT_OFF(vmm_reg_header, compat_version, 12);
+VMM_ASSERT_OFF(vmm_reg_header, header_size, 16);
+VMM_ASSERT_OFF(vmm_reg_header, ready, 20);
+VMM_ASSERT_OFF(vmm_reg_header, proc_size, 24);
+VMM_ASSERT_OFF(vmm_reg_header, alloc_size, 28);
+VMM_ASSERT_OFF(vmm_reg_header, chunk_records, 32);
+VMM_ASSERT_OFF(vmm_reg_header, proc_capacity, 36);
+VMM_ASSERT_OFF(vmm_reg_header, capacity, 40);
+VMM_ASSERT_OFF(vmm_reg_header, chunk_count, 48);
+VMM_ASSERT_OFF(vmm_reg_header, index_slots, 56);
+VMM_ASSERT_OFF(vmm_reg_header, proc_off, 64);
+VMM_ASSERT_OFF(vmm_reg_header, chunk_off, 72);
+VMM_ASSERT_OFF(vmm_reg_header, index_off, 80);
+VMM_ASSERT_OFF(vmm_reg_header, rec_off, 88);
+VMM_ASSERT_OFF(vmm_reg_header, total_size, 96);
+VMM_ASSERT_OFF(vmm_reg_header, created_ns, 104);
+VMM_ASSERT_OFF(vmm_reg_header, chunks_hwm, 112);
+VMM_ASSERT_OFF(vmm_reg_header, index_seq, 120);
+VMM_ASSERT_OFF(vmm_reg_header, stat_publishes, 128);
+VMM_ASSERT_OFF(vmm_reg_header, stat_retracts, 136);
+VMM_ASSERT_OFF(vmm_reg_header, stat_reclaimed, 144);
+VMM_ASSERT_OFF(vmm_reg_header, creator_pid, 152);
+VMM_ASSERT_OFF(vmm_reg_header, creator_uid, 156);
+VMM_ASSERT_OFF(vmm_reg_header, reserved, 160);
+
+_Static_assert(sizeof(vmm_reg_proc) == 512, "proc record size");
+VMM_ASSERT_OFF(vmm_reg_proc, claim, 0);
+VMM_ASSERT_OFF(vmm_reg_proc, seq, 8);
+VMM_ASSERT_OFF(vmm_reg_proc, pid, 12);
+VMM_ASSERT_OFF(vmm_reg_proc, start_time, 16);
+VMM_ASSERT_OFF(vmm_reg_proc, pidns, 24);
+VMM_ASSERT_OFF(vmm_reg_proc, registered_ns, 32);
+VMM_ASSERT_OFF(vmm_reg_proc, uid, 40);
+VMM_ASSERT_OFF(vmm_reg_proc, generation, 44);
+VMM_ASSERT_OFF(vmm_reg_proc, broker_path, 48);
+VMM_ASSERT_OFF(vmm_reg_proc, cmdline, 160);
+VMM_ASSERT_OFF(vmm_reg_proc, n_allocs, 416);
+VMM_ASSERT_OFF(vmm_reg_proc, bytes_requested, 424);
+VMM_ASSERT_OFF(vmm_reg_proc, bytes_mapped, 432);
+VMM_ASSERT_OFF(vmm_reg_proc, reserved, 440);
+
+_Static_assert(sizeof(vmm_reg_alloc) == 384, "alloc record size");
+VMM_ASSERT_OFF(vmm_reg_alloc, seq, 0);
+VMM_ASSERT_OFF(vmm_reg_alloc, state, 4);
+VMM_ASSERT_OFF(vmm_reg_alloc, generation, 8);
+VMM_ASSERT_OFF(vmm_reg_alloc, alloc_id, 16);
+VMM_ASSERT_OFF(vmm_reg_alloc, proc_index, 32);
+VMM_ASSERT_OFF(vmm_reg_alloc, pid, 36);
+VMM_ASSERT_OFF(vmm_reg_alloc, start_time, 40);
+VMM_ASSERT_OFF(vmm_reg_alloc, pidns, 48);
+VMM_ASSERT_OFF(vmm_reg_alloc, device, 56);
+VMM_ASSERT_OFF(vmm_reg_alloc, api, 60);
+VMM_ASSERT_OFF(vmm_reg_alloc, device_uuid, 64);
+VMM_ASSERT_OFF(vmm_reg_alloc, address, 80);
+VMM_ASSERT_OFF(vmm_reg_alloc, requested_size, 88);
+VMM_ASSERT_OFF(vmm_reg_alloc, mapped_size, 96);
+VMM_ASSERT_OFF(vmm_reg_alloc, stream, 104);
+VMM_ASSERT_OFF(vmm_reg_alloc, created_ns, 112);
+VMM_ASSERT_OFF(vmm_reg_alloc, handle_kinds, 120);
+VMM_ASSERT_OFF(vmm_reg_alloc, exported_fd, 124);
+VMM_ASSERT_OFF(vmm_reg_alloc, flags, 128);
+VMM_ASSERT_OFF(vmm_reg_alloc, n_frames, 132);
+VMM_ASSERT_OFF(vmm_reg_alloc, tag, 136);
+VMM_ASSERT_OFF(vmm_reg_alloc, frames, 168);
+VMM_ASSERT_OFF(vmm_reg_alloc, fabric, 232);
+VMM_ASSERT_OFF(vmm_reg_alloc, reserved, 296);
+
+/* The index hash: a 64-bit mix of pid and address (splitmix64 finaliser). */
+static inline uint64_t vmm_reg_hash(uint32_t pid, uint64_t address)
+{
+    uint64_t x = address ^ ((uint64_t)pid * 0x9e3779b97f4a7c15ull);
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    x ^= x >> 31;
+    return x;
+}
+
+#endif

@@ -1,0 +1,971 @@
+/* The shared-memory registry: creation, the writer side (attach, bind, publish, retract), the
+ * reader side (seq-checked copies, find by interior address) and reclamation of dead owners.
+ * The protocol every reader follows is written down in layout.h. */
+#include "registry/registry.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PROC_CAPACITY 4096u
+#define READ_RETRIES 4096
+#define PAGE 4096u
+
+static uint64_t now_realtime_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+static uint64_t pow2_ceil(uint64_t v)
+{
+    uint64_t p = 1;
+    while (p < v) p <<= 1;
+    return p;
+}
+
+/* ---- seq-protected copies: 8-byte relaxed atomics, so neither side races in the C11 sense ---- */
+
+static void copy_words_in(void *dst, const void *src, size_t bytes)
+{
+    uint64_t *d = dst;
+    const uint64_t *s = src;
+    for (size_t i = 0; i < bytes / 8; i++) __atomic_store_n(&d[i], s[i], __ATOMIC_RELAXED);
+}
+
+static void copy_words_out(void *dst, const void *src, size_t bytes)
+{
+    uint64_t *d = dst;
+    const uint64_t *s = src;
+    for (size_t i = 0; i < bytes / 8; i++) d[i] = __atomic_load_n(&s[i], __ATOMIC_RELAXED);
+}
+
+static void seq_begin(uint32_t *seq)
+{
+    uint32_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
+    __atomic_store_n(seq, (s | 1u) == s ? s + 2 : s + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+
+static void seq_end(uint32_t *seq)
+{
+    uint32_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
+    __atomic_store_n(seq, (s + 1) & ~1u, __ATOMIC_RELEASE);
+}
+
+/* Copy `bytes` of a record whose first 4 bytes at seq_off are its sequence counter. */
+static int seq_read(const void *rec, size_t bytes, const uint32_t *seq, void *out)
+{
+    for (int i = 0; i < READ_RETRIES; i++) {
+        uint32_t s1 = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
+        if (s1 & 1u) {
+            if (i > 64) sched_yield();
+            continue;
+        }
+        copy_words_out(out, rec, bytes);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(seq, __ATOMIC_RELAXED) == s1) return 0;
+    }
+    return -EAGAIN;
+}
+
+/* ---- layout arithmetic ---- */
+
+static vmm_reg_proc *proc_at(const vmm__reg *r, uint32_t i)
+{
+    return (vmm_reg_proc *)(r->base + r->hdr->proc_off + (uint64_t)i * sizeof(vmm_reg_proc));
+}
+static uint64_t *chunk_at(const vmm__reg *r, uint64_t c) { return (uint64_t *)(r->base + r->hdr->chunk_off) + c; }
+static uint32_t *index_at(const vmm__reg *r) { return (uint32_t *)(r->base + r->hdr->index_off); }
+static vmm_reg_alloc *rec_at(const vmm__reg *r, uint64_t slot)
+{
+    return (vmm_reg_alloc *)(r->base + r->hdr->rec_off + slot * sizeof(vmm_reg_alloc));
+}
+
+void vmm__reg_default_name(char *buf, size_t len)
+{
+    const char *env = getenv("VMMSHIM_REGISTRY");
+    if (env && *env)
+        snprintf(buf, len, "%s", env);
+    else
+        snprintf(buf, len, "/vmmshim-%u", (unsigned)getuid());
+}
+
+static int fail(char *err, size_t errlen, int code, const char *fmt, const char *name, const char *detail)
+{
+    if (err && errlen) snprintf(err, errlen, fmt, name, detail);
+    return code;
+}
+
+int vmm__reg_validate(const void *base, size_t size, char *err, size_t errlen)
+{
+    const vmm_reg_header *h = base;
+    char d[160];
+    if (size < sizeof(vmm_reg_header)) {
+        snprintf(d, sizeof d, "segment is %zu bytes, shorter than its header", size);
+        return fail(err, errlen, -EPROTO, "registry %s: %s", "", d);
+    }
+    if (h->magic != VMM_REG_MAGIC) return fail(err, errlen, -EPROTO, "registry%s: %s", "", "wrong magic (not a vmmshim registry)");
+    if (__atomic_load_n(&h->ready, __ATOMIC_ACQUIRE) != 1)
+        return fail(err, errlen, -EAGAIN, "registry%s: %s", "", "not initialised (its creator died or is still creating it)");
+    if (h->compat_version > VMM_REG_VERSION) {
+        snprintf(d, sizeof d, "layout version %u needs a reader of version %u; this one reads %u", h->version,
+                 h->compat_version, VMM_REG_VERSION);
+        return fail(err, errlen, -EPROTO, "registry%s: %s", "", d);
+    }
+    if (h->header_size < sizeof(vmm_reg_header) || h->proc_size < sizeof(vmm_reg_proc) ||
+        h->alloc_size < sizeof(vmm_reg_alloc) || h->proc_size != sizeof(vmm_reg_proc) ||
+        h->alloc_size != sizeof(vmm_reg_alloc))
+        return fail(err, errlen, -EPROTO, "registry%s: %s", "", "record sizes do not match this reader");
+    uint64_t cap = h->capacity, ch = h->chunk_count, slots = h->index_slots;
+    if (h->chunk_records != VMM_REG_CHUNK_RECORDS || cap == 0 || cap > (1ull << 28) || ch * VMM_REG_CHUNK_RECORDS != cap ||
+        slots < cap || (slots & (slots - 1)) || h->proc_capacity == 0 || h->proc_capacity > (1u << 20))
+        return fail(err, errlen, -EPROTO, "registry%s: %s", "", "corrupt header (capacity fields)");
+    if (h->proc_off < h->header_size || h->chunk_off < h->proc_off + (uint64_t)h->proc_capacity * h->proc_size ||
+        h->index_off < h->chunk_off + ch * 8 || h->rec_off < h->index_off + slots * 4 ||
+        h->total_size < h->rec_off + cap * h->alloc_size || h->total_size > size)
+        return fail(err, errlen, -EPROTO, "registry%s: %s", "",
+                    h->total_size > size ? "segment is shorter than its header says (truncated)"
+                                         : "corrupt header (region offsets overlap)");
+    return 0;
+}
+
+static int ofd_lock(int fd, int byte, short type)
+{
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = byte, .l_len = 1};
+    while (fcntl(fd, F_OFD_SETLKW, &fl) != 0)
+        if (errno != EINTR) return -errno;
+    return 0;
+}
+
+static void ofd_unlock(int fd, int byte)
+{
+    struct flock fl = {.l_type = F_UNLCK, .l_whence = SEEK_SET, .l_start = byte, .l_len = 1};
+    (void)fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+/* Pre-allocate pages so a full /dev/shm reports ENOSPC here instead of SIGBUS in the writer. */
+static int back_range(int fd, uint64_t off, uint64_t len)
+{
+    uint64_t a = off / PAGE * PAGE, e = round_up(off + len, PAGE);
+    int rc = posix_fallocate(fd, (off_t)a, (off_t)(e - a));
+    return rc == EOPNOTSUPP || rc == EINVAL ? 0 : -rc;
+}
+
+static int init_segment(int fd, uint64_t capacity, char *err, size_t errlen)
+{
+    vmm_reg_header h;
+    memset(&h, 0, sizeof h);
+    capacity = round_up(capacity < VMM_REG_CHUNK_RECORDS ? VMM_REG_CHUNK_RECORDS : capacity, VMM_REG_CHUNK_RECORDS);
+    h.magic = VMM_REG_MAGIC;
+    h.version = VMM_REG_VERSION;
+    h.compat_version = VMM_REG_COMPAT_VERSION;
+    h.header_size = PAGE;
+    h.proc_size = sizeof(vmm_reg_proc);
+    h.alloc_size = sizeof(vmm_reg_alloc);
+    h.chunk_records = VMM_REG_CHUNK_RECORDS;
+    h.proc_capacity = PROC_CAPACITY;
+    h.capacity = capacity;
+    h.chunk_count = capacity / VMM_REG_CHUNK_RECORDS;
+    h.index_slots = pow2_ceil(capacity * 2);
+    h.proc_off = PAGE;
+    h.chunk_off = round_up(h.proc_off + (uint64_t)PROC_CAPACITY * sizeof(vmm_reg_proc), PAGE);
+    h.index_off = round_up(h.chunk_off + h.chunk_count * 8, PAGE);
+    h.rec_off = round_up(h.index_off + h.index_slots * 4, PAGE);
+    h.total_size = round_up(h.rec_off + capacity * sizeof(vmm_reg_alloc), PAGE);
+    h.created_ns = now_realtime_ns();
+    h.creator_pid = (uint32_t)getpid();
+    h.creator_uid = (uint32_t)getuid();
+    if (ftruncate(fd, (off_t)h.total_size) != 0)
+        return fail(err, errlen, -errno, "registry%s: cannot size it: %s", "", strerror(errno));
+    int rc = back_range(fd, 0, PAGE);
+    if (!rc) rc = back_range(fd, h.chunk_off, h.rec_off - h.chunk_off);
+    if (rc) return fail(err, errlen, rc, "registry%s: cannot back it in /dev/shm: %s", "", strerror(-rc));
+    uint8_t *m = mmap(NULL, PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) return fail(err, errlen, -errno, "registry%s: mmap: %s", "", strerror(errno));
+    h.ready = 0;
+    memcpy(m, &h, sizeof h);
+    __atomic_store_n(&((vmm_reg_header *)m)->ready, 1u, __ATOMIC_RELEASE);
+    munmap(m, PAGE);
+    return 0;
+}
+
+static int set_group(int fd, const char *group, char *err, size_t errlen)
+{
+    if (!group || !*group) return fchmod(fd, 0600) ? -errno : 0;
+    char *end;
+    gid_t gid;
+    unsigned long n = strtoul(group, &end, 10);
+    if (*end == 0) {
+        gid = (gid_t)n;
+    } else {
+        struct group gr, *res = NULL;
+        char buf[4096];
+        if (getgrnam_r(group, &gr, buf, sizeof buf, &res) != 0 || !res)
+            return fail(err, errlen, -EINVAL, "registry group '%s' %s", group, "does not exist");
+        gid = res->gr_gid;
+    }
+    if (fchown(fd, (uid_t)-1, gid) != 0) return fail(err, errlen, -errno, "registry group '%s': %s", group, strerror(errno));
+    return fchmod(fd, 0660) ? -errno : 0;
+}
+
+/* Refuse a segment someone else planted under our name, unless a shared group was configured. */
+static int check_owner(const char *name, const struct stat *st, bool writer, const char *group, char *err, size_t errlen)
+{
+    char d[160];
+    if (st->st_mode & 0007) {
+        snprintf(d, sizeof d, "mode %03o lets every user in; refusing it", (unsigned)(st->st_mode & 0777));
+        return fail(err, errlen, -EACCES, "registry %s: %s", name, d);
+    }
+    if (st->st_uid == geteuid() || geteuid() == 0 || !writer) return 0;
+    if (group && *group && (st->st_mode & 0060) == 0060) return 0;
+    snprintf(d, sizeof d, "owned by uid %u, not by this user; refusing to write to it", (unsigned)st->st_uid);
+    return fail(err, errlen, -EACCES, "registry %s: %s", name, d);
+}
+
+int vmm__reg_open(vmm__reg *r, const char *name, int mode, uint64_t capacity, const char *group, char *err,
+                  size_t errlen)
+{
+    memset(r, 0, sizeof *r);
+    r->fd = -1;
+    if (name && *name)
+        snprintf(r->name, sizeof r->name, "%s", name);
+    else
+        vmm__reg_default_name(r->name, sizeof r->name);
+    r->writable = mode != VMM__REG_READ;
+    int oflags = (r->writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW;
+    if (mode == VMM__REG_CREATE) oflags |= O_CREAT;
+    /* Created 0600 whatever the umask (shm_open applies it); the group mode is set afterwards. */
+    int fd = shm_open(r->name, oflags, 0600);
+    if (fd < 0) {
+        int e = errno;
+        if (e == ENOENT) return fail(err, errlen, -ENOENT, "registry %s: %s", r->name, "does not exist (no process has run under the shim yet)");
+        if (e == EACCES) return fail(err, errlen, -EACCES, "registry %s: %s", r->name, "permission denied (it belongs to another user)");
+        return fail(err, errlen, -e, "registry %s: %s", r->name, strerror(e));
+    }
+    struct stat st;
+    int rc = 0;
+    if (fstat(fd, &st) != 0) {
+        rc = fail(err, errlen, -errno, "registry %s: %s", r->name, strerror(errno));
+        goto out_close;
+    }
+    if ((rc = check_owner(r->name, &st, r->writable, group, err, errlen)) != 0) goto out_close;
+    if (mode == VMM__REG_CREATE) {
+        if ((rc = ofd_lock(fd, VMM_REG_LOCK_INIT, F_WRLCK)) != 0) {
+            fail(err, errlen, rc, "registry %s: lock: %s", r->name, strerror(-rc));
+            goto out_close;
+        }
+        vmm_reg_header h;
+        memset(&h, 0, sizeof h);
+        if (pread(fd, &h, sizeof h, 0) < 0) h.ready = 0;
+        if (h.ready != 1) {
+            if (h.magic != 0 && h.magic != VMM_REG_MAGIC) {
+                rc = fail(err, errlen, -EPROTO, "registry %s: %s", r->name, "exists but is not a vmmshim registry; not touching it");
+            } else {
+                rc = init_segment(fd, capacity, err, errlen);
+                if (!rc) rc = set_group(fd, group, err, errlen);
+            }
+        }
+        ofd_unlock(fd, VMM_REG_LOCK_INIT);
+        if (rc) goto out_close;
+        if (fstat(fd, &st) != 0) {
+            rc = -errno;
+            goto out_close;
+        }
+    }
+    if ((size_t)st.st_size < sizeof(vmm_reg_header)) {
+        rc = fail(err, errlen, -EPROTO, "registry %s: %s", r->name, st.st_size == 0 ? "is empty (its creator died while creating it; run vmmctl gc or remove it)" : "is shorter than its header (truncated)");
+        goto out_close;
+    }
+    r->map_size = (size_t)st.st_size;
+    r->base = mmap(NULL, r->map_size, r->writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+    if (r->base == MAP_FAILED) {
+        r->base = NULL;
+        rc = fail(err, errlen, -errno, "registry %s: mmap: %s", r->name, strerror(errno));
+        goto out_close;
+    }
+    char why[200];
+    if ((rc = vmm__reg_validate(r->base, r->map_size, why, sizeof why)) != 0) {
+        fail(err, errlen, rc, "registry %s%s", r->name, why + strlen("registry"));
+        munmap(r->base, r->map_size);
+        r->base = NULL;
+        goto out_close;
+    }
+    r->hdr = (vmm_reg_header *)r->base;
+    r->fd = fd;
+    pthread_mutex_init(&r->lock, NULL);
+    return 0;
+out_close:
+    close(fd);
+    return rc;
+}
+
+void vmm__reg_close(vmm__reg *r)
+{
+    if (!r->base) return;
+    if (r->attached) vmm__reg_detach(r);
+    munmap(r->base, r->map_size);
+    close(r->fd);
+    free(r->free_slots);
+    free(r->chunks);
+    pthread_mutex_destroy(&r->lock);
+    memset(r, 0, sizeof *r);
+    r->fd = -1;
+}
+
+/* ---- owners and liveness ---- */
+
+int vmm__proc_identity(uint32_t pid, uint64_t *start_time, uint64_t *pidns)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -EIO;
+    buf[n] = 0;
+    /* comm may hold spaces and parentheses: fields restart after the last ')'. */
+    char *p = strrchr(buf, ')');
+    if (!p) return -EIO;
+    p++;
+    for (int field = 3; field < 22 && p; field++) p = strchr(p + 1, ' ');
+    if (!p) return -EIO;
+    *start_time = strtoull(p + 1, NULL, 10);
+    if (pidns) {
+        struct stat st;
+        snprintf(path, sizeof path, "/proc/%u/ns/pid", pid);
+        *pidns = stat(path, &st) == 0 ? (uint64_t)st.st_ino : 0;
+    }
+    return 0;
+}
+
+static bool pid_exists(uint32_t pid)
+{
+    char path[32];
+    snprintf(path, sizeof path, "/proc/%u", pid);
+    return access(path, F_OK) == 0;
+}
+
+static uint64_t self_pidns(void)
+{
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+int vmm__reg_liveness(uint32_t pid, uint64_t start_time, uint64_t pidns)
+{
+    if (pid == 0) return VMM__DEAD;
+    if (pidns && pidns != self_pidns()) return VMM__UNKNOWN;
+    uint64_t st;
+    int rc = vmm__proc_identity(pid, &st, NULL);
+    if (rc == -ENOENT || rc == -ESRCH) return VMM__DEAD;
+    if (rc) return VMM__UNKNOWN;
+    return st == start_time ? VMM__ALIVE : VMM__DEAD;
+}
+
+/* ---- writer ---- */
+
+static uint64_t chunk_tag(const vmm__reg *r) { return ((uint64_t)r->proc_gen << 32) | (r->proc_index + 1); }
+
+int vmm__reg_attach(vmm__reg *r, const char *broker_path)
+{
+    if (!r->writable) return -EPERM;
+    if (r->attached) return 0;
+    uint32_t pid = (uint32_t)getpid();
+    uint64_t start, ns;
+    int rc = vmm__proc_identity(pid, &start, &ns);
+    if (rc) return rc;
+    uint32_t cap = r->hdr->proc_capacity;
+    for (uint32_t k = 0; k < cap; k++) {
+        uint32_t i = (pid + k) % cap;
+        vmm_reg_proc *p = proc_at(r, i);
+        uint64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
+        if ((uint32_t)c != 0) continue;
+        uint32_t gen = (uint32_t)(c >> 32) + 1;
+        if (!__atomic_compare_exchange_n(&p->claim, &c, ((uint64_t)gen << 32) | pid, false, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_RELAXED))
+            continue;
+        if ((rc = back_range(r->fd, (uint64_t)((uint8_t *)p - r->base), sizeof *p)) != 0) {
+            __atomic_store_n(&p->claim, (uint64_t)gen << 32, __ATOMIC_RELEASE);
+            return rc;
+        }
+        vmm_reg_proc v;
+        memset(&v, 0, sizeof v);
+        v.claim = ((uint64_t)gen << 32) | pid;
+        v.pid = pid;
+        v.start_time = start;
+        v.pidns = ns;
+        v.registered_ns = now_realtime_ns();
+        v.uid = (uint32_t)getuid();
+        v.generation = gen;
+        if (broker_path) snprintf(v.broker_path, sizeof v.broker_path, "%s", broker_path);
+        int fd = open("/proc/self/cmdline", O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            ssize_t n = read(fd, v.cmdline, sizeof v.cmdline - 1);
+            (void)n;
+            close(fd);
+        }
+        seq_begin(&p->seq);
+        v.seq = __atomic_load_n(&p->seq, __ATOMIC_RELAXED);
+        /* claim stays as CAS'd; copy everything after seq up to the counters */
+        copy_words_in((uint8_t *)p + 16, (uint8_t *)&v + 16, offsetof(vmm_reg_proc, n_allocs) - 16);
+        __atomic_store_n(&p->pid, pid, __ATOMIC_RELAXED);
+        __atomic_store_n(&p->n_allocs, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&p->bytes_requested, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&p->bytes_mapped, 0, __ATOMIC_RELAXED);
+        seq_end(&p->seq);
+        r->proc_index = i;
+        r->proc_gen = gen;
+        r->pid = pid;
+        r->start_time = start;
+        r->pidns = ns;
+        if (getrandom(&r->id_nonce, sizeof r->id_nonce, 0) != sizeof r->id_nonce)
+            r->id_nonce = now_realtime_ns() ^ ((uint64_t)pid << 40);
+        r->attached = true;
+        return 0;
+    }
+    return -ENOSPC;
+}
+
+int vmm__reg_set_broker(vmm__reg *r, const char *broker_path)
+{
+    if (!r->attached) return -EINVAL;
+    vmm_reg_proc *p = proc_at(r, r->proc_index);
+    char buf[sizeof p->broker_path];
+    memset(buf, 0, sizeof buf);
+    snprintf(buf, sizeof buf, "%s", broker_path ? broker_path : "");
+    seq_begin(&p->seq);
+    copy_words_in(p->broker_path, buf, sizeof buf);
+    seq_end(&p->seq);
+    return 0;
+}
+
+void vmm__reg_forget_after_fork(vmm__reg *r)
+{
+    pthread_mutex_init(&r->lock, NULL);
+    r->attached = false;
+    r->n_free = r->n_chunks = 0;
+}
+
+static void index_lock(vmm__reg *r);
+static void index_unlock(vmm__reg *r);
+static void index_remove_locked(vmm__reg *r, uint64_t slot, uint32_t pid, uint64_t address);
+
+/* Reset a record to UNBOUND; its generation moves on so stale references stay stale. */
+static void record_clear(vmm_reg_alloc *a)
+{
+    uint64_t gen = __atomic_load_n(&a->generation, __ATOMIC_RELAXED) + 1;
+    seq_begin(&a->seq);
+    vmm_reg_alloc z;
+    memset(&z, 0, sizeof z);
+    z.generation = gen;
+    z.exported_fd = -1;
+    copy_words_in((uint8_t *)a + 8, (uint8_t *)&z + 8, sizeof z - 8);
+    __atomic_store_n(&a->state, VMM_REG_UNBOUND, __ATOMIC_RELAXED);
+    seq_end(&a->seq);
+}
+
+/* Release a chunk's records and the chunk itself; the caller holds whatever excludes its owner. */
+static unsigned chunk_release(vmm__reg *r, uint64_t c)
+{
+    unsigned n = 0;
+    index_lock(r);
+    for (uint64_t s = c * VMM_REG_CHUNK_RECORDS; s < (c + 1) * VMM_REG_CHUNK_RECORDS; s++) {
+        vmm_reg_alloc *a = rec_at(r, s);
+        uint32_t state = __atomic_load_n(&a->state, __ATOMIC_RELAXED);
+        if (state == VMM_REG_UNBOUND && !(__atomic_load_n(&a->seq, __ATOMIC_RELAXED) & 1u)) continue;
+        if (state != VMM_REG_UNBOUND)
+            index_remove_locked(r, s, __atomic_load_n(&a->pid, __ATOMIC_RELAXED),
+                                __atomic_load_n(&a->address, __ATOMIC_RELAXED));
+        if (state == VMM_REG_LIVE) n++;
+        record_clear(a);
+    }
+    index_unlock(r);
+    __atomic_store_n(chunk_at(r, c), 0, __ATOMIC_RELEASE);
+    return n;
+}
+
+void vmm__reg_detach(vmm__reg *r)
+{
+    if (!r->attached) return;
+    pthread_mutex_lock(&r->lock);
+    for (size_t i = 0; i < r->n_chunks; i++) chunk_release(r, r->chunks[i]);
+    r->n_chunks = r->n_free = 0;
+    vmm_reg_proc *p = proc_at(r, r->proc_index);
+    seq_begin(&p->seq);
+    __atomic_store_n(&p->pid, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->start_time, 0, __ATOMIC_RELAXED);
+    seq_end(&p->seq);
+    __atomic_store_n(&p->claim, (uint64_t)r->proc_gen << 32, __ATOMIC_RELEASE);
+    r->attached = false;
+    pthread_mutex_unlock(&r->lock);
+}
+
+static int grow(void **arr, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap) return 0;
+    size_t n = *cap ? *cap * 2 : 256;
+    while (n < need) n *= 2;
+    void *p = realloc(*arr, n * elem);
+    if (!p) return -ENOMEM;
+    *arr = p;
+    *cap = n;
+    return 0;
+}
+
+/* Claim a chunk: bump allocation first (touches memory in order), then any chunk freed by a
+ * detach or a reclaim. */
+static int claim_chunk(vmm__reg *r)
+{
+    uint64_t count = r->hdr->chunk_count, tag = chunk_tag(r), c = UINT64_MAX;
+    if (grow((void **)&r->chunks, &r->cap_chunks, r->n_chunks + 1, sizeof *r->chunks) ||
+        grow((void **)&r->free_slots, &r->cap_free, r->n_free + VMM_REG_CHUNK_RECORDS, sizeof *r->free_slots))
+        return -ENOMEM;
+    if (__atomic_load_n(&r->hdr->chunks_hwm, __ATOMIC_RELAXED) < count) {
+        uint64_t h = __atomic_fetch_add(&r->hdr->chunks_hwm, 1, __ATOMIC_ACQ_REL);
+        uint64_t zero = 0;
+        if (h < count && __atomic_compare_exchange_n(chunk_at(r, h), &zero, tag, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            c = h;
+    }
+    for (uint64_t i = 0; c == UINT64_MAX && i < count; i++) {
+        uint64_t zero = 0;
+        if (__atomic_load_n(chunk_at(r, i), __ATOMIC_RELAXED) == 0 &&
+            __atomic_compare_exchange_n(chunk_at(r, i), &zero, tag, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            c = i;
+    }
+    if (c == UINT64_MAX) return -ENOSPC;
+    int rc = back_range(r->fd, r->hdr->rec_off + c * VMM_REG_CHUNK_RECORDS * sizeof(vmm_reg_alloc),
+                        VMM_REG_CHUNK_RECORDS * sizeof(vmm_reg_alloc));
+    if (rc) {
+        __atomic_store_n(chunk_at(r, c), 0, __ATOMIC_RELEASE);
+        return rc;
+    }
+    r->chunks[r->n_chunks++] = (uint32_t)c;
+    for (uint32_t k = VMM_REG_CHUNK_RECORDS; k-- > 0;) r->free_slots[r->n_free++] = (uint32_t)(c * VMM_REG_CHUNK_RECORDS + k);
+    return 0;
+}
+
+static bool owns_slot(const vmm__reg *r, uint32_t slot)
+{
+    return slot < r->hdr->capacity &&
+           (__atomic_load_n(chunk_at(r, slot / VMM_REG_CHUNK_RECORDS), __ATOMIC_RELAXED)) == chunk_tag(r);
+}
+
+int vmm__reg_bind(vmm__reg *r, uint64_t address, uint64_t mapped_size, uint32_t *slot)
+{
+    if (!r->attached) return -EINVAL;
+    uint64_t align = pow2_ceil(mapped_size < (1ull << VMM_REG_MIN_ALIGN_SHIFT) ? (1ull << VMM_REG_MIN_ALIGN_SHIFT) : mapped_size);
+    if (mapped_size == 0 || address == 0 || (address & (align - 1)) || align > (1ull << VMM_REG_MAX_ALIGN_SHIFT))
+        return -EINVAL;
+    pthread_mutex_lock(&r->lock);
+    int rc = r->n_free ? 0 : claim_chunk(r);
+    if (rc) {
+        pthread_mutex_unlock(&r->lock);
+        return rc;
+    }
+    uint32_t s = r->free_slots[--r->n_free];
+    pthread_mutex_unlock(&r->lock);
+    vmm_reg_alloc *a = rec_at(r, s);
+    index_lock(r);
+    seq_begin(&a->seq);
+    __atomic_store_n(&a->generation, __atomic_load_n(&a->generation, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->proc_index, r->proc_index, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->pid, r->pid, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->start_time, r->start_time, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->pidns, r->pidns, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->address, address, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->mapped_size, mapped_size, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->exported_fd, -1, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->state, VMM_REG_BOUND, __ATOMIC_RELAXED);
+    seq_end(&a->seq);
+    /* insert (pid, address) -> slot */
+    uint32_t *ix = index_at(r);
+    uint64_t mask = r->hdr->index_slots - 1;
+    for (uint64_t i = vmm_reg_hash(r->pid, address) & mask;; i = (i + 1) & mask) {
+        if (__atomic_load_n(&ix[i], __ATOMIC_RELAXED) == 0) {
+            __atomic_store_n(&ix[i], s + 1, __ATOMIC_RELEASE);
+            break;
+        }
+    }
+    index_unlock(r);
+    *slot = s;
+    return 0;
+}
+
+int vmm__reg_publish(vmm__reg *r, uint32_t slot, const vmm_reg_alloc *d, vmm_reg_alloc *published)
+{
+    if (!r->attached || !owns_slot(r, slot)) return -EINVAL;
+    vmm_reg_alloc *a = rec_at(r, slot);
+    if (__atomic_load_n(&a->state, __ATOMIC_RELAXED) != VMM_REG_BOUND) return -EINVAL;
+    vmm_reg_alloc v = *d;
+    static const uint8_t zero_id[16];
+    if (!memcmp(v.alloc_id, zero_id, 16)) {
+        uint64_t n = __atomic_add_fetch(&r->id_counter, 1, __ATOMIC_RELAXED);
+        /* splitmix64 is a bijection: ids stay unique per process and look random across them */
+        uint64_t x = n + 0x9e3779b97f4a7c15ull;
+        x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+        x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+        x ^= x >> 31;
+        memcpy(v.alloc_id, &r->id_nonce, 8);
+        memcpy(v.alloc_id + 8, &x, 8);
+    }
+    v.state = VMM_REG_LIVE;
+    v.generation = __atomic_load_n(&a->generation, __ATOMIC_RELAXED) + 1;
+    v.proc_index = r->proc_index;
+    v.pid = r->pid;
+    v.start_time = r->start_time;
+    v.pidns = r->pidns;
+    v.address = __atomic_load_n(&a->address, __ATOMIC_RELAXED);
+    v.mapped_size = __atomic_load_n(&a->mapped_size, __ATOMIC_RELAXED);
+    if (!v.created_ns) v.created_ns = now_realtime_ns();
+    if (!(v.handle_kinds & VMM_HANDLE_PIDFD)) v.exported_fd = -1;
+    v.tag[sizeof v.tag - 1] = 0;
+    if (v.n_frames > 8) v.n_frames = 8;
+    seq_begin(&a->seq);
+    copy_words_in((uint8_t *)a + 8, (uint8_t *)&v + 8, sizeof v - 8);
+    __atomic_store_n(&a->state, VMM_REG_LIVE, __ATOMIC_RELAXED);
+    seq_end(&a->seq);
+    vmm_reg_proc *p = proc_at(r, r->proc_index);
+    __atomic_add_fetch(&p->n_allocs, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&p->bytes_requested, v.requested_size, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&p->bytes_mapped, v.mapped_size, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&r->hdr->stat_publishes, 1, __ATOMIC_RELAXED);
+    if (published) {
+        v.seq = 0;
+        *published = v;
+    }
+    return 0;
+}
+
+int vmm__reg_retract(vmm__reg *r, uint32_t slot)
+{
+    if (!r->attached || !owns_slot(r, slot)) return -EINVAL;
+    vmm_reg_alloc *a = rec_at(r, slot);
+    if (__atomic_load_n(&a->state, __ATOMIC_RELAXED) != VMM_REG_LIVE) return -EINVAL;
+    uint64_t req = __atomic_load_n(&a->requested_size, __ATOMIC_RELAXED);
+    uint64_t mapped = __atomic_load_n(&a->mapped_size, __ATOMIC_RELAXED);
+    seq_begin(&a->seq);
+    __atomic_store_n(&a->generation, __atomic_load_n(&a->generation, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->state, VMM_REG_BOUND, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->exported_fd, -1, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->handle_kinds, 0, __ATOMIC_RELAXED);
+    seq_end(&a->seq);
+    vmm_reg_proc *p = proc_at(r, r->proc_index);
+    __atomic_sub_fetch(&p->n_allocs, 1, __ATOMIC_RELAXED);
+    __atomic_sub_fetch(&p->bytes_requested, req, __ATOMIC_RELAXED);
+    __atomic_sub_fetch(&p->bytes_mapped, mapped, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&r->hdr->stat_retracts, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+
+int vmm__reg_unbind(vmm__reg *r, uint32_t slot)
+{
+    if (!r->attached || !owns_slot(r, slot)) return -EINVAL;
+    vmm_reg_alloc *a = rec_at(r, slot);
+    uint32_t state = __atomic_load_n(&a->state, __ATOMIC_RELAXED);
+    if (state == VMM_REG_UNBOUND) return -EINVAL;
+    if (state == VMM_REG_LIVE) vmm__reg_retract(r, slot);
+    index_lock(r);
+    index_remove_locked(r, slot, r->pid, __atomic_load_n(&a->address, __ATOMIC_RELAXED));
+    record_clear(a);
+    index_unlock(r);
+    pthread_mutex_lock(&r->lock);
+    r->free_slots[r->n_free++] = slot; /* cap_free covers every slot of our chunks */
+    pthread_mutex_unlock(&r->lock);
+    return 0;
+}
+
+/* ---- the index: writers serialised by an OFD lock, readers lock-free ---- */
+
+static void index_rebuild_locked(vmm__reg *r)
+{
+    uint32_t *ix = index_at(r);
+    uint64_t mask = r->hdr->index_slots - 1;
+    for (uint64_t i = 0; i <= mask; i++) __atomic_store_n(&ix[i], 0, __ATOMIC_RELAXED);
+    uint64_t hwm = __atomic_load_n(&r->hdr->chunks_hwm, __ATOMIC_RELAXED);
+    if (hwm > r->hdr->chunk_count) hwm = r->hdr->chunk_count;
+    for (uint64_t s = 0; s < hwm * VMM_REG_CHUNK_RECORDS; s++) {
+        vmm_reg_alloc *a = rec_at(r, s);
+        if (__atomic_load_n(&a->state, __ATOMIC_RELAXED) == VMM_REG_UNBOUND ||
+            (__atomic_load_n(&a->flags, __ATOMIC_RELAXED) & VMM_REG_F_NOT_EXPORTABLE))
+            continue;
+        uint64_t i = vmm_reg_hash(__atomic_load_n(&a->pid, __ATOMIC_RELAXED), __atomic_load_n(&a->address, __ATOMIC_RELAXED)) & mask;
+        while (__atomic_load_n(&ix[i], __ATOMIC_RELAXED)) i = (i + 1) & mask;
+        __atomic_store_n(&ix[i], (uint32_t)s + 1, __ATOMIC_RELAXED);
+    }
+}
+
+static void index_lock(vmm__reg *r)
+{
+    (void)ofd_lock(r->fd, VMM_REG_LOCK_INDEX, F_WRLCK);
+    uint64_t s = __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED);
+    bool torn = s & 1u; /* the last index writer died mid-change */
+    __atomic_store_n(&r->hdr->index_seq, torn ? s : s + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    if (torn) index_rebuild_locked(r);
+}
+
+static void index_unlock(vmm__reg *r)
+{
+    __atomic_store_n(&r->hdr->index_seq, __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
+    ofd_unlock(r->fd, VMM_REG_LOCK_INDEX);
+}
+
+static uint64_t entry_home(const vmm__reg *r, uint32_t e, uint64_t mask)
+{
+    vmm_reg_alloc *a = rec_at(r, e - 1);
+    return vmm_reg_hash(__atomic_load_n(&a->pid, __ATOMIC_RELAXED), __atomic_load_n(&a->address, __ATOMIC_RELAXED)) & mask;
+}
+
+/* Linear probing with backward-shift deletion, so the index never fills with tombstones. */
+static void index_remove_locked(vmm__reg *r, uint64_t slot, uint32_t pid, uint64_t address)
+{
+    uint32_t *ix = index_at(r);
+    uint64_t mask = r->hdr->index_slots - 1, i = vmm_reg_hash(pid, address) & mask, n = 0;
+    for (;; i = (i + 1) & mask, n++) {
+        uint32_t e = __atomic_load_n(&ix[i], __ATOMIC_RELAXED);
+        if (e == 0 || n > mask) return;
+        if (e == slot + 1) break;
+    }
+    for (uint64_t j = (i + 1) & mask;; j = (j + 1) & mask) {
+        uint32_t e = __atomic_load_n(&ix[j], __ATOMIC_RELAXED);
+        if (e == 0) break;
+        uint64_t k = entry_home(r, e, mask);
+        /* e may move into the hole at i unless its home lies cyclically in (i, j] */
+        bool stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+        if (stays) continue;
+        __atomic_store_n(&ix[i], e, __ATOMIC_RELAXED);
+        i = j;
+    }
+    __atomic_store_n(&ix[i], 0, __ATOMIC_RELAXED);
+}
+
+/* ---- readers ---- */
+
+int vmm__reg_read_alloc(const vmm__reg *r, uint64_t slot, vmm_reg_alloc *out)
+{
+    if (slot >= r->hdr->capacity) return -EINVAL;
+    const vmm_reg_alloc *a = rec_at(r, slot);
+    return seq_read(a, sizeof *a, &a->seq, out);
+}
+
+int vmm__reg_read_proc(const vmm__reg *r, uint32_t index, vmm_reg_proc *out)
+{
+    if (index >= r->hdr->proc_capacity) return -EINVAL;
+    const vmm_reg_proc *p = proc_at(r, index);
+    int rc = seq_read(p, sizeof *p, &p->seq, out);
+    out->claim = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
+    out->n_allocs = __atomic_load_n(&p->n_allocs, __ATOMIC_RELAXED);
+    out->bytes_requested = __atomic_load_n(&p->bytes_requested, __ATOMIC_RELAXED);
+    out->bytes_mapped = __atomic_load_n(&p->bytes_mapped, __ATOMIC_RELAXED);
+    return rc;
+}
+
+/* One index search for the exact key (pid, base); 1 = found (in *out), 0 = not there. */
+static int index_search(const vmm__reg *r, uint32_t pid, uint64_t base, vmm_reg_alloc *out, uint64_t *slot)
+{
+    const uint32_t *ix = index_at(r);
+    uint64_t mask = r->hdr->index_slots - 1, cap = r->hdr->capacity;
+    uint64_t i = vmm_reg_hash(pid, base) & mask;
+    for (uint64_t n = 0; n <= mask; n++, i = (i + 1) & mask) {
+        uint32_t e = __atomic_load_n(&ix[i], __ATOMIC_ACQUIRE);
+        if (e == 0) return 0;
+        if (e - 1 >= cap) continue; /* corrupt entry: ignore, never dereference */
+        const vmm_reg_alloc *a = rec_at(r, e - 1);
+        if (__atomic_load_n(&a->pid, __ATOMIC_RELAXED) != pid || __atomic_load_n(&a->address, __ATOMIC_RELAXED) != base)
+            continue;
+        if (seq_read(a, sizeof *a, &a->seq, out) == 0 && out->pid == pid && out->address == base) {
+            *slot = e - 1;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_alloc *out, uint64_t *slot)
+{
+    uint64_t dummy;
+    if (!slot) slot = &dummy;
+    for (int attempt = 0; attempt < READ_RETRIES; attempt++) {
+        uint64_t s1 = __atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE), prev = UINT64_MAX;
+        if (s1 & 1u) {
+            if (attempt > 64) sched_yield();
+            continue;
+        }
+        for (unsigned k = VMM_REG_MIN_ALIGN_SHIFT; k <= VMM_REG_MAX_ALIGN_SHIFT; k++) {
+            uint64_t base = address & ~((1ull << k) - 1);
+            if (base == prev) continue;
+            prev = base;
+            if (index_search(r, pid, base, out, slot)) {
+                if (out->state == VMM_REG_LIVE && address < base + out->mapped_size) return 0;
+                return -ENOENT; /* the reservation there holds no live allocation */
+            }
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) == s1) return -ENOENT;
+    }
+    return -EAGAIN;
+}
+
+int vmm__reg_find_proc(const vmm__reg *r, uint32_t pid, vmm_reg_proc *out, uint32_t *index)
+{
+    for (uint32_t i = 0; i < r->hdr->proc_capacity; i++) {
+        if ((uint32_t)__atomic_load_n(&proc_at(r, i)->claim, __ATOMIC_ACQUIRE) != pid) continue;
+        if (vmm__reg_read_proc(r, i, out) == 0) {
+            if (index) *index = i;
+            return 0;
+        }
+    }
+    return -ENOENT;
+}
+
+int vmm__reg_for_each(const vmm__reg *r, vmm__reg_visit_fn fn, void *ctx)
+{
+    uint64_t hwm = __atomic_load_n(&r->hdr->chunks_hwm, __ATOMIC_ACQUIRE);
+    if (hwm > r->hdr->chunk_count) hwm = r->hdr->chunk_count;
+    vmm_reg_alloc rec;
+    for (uint64_t c = 0; c < hwm; c++) {
+        if (__atomic_load_n(chunk_at(r, c), __ATOMIC_ACQUIRE) == 0) continue;
+        for (uint64_t s = c * VMM_REG_CHUNK_RECORDS; s < (c + 1) * VMM_REG_CHUNK_RECORDS; s++) {
+            int rc = vmm__reg_read_alloc(r, s, &rec);
+            if (rc == 0 && rec.state == VMM_REG_UNBOUND) continue;
+            int stop = fn(ctx, s, &rec, rc);
+            if (stop) return stop;
+        }
+    }
+    return 0;
+}
+
+/* ---- reclamation ---- */
+
+int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
+{
+    vmm__reg_gc_stats z = {0};
+    if (!st) st = &z;
+    memset(st, 0, sizeof *st);
+    if (!r->writable) return -EPERM;
+    int rc = ofd_lock(r->fd, VMM_REG_LOCK_GC, F_WRLCK);
+    if (rc) return rc;
+    if (__atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE) & 1u) {
+        /* a writer died mid-change and no writer came since: repair now */
+        index_lock(r);
+        index_unlock(r);
+        st->index_rebuilt = 1;
+    }
+    uint32_t cap = r->hdr->proc_capacity;
+    uint8_t *state = calloc(cap, 1); /* per proc slot: 0 unknown/alive, 1 dead */
+    uint32_t *gens = calloc(cap, sizeof *gens);
+    if (!state || !gens) {
+        free(state);
+        free(gens);
+        ofd_unlock(r->fd, VMM_REG_LOCK_GC);
+        return -ENOMEM;
+    }
+    for (uint32_t i = 0; i < cap; i++) {
+        uint64_t c = __atomic_load_n(&proc_at(r, i)->claim, __ATOMIC_ACQUIRE);
+        gens[i] = (uint32_t)(c >> 32);
+        if ((uint32_t)c == 0) {
+            state[i] = 2; /* free slot: any chunk still tagged with it is an orphan */
+            continue;
+        }
+        vmm_reg_proc p;
+        int live = VMM__UNKNOWN;
+        if (vmm__reg_read_proc(r, i, &p) == 0 && p.start_time != 0)
+            live = vmm__reg_liveness(p.pid, p.start_time, p.pidns);
+        else /* died (or is) between claiming the slot and writing its identity: judge by pid */
+            live = pid_exists((uint32_t)c) ? VMM__UNKNOWN : VMM__DEAD;
+        if (live == VMM__ALIVE) st->procs_alive++;
+        if (live == VMM__UNKNOWN) st->procs_unknown++;
+        if (live == VMM__DEAD) {
+            st->procs_dead++;
+            state[i] = 1;
+        }
+    }
+    for (uint64_t ch = 0; ch < r->hdr->chunk_count; ch++) {
+        uint64_t o = __atomic_load_n(chunk_at(r, ch), __ATOMIC_ACQUIRE);
+        if (o == 0) continue;
+        uint64_t t = o & ~VMM_REG_CHUNK_RECLAIMING;
+        uint32_t idx = (uint32_t)t - 1, gen = (uint32_t)(t >> 32);
+        if (idx >= cap) continue;
+        /* Re-read the claim now: a slot seen free may have been claimed again since. A chunk whose
+         * tag names a generation the slot has moved past, or a slot its owner freed, is orphaned. */
+        uint64_t claim = __atomic_load_n(&proc_at(r, idx)->claim, __ATOMIC_ACQUIRE);
+        bool orphan = (uint32_t)(claim >> 32) != gen || (uint32_t)claim == 0;
+        bool dead = state[idx] == 1 && gens[idx] == gen;
+        if (!dead && !orphan) continue;
+        if (!__atomic_compare_exchange_n(chunk_at(r, ch), &o, t | VMM_REG_CHUNK_RECLAIMING, false, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_RELAXED))
+            continue;
+        st->records_reclaimed += chunk_release(r, ch);
+        st->chunks_reclaimed++;
+    }
+    for (uint32_t i = 0; i < cap; i++) {
+        if (state[i] != 1) continue;
+        vmm_reg_proc *p = proc_at(r, i);
+        uint64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
+        if ((uint32_t)(c >> 32) != gens[i]) continue;
+        seq_begin(&p->seq);
+        __atomic_store_n(&p->pid, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&p->start_time, 0, __ATOMIC_RELAXED);
+        seq_end(&p->seq);
+        __atomic_store_n(&p->n_allocs, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&p->bytes_requested, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&p->bytes_mapped, 0, __ATOMIC_RELAXED);
+        __atomic_compare_exchange_n(&p->claim, &c, (uint64_t)gens[i] << 32, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+    }
+    __atomic_add_fetch(&r->hdr->stat_reclaimed, st->records_reclaimed, __ATOMIC_RELAXED);
+    free(state);
+    free(gens);
+    ofd_unlock(r->fd, VMM_REG_LOCK_GC);
+    return 0;
+}
+
+uint64_t vmm__reg_footprint(const vmm__reg *r)
+{
+    struct stat st;
+    return fstat(r->fd, &st) == 0 ? (uint64_t)st.st_blocks * 512ull : 0;
+}
+
+/* Bind without indexing: for allocations the shim only notes (e.g. made during stream capture
+ * by the real allocator), whose addresses carry no alignment promise.  They show in listings,
+ * flagged not exportable, but are not found by address. */
+int vmm__reg_bind_unindexed(vmm__reg *r, uint64_t address, uint64_t size, uint32_t *slot)
+{
+    if (!r->attached || address == 0) return -EINVAL;
+    pthread_mutex_lock(&r->lock);
+    int rc = r->n_free ? 0 : claim_chunk(r);
+    if (rc) {
+        pthread_mutex_unlock(&r->lock);
+        return rc;
+    }
+    uint32_t s = r->free_slots[--r->n_free];
+    pthread_mutex_unlock(&r->lock);
+    vmm_reg_alloc *a = rec_at(r, s);
+    seq_begin(&a->seq);
+    __atomic_store_n(&a->generation, __atomic_load_n(&a->generation, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->proc_index, r->proc_index, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->pid, r->pid, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->start_time, r->start_time, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->pidns, r->pidns, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->address, address, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->mapped_size, size, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->exported_fd, -1, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->flags, VMM_REG_F_NOT_EXPORTABLE, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->state, VMM_REG_BOUND, __ATOMIC_RELAXED);
+    seq_end(&a->seq);
+    *slot = s;
+    return 0;
+}

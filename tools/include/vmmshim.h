@@ -1,0 +1,153 @@
+/* vmmshim companion API: the one header a companion compiles against (link -lvmmshim-client,
+ * or `pkg-config --cflags --libs vmmshim`).  It reads the registry that processes running under
+ * libvmmshim.so publish their device allocations in.
+ *
+ * Every call returns a vmm_status; on failure vmm_last_error() holds a one-line reason for the
+ * calling thread.  The library never exits, never prints, and links no CUDA library. */
+#ifndef VMMSHIM_H
+#define VMMSHIM_H
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define VMM_VERSION_MAJOR 0
+#define VMM_VERSION_MINOR 1
+#define VMM_VERSION_PATCH 0
+
+typedef enum vmm_status {
+    VMM_OK = 0,
+    VMM_ERR_INVALID = 1,    /* bad argument */
+    VMM_ERR_NOT_FOUND = 2,  /* no registry / no such process or allocation */
+    VMM_ERR_ACCESS = 3,     /* permission denied (registry or broker) */
+    VMM_ERR_CORRUPT = 4,    /* the registry is not a valid vmmshim segment */
+    VMM_ERR_VERSION = 5,    /* the registry's layout is newer than this library reads */
+    VMM_ERR_BUSY = 6,       /* a writer is mid-update (or died mid-update): retry, or run gc */
+    VMM_ERR_STALE = 7,      /* the allocation was freed since it was read */
+    VMM_ERR_OWNER_DEAD = 8, /* the owning process has exited */
+    VMM_ERR_CUDA = 9,       /* a CUDA driver call failed (the message names it) */
+    VMM_ERR_NOMEM = 10,
+    VMM_ERR_IO = 11
+} vmm_status;
+
+/* Liveness of an owner, judged by pid and process start time (never pid alone). */
+enum { VMM_OWNER_DEAD = 0, VMM_OWNER_ALIVE = 1, VMM_OWNER_UNKNOWN = 2 /* other pid namespace */ };
+
+/* How a companion may obtain an allocation's memory (vmm_alloc_info.handle_kinds). */
+enum { VMM_KIND_BROKER = 1u << 0, VMM_KIND_PIDFD = 1u << 1, VMM_KIND_FABRIC = 1u << 2 };
+
+/* Which call made it (vmm_alloc_info.api). */
+enum {
+    VMM_FROM_UNKNOWN = 0,
+    VMM_FROM_CUDA_MALLOC = 1,
+    VMM_FROM_CUDA_MALLOC_ASYNC = 2,
+    VMM_FROM_CU_MEM_ALLOC = 3,
+    VMM_FROM_CU_MEM_ALLOC_ASYNC = 4,
+    VMM_FROM_CU_MEM_ALLOC_PITCH = 5,
+    VMM_FROM_TEST = 15
+};
+
+typedef struct vmm_registry vmm_registry;
+
+typedef struct vmm_alloc_info {
+    uint8_t alloc_id[16];     /* random, never reused */
+    uint64_t generation;      /* with slot, names this allocation; changes when it is freed */
+    uint64_t slot;            /* record index in the registry */
+    uint32_t pid;             /* owner, in the owner's pid namespace */
+    int owner_alive;          /* VMM_OWNER_* at the time of reading */
+    uint64_t owner_start_time;
+    uint64_t owner_pidns;
+    uint32_t device;          /* ordinal in the owner */
+    uint8_t device_uuid[16];
+    uint64_t address;         /* the owner's device pointer */
+    uint64_t requested_size;
+    uint64_t mapped_size;     /* multiple of the granularity (2 MiB) */
+    uint64_t stream;          /* owner's stream for stream-ordered allocations, else 0 */
+    uint64_t created_ns;      /* CLOCK_REALTIME */
+    uint32_t api;             /* VMM_FROM_* */
+    uint32_t handle_kinds;    /* VMM_KIND_*; 0 = not exportable */
+    int32_t exported_fd;      /* fd number in the owner when VMM_KIND_PIDFD */
+    uint32_t n_frames;
+    uint64_t frames[8];       /* call-site return addresses in the owner */
+    char tag[32];
+} vmm_alloc_info;
+
+typedef struct vmm_proc_info {
+    uint32_t pid;
+    int alive;                /* VMM_OWNER_* */
+    uint64_t start_time;
+    uint64_t pidns;
+    uint32_t uid;
+    uint64_t registered_ns;
+    char broker_path[112];    /* "" until the owner's broker has started */
+    char cmdline[256];        /* arguments joined by spaces */
+    uint64_t n_allocs, bytes_requested, bytes_mapped;
+} vmm_proc_info;
+
+typedef struct vmm_registry_info {
+    char name[224];
+    uint32_t version, compat_version;
+    uint64_t capacity, used_chunks, chunk_records;
+    uint64_t created_ns;
+    uint64_t total_bytes;     /* size of the segment (sparse) */
+    uint64_t touched_bytes;   /* memory actually backing it */
+    uint64_t publishes, retracts, reclaimed;
+} vmm_registry_info;
+
+typedef struct vmm_gc_report {
+    unsigned procs_alive, procs_dead, procs_unknown;
+    unsigned records_reclaimed, chunks_reclaimed, index_rebuilt;
+} vmm_gc_report;
+
+const char *vmm_strerror(vmm_status status);
+/* The calling thread's last failure, one line; "" when none. */
+const char *vmm_last_error(void);
+
+/* Open the registry read-only (name NULL: $VMMSHIM_REGISTRY, else "/vmmshim-<uid>"). */
+vmm_status vmm_open(const char *name, vmm_registry **out);
+/* Open it for reclaiming dead owners' records (vmm_gc). */
+vmm_status vmm_open_writable(const char *name, vmm_registry **out);
+void vmm_close(vmm_registry *reg);
+vmm_status vmm_registry_describe(vmm_registry *reg, vmm_registry_info *out);
+
+/* Iterate.  The callback returns 0 to go on, anything else to stop (returned as VMM_OK). */
+typedef int (*vmm_alloc_fn)(void *ctx, const vmm_alloc_info *alloc);
+typedef int (*vmm_proc_fn)(void *ctx, const vmm_proc_info *proc);
+vmm_status vmm_foreach_alloc(vmm_registry *reg, vmm_alloc_fn fn, void *ctx);
+vmm_status vmm_foreach_proc(vmm_registry *reg, vmm_proc_fn fn, void *ctx);
+
+/* The live allocation of process `pid` containing `address` (any interior address). */
+vmm_status vmm_find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_alloc_info *out);
+vmm_status vmm_find_proc(vmm_registry *reg, uint32_t pid, vmm_proc_info *out);
+/* Check the segment and count dead owners' records (a read-only walk). */
+vmm_status vmm_check(vmm_registry *reg, vmm_gc_report *out);
+/* Reclaim every record whose owner is dead (needs vmm_open_writable). */
+vmm_status vmm_gc(vmm_registry *reg, vmm_gc_report *out);
+
+/* ---- Import ------------------------------------------------------------------------------
+ * Map another process's live allocation into this one.  The fd comes from the owner's broker
+ * (VMM_KIND_BROKER; the owner's uid, or a member of its VMMSHIM_BROKER_GROUP) or from
+ * pidfd_getfd (VMM_KIND_PIDFD; needs ptrace permission over the owner).  The CUDA driver
+ * (libcuda.so.1) is loaded on first use.  The mapping keeps the memory alive even after its
+ * owner frees it or exits.  Failures: VMM_ERR_STALE (freed since it was read), VMM_ERR_OWNER_DEAD,
+ * VMM_ERR_ACCESS (broker refused this uid, or no ptrace permission), VMM_ERR_CUDA (the message
+ * names the driver call and its CUDA_ERROR_*), VMM_ERR_IO. */
+/* (The handle type cannot share the function's name in C: it is vmm_imported.) */
+typedef struct vmm_imported vmm_imported;
+/* Import into the calling thread's CUDA context, or into device 0's primary context (made
+ * current on this thread) when it has none: cuMemImportFromShareableHandle, cuMemAddressReserve,
+ * cuMemMap, cuMemSetAccess (read-write for that context's device). */
+vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out);
+uint64_t vmm_import_ptr(const vmm_imported *imp);  /* device pointer in this process */
+uint64_t vmm_import_size(const vmm_imported *imp); /* the owner's requested size */
+/* Unmap, release the handle and free the reservation; NULL is fine.  imp is freed either way. */
+vmm_status vmm_import_release(vmm_imported *imp);
+/* Just the fd (a POSIX file descriptor, close-on-exec), for companions that import it
+ * themselves; the caller closes it. */
+vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
