@@ -1,0 +1,71 @@
+/* Control API of the emulated CUDA driver (build/fakecuda/libcuda.so.1), test equipment only.
+ *
+ * Tests never link against the fake driver: they dlopen("libcuda.so.1") and dlsym these names,
+ * so that the very same test binary also runs against a real driver (where the names are
+ * absent and the fake-only checks are skipped).  The typedefs below are for those dlsym calls.
+ *
+ * Environment knobs, read once when the library is loaded:
+ *   FAKECUDA_DEVICES=N            number of devices, 0..8 (default 1; 0 makes cuInit fail with
+ *                                 CUDA_ERROR_NO_DEVICE)
+ *   FAKECUDA_MEM_BYTES=N[K|M|G]   per-device memory budget (default 8G); cuMemCreate and the
+ *                                 cuMemAlloc family fail with CUDA_ERROR_OUT_OF_MEMORY past it
+ *   FAKECUDA_NO_VMM=1             devices report no VMM / POSIX-fd support; cuMemCreate and
+ *                                 cuMemAddressReserve return CUDA_ERROR_NOT_SUPPORTED
+ *   FAKECUDA_FAIL=fn:n[:err],...  the next n calls of fn fail (see fakecuda_fail_next)
+ *   FAKECUDA_EVENT_DELAY_US=N     work recorded on a stream completes N microseconds late
+ *   FAKECUDA_COUNTERS_AT_EXIT=path  write the counters as key=value lines at exit
+ *                                 ("%p" in path becomes the process id)
+ */
+#ifndef FAKECUDA_H
+#define FAKECUDA_H
+
+/* One list drives the struct, the at-exit dump and the tests, so they cannot drift apart. */
+#define FAKECUDA_COUNTER_FIELDS(X)                                                              \
+    X(handles_live)          /* VMM allocations alive in this process (created or imported) */ \
+    X(handles_created)       /* successful cuMemCreate calls */                                \
+    X(mappings_live)         /* cuMemMap ranges not yet unmapped */                            \
+    X(reservations_live)     /* cuMemAddressReserve ranges not yet freed */                    \
+    X(exports)               /* successful cuMemExportToShareableHandle calls */               \
+    X(imports)               /* successful cuMemImportFromShareableHandle calls */             \
+    X(imports_live)          /* imported allocations still alive */                            \
+    X(phys_bytes_live)       /* bytes charged to the device budgets, all devices */            \
+    X(memalloc_live)         /* cuMemAlloc/AllocAsync/AllocPitch/AllocManaged not yet freed */ \
+    X(ipc_opens_live)        /* cuIpcOpenMemHandle mappings not yet closed */                  \
+    X(calls_cuMemCreate)                                                                       \
+    X(calls_cuMemAlloc)      /* cuMemAlloc_v2 */                                               \
+    X(calls_cuMemAllocAsync) /* cuMemAllocAsync and cuMemAllocAsync_ptsz */                    \
+    X(calls_cuMemFree)       /* cuMemFree_v2 */                                                \
+    X(calls_cuMemFreeAsync)  /* cuMemFreeAsync and cuMemFreeAsync_ptsz */                      \
+    X(calls_cuMemMap)                                                                          \
+    X(calls_cuMemRelease)                                                                      \
+    X(calls_cuGetProcAddress) /* both ABI versions */                                          \
+    X(calls_legacy_abi)      /* pre-3.2 entry points with 32-bit pointers: always a bug */     \
+    X(failures_injected)
+
+#define FAKECUDA_COUNTER_MEMBER(name) unsigned long long name;
+struct fakecuda_counters {
+    FAKECUDA_COUNTER_FIELDS(FAKECUDA_COUNTER_MEMBER)
+};
+#undef FAKECUDA_COUNTER_MEMBER
+
+/* Makes the next n calls of fn fail with cuda_error (a CUresult; 0 picks the default:
+ * CUDA_ERROR_OUT_OF_MEMORY for cuMemCreate and the cuMemAlloc family, CUDA_ERROR_UNKNOWN
+ * otherwise).  fn is the base name as passed to cuGetProcAddress; ABI suffixes such as
+ * "_v2" or "_ptsz" are ignored, so "cuMemAllocAsync" covers both exported variants.
+ * n == 0 disarms.  Returns 0, or -1 for a name the fake driver does not implement. */
+int fakecuda_fail_next(const char *fn, int n, int cuda_error);
+typedef int (*fakecuda_fail_next_fn)(const char *fn, int n, int cuda_error);
+
+/* Sets the per-device memory budget (what FAKECUDA_MEM_BYTES sets at load time). */
+void fakecuda_set_budget(unsigned long long bytes);
+typedef void (*fakecuda_set_budget_fn)(unsigned long long bytes);
+
+/* Sets the event completion delay (what FAKECUDA_EVENT_DELAY_US sets at load time). */
+void fakecuda_set_event_delay_us(unsigned long long us);
+typedef void (*fakecuda_set_event_delay_us_fn)(unsigned long long us);
+
+/* Snapshot of the counters. */
+void fakecuda_counters(struct fakecuda_counters *out);
+typedef void (*fakecuda_counters_fn)(struct fakecuda_counters *out);
+
+#endif

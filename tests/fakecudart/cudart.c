@@ -1,0 +1,205 @@
+/* An emulated CUDA runtime over the emulated driver: just enough of libcudart for the shim's
+ * CPU tests.  Semantics follow the real runtime where the tests look: error codes, the sticky
+ * last error, cudaFree synchronizing, cudaFree(NULL) succeeding, primary-context binding. */
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <string.h>
+
+#define API __attribute__((visibility("default")))
+
+static __thread int cur_dev;
+static __thread cudaError_t last_error;
+
+static cudaError_t map(CUresult r)
+{
+    switch (r) {
+    case CUDA_SUCCESS: return cudaSuccess;
+    case CUDA_ERROR_OUT_OF_MEMORY: return cudaErrorMemoryAllocation;
+    case CUDA_ERROR_INVALID_VALUE: return cudaErrorInvalidValue;
+    case CUDA_ERROR_NOT_READY: return cudaErrorNotReady;
+    case CUDA_ERROR_INVALID_DEVICE: return cudaErrorInvalidDevice;
+    case CUDA_ERROR_NOT_SUPPORTED: return cudaErrorNotSupported;
+    default: return cudaErrorUnknown;
+    }
+}
+
+static cudaError_t ret(cudaError_t e)
+{
+    if (e != cudaSuccess && e != cudaErrorNotReady) last_error = e;
+    return e;
+}
+
+/* The runtime binds the current device's primary context on a thread's first call. */
+static cudaError_t ensure_ctx(void)
+{
+    CUresult r = cuInit(0);
+    if (r != CUDA_SUCCESS) return map(r);
+    CUcontext ctx = NULL;
+    cuCtxGetCurrent(&ctx);
+    if (ctx) return cudaSuccess;
+    if ((r = cuDevicePrimaryCtxRetain(&ctx, cur_dev)) != CUDA_SUCCESS) return map(r);
+    return map(cuCtxSetCurrent(ctx));
+}
+
+#define ENSURE()                                                                                        \
+    do {                                                                                                \
+        cudaError_t e_ = ensure_ctx();                                                                  \
+        if (e_ != cudaSuccess) return ret(e_);                                                          \
+    } while (0)
+
+API cudaError_t cudaGetDeviceCount(int *n)
+{
+    cuInit(0);
+    return ret(map(cuDeviceGetCount(n)));
+}
+API cudaError_t cudaGetDevice(int *d)
+{
+    if (!d) return ret(cudaErrorInvalidValue);
+    *d = cur_dev;
+    return cudaSuccess;
+}
+API cudaError_t cudaSetDevice(int d)
+{
+    int n = 0;
+    cuInit(0);
+    cuDeviceGetCount(&n);
+    if (d < 0 || d >= n) return ret(cudaErrorInvalidDevice);
+    cur_dev = d;
+    CUcontext ctx;
+    CUresult r = cuDevicePrimaryCtxRetain(&ctx, d);
+    if (r == CUDA_SUCCESS) r = cuCtxSetCurrent(ctx);
+    return ret(map(r));
+}
+API cudaError_t cudaGetLastError(void)
+{
+    cudaError_t e = last_error;
+    last_error = cudaSuccess;
+    return e;
+}
+API cudaError_t cudaPeekAtLastError(void) { return last_error; }
+API const char *cudaGetErrorName(cudaError_t e)
+{
+    switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    default: return "cudaErrorUnknown";
+    }
+}
+API const char *cudaGetErrorString(cudaError_t e) { return cudaGetErrorName(e); }
+
+API cudaError_t cudaMalloc(void **p, size_t size)
+{
+    if (!p) return ret(cudaErrorInvalidValue);
+    ENSURE();
+    if (size == 0) {
+        *p = NULL;
+        return cudaSuccess;
+    }
+    CUdeviceptr d = 0;
+    cudaError_t e = map(cuMemAlloc(&d, size));
+    if (e == cudaSuccess) *p = (void *)(uintptr_t)d;
+    return ret(e);
+}
+API cudaError_t cudaFree(void *p)
+{
+    ENSURE();
+    if (!p) return cudaSuccess;
+    cuCtxSynchronize();
+    return ret(map(cuMemFree((CUdeviceptr)(uintptr_t)p)));
+}
+static cudaError_t malloc_async(void **p, size_t size, CUstream s)
+{
+    if (!p) return ret(cudaErrorInvalidValue);
+    ENSURE();
+    if (size == 0) {
+        *p = NULL;
+        return cudaSuccess;
+    }
+    CUdeviceptr d = 0;
+    cudaError_t e = map(cuMemAllocAsync(&d, size, s));
+    if (e == cudaSuccess) *p = (void *)(uintptr_t)d;
+    return ret(e);
+}
+API cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t s) { return malloc_async(p, size, (CUstream)s); }
+API cudaError_t cudaMallocAsync_ptsz(void **p, size_t size, cudaStream_t s)
+{
+    return malloc_async(p, size, s ? (CUstream)s : CU_STREAM_PER_THREAD);
+}
+static cudaError_t free_async(void *p, CUstream s)
+{
+    ENSURE();
+    if (!p) return cudaSuccess;
+    return ret(map(cuMemFreeAsync((CUdeviceptr)(uintptr_t)p, s)));
+}
+API cudaError_t cudaFreeAsync(void *p, cudaStream_t s) { return free_async(p, (CUstream)s); }
+API cudaError_t cudaFreeAsync_ptsz(void *p, cudaStream_t s) { return free_async(p, s ? (CUstream)s : CU_STREAM_PER_THREAD); }
+API cudaError_t cudaMemGetInfo(size_t *f, size_t *t)
+{
+    ENSURE();
+    return ret(map(cuMemGetInfo(f, t)));
+}
+API cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind)
+{
+    (void)kind;
+    ENSURE();
+    return ret(map(cuMemcpy((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, n)));
+}
+API cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind, cudaStream_t s)
+{
+    (void)s;
+    return cudaMemcpy(dst, src, n, kind);
+}
+API cudaError_t cudaMemset(void *p, int v, size_t n)
+{
+    ENSURE();
+    return ret(map(cuMemsetD8((CUdeviceptr)(uintptr_t)p, (unsigned char)v, n)));
+}
+API cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s)
+{
+    (void)s;
+    return cudaMemset(p, v, n);
+}
+API cudaError_t cudaDeviceSynchronize(void)
+{
+    ENSURE();
+    return ret(map(cuCtxSynchronize()));
+}
+API cudaError_t cudaStreamCreate(cudaStream_t *s)
+{
+    ENSURE();
+    return ret(map(cuStreamCreate((CUstream *)s, 0)));
+}
+API cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
+{
+    ENSURE();
+    return ret(map(cuStreamCreate((CUstream *)s, flags)));
+}
+API cudaError_t cudaStreamDestroy(cudaStream_t s) { return ret(map(cuStreamDestroy((CUstream)s))); }
+API cudaError_t cudaStreamSynchronize(cudaStream_t s)
+{
+    ENSURE();
+    return ret(map(cuStreamSynchronize((CUstream)s)));
+}
+API cudaError_t cudaStreamBeginCapture(cudaStream_t s, enum cudaStreamCaptureMode mode)
+{
+    return ret(map(cuStreamBeginCapture((CUstream)s, (CUstreamCaptureMode)mode)));
+}
+API cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g)
+{
+    return ret(map(cuStreamEndCapture((CUstream)s, (CUgraph *)g)));
+}
+API cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *st)
+{
+    return ret(map(cuStreamIsCapturing((CUstream)s, (CUstreamCaptureStatus *)st)));
+}
+API cudaError_t cudaEventCreate(cudaEvent_t *e)
+{
+    ENSURE();
+    return ret(map(cuEventCreate((CUevent *)e, 0)));
+}
+API cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) { return ret(map(cuEventRecord((CUevent)e, (CUstream)s))); }
+API cudaError_t cudaEventSynchronize(cudaEvent_t e) { return ret(map(cuEventSynchronize((CUevent)e))); }
+API cudaError_t cudaEventQuery(cudaEvent_t e) { return ret(map(cuEventQuery((CUevent)e))); }
+API cudaError_t cudaEventDestroy(cudaEvent_t e) { return ret(map(cuEventDestroy((CUevent)e))); }
