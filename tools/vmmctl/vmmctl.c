@@ -1,0 +1,700 @@
+/* vmmctl: look at the vmmshim registry from a shell.
+ *
+ *   vmmctl [--registry NAME] COMMAND [options]
+ *
+ * Reads the registry only through the companion API (tools/include/vmmshim.h); `config` prints
+ * the options table of shim/core/options.  Exit status: 0 ok, 1 problems found or the registry
+ * could not be read, 2 usage error.  Every error is one line on stderr, "vmmctl: error: ...". */
+#include "vmmshim.h"
+
+#include "core/options.h"
+#include "core/version.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { EXIT_OK = 0, EXIT_PROBLEMS = 1, EXIT_USAGE = 2 };
+
+static const char usage_text[] =
+    "usage: vmmctl [--registry NAME] COMMAND [options]\n"
+    "\n"
+    "Shows the allocations that processes running under libvmmshim.so publish in the registry.\n"
+    "\n"
+    "commands:\n"
+    "  list [--pid PID] [--json] [--all]\n"
+    "                 one row per allocation; --all also shows those of dead processes\n"
+    "  ps [--json]    one row per registered process, with its totals\n"
+    "  check          validate the registry; exit 1 if dead owners' records, torn records\n"
+    "                 or a damaged segment are found\n"
+    "  gc             reclaim the records of dead processes\n"
+    "  show PID ADDR  one allocation (any address inside it) in full\n"
+    "  import-test PID ADDR [LEN]\n"
+    "                 import it as a companion does, print the FNV-1a checksum of LEN bytes\n"
+    "                 from ADDR (default: to the end of the allocation) and the import time\n"
+    "  config         every VMMSHIM_* option: its value and where it came from\n"
+    "\n"
+    "options:\n"
+    "  --registry NAME  registry shm name (default: $VMMSHIM_REGISTRY, the config file's,\n"
+    "                   else /vmmshim-<uid>)\n"
+    "  -h, --help       this text\n"
+    "  -V, --version    the version\n"
+    "\n"
+    "exit status: 0 ok, 1 problems found or the registry could not be read, 2 usage error\n";
+
+/* ------------------------------------------------------------------------------------------ */
+/* Errors                                                                                      */
+
+/* An error is exactly one line, whatever an argument or a registry name holds. */
+static void one_line(char *msg)
+{
+    for (char *p = msg; *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f) *p = '?';
+}
+
+__attribute__((format(printf, 1, 2), noreturn)) static void usage_error(const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    one_line(msg);
+    fflush(stdout);
+    fprintf(stderr, "vmmctl: error: %s (see vmmctl --help)\n", msg);
+    exit(EXIT_USAGE);
+}
+
+__attribute__((format(printf, 1, 2))) static int error(const char *fmt, ...)
+{
+    char msg[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    one_line(msg);
+    fflush(stdout);
+    fprintf(stderr, "vmmctl: error: %s\n", msg);
+    return EXIT_PROBLEMS;
+}
+
+static int api_error(vmm_status st)
+{
+    const char *why = vmm_last_error();
+    return error("%s", *why ? why : vmm_strerror(st));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Formatting                                                                                  */
+
+typedef struct {
+    char s[32];
+} hbuf;
+
+/* 512 B, 4.0 KiB, 2.0 MiB, 1.50 GiB: one decimal up to MiB, two from GiB on. */
+static const char *human(uint64_t v, hbuf *b)
+{
+    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+    if (v < 1024) {
+        snprintf(b->s, sizeof b->s, "%llu B", (unsigned long long)v);
+        return b->s;
+    }
+    int u = 0;
+    double d = (double)v;
+    while (u < 6 && d >= 1024.0) d /= 1024.0, u++;
+    /* 1048575 bytes would print as "1024.0 KiB": move up a unit when rounding reaches 1024 */
+    if (u < 6 && d >= (u < 3 ? 1023.95 : 1023.995)) d /= 1024.0, u++;
+    snprintf(b->s, sizeof b->s, u < 3 ? "%.1f %s" : "%.2f %s", d, units[u]);
+    return b->s;
+}
+
+static const char *api_name(uint32_t api)
+{
+    switch (api) {
+    case VMM_FROM_CUDA_MALLOC: return "cudaMalloc";
+    case VMM_FROM_CUDA_MALLOC_ASYNC: return "cudaMallocAsync";
+    case VMM_FROM_CU_MEM_ALLOC: return "cuMemAlloc";
+    case VMM_FROM_CU_MEM_ALLOC_ASYNC: return "cuMemAllocAsync";
+    case VMM_FROM_CU_MEM_ALLOC_PITCH: return "cuMemAllocPitch";
+    case VMM_FROM_TEST: return "test";
+    default: return "unknown";
+    }
+}
+
+static const char *owner_name(int alive, bool json)
+{
+    if (alive == VMM_OWNER_ALIVE) return "alive";
+    if (alive == VMM_OWNER_DEAD) return "dead";
+    return json ? "unknown" : "?";
+}
+
+static const char *kinds_text(uint32_t k, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s%s%s%s%s", k & VMM_KIND_BROKER ? "broker" : "",
+             (k & VMM_KIND_BROKER) && (k & (VMM_KIND_PIDFD | VMM_KIND_FABRIC)) ? "," : "",
+             k & VMM_KIND_PIDFD ? "pidfd" : "", (k & VMM_KIND_PIDFD) && (k & VMM_KIND_FABRIC) ? "," : "",
+             k & VMM_KIND_FABRIC ? "fabric" : "");
+    if (!buf[0]) snprintf(buf, len, "-");
+    return buf;
+}
+
+/* For table cells: control characters would break the row, so they print as '?'. */
+static const char *cell(const char *s, char *buf, size_t len)
+{
+    size_t i = 0;
+    for (; s[i] && i + 1 < len; i++) buf[i] = (unsigned char)s[i] < 0x20 || s[i] == 0x7f ? '?' : s[i];
+    buf[i] = 0;
+    return i ? buf : "-";
+}
+
+static void hex(const uint8_t *p, size_t n, char *out)
+{
+    static const char digits[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = digits[p[i] >> 4];
+        out[2 * i + 1] = digits[p[i] & 15];
+    }
+    out[2 * n] = 0;
+}
+
+/* A JSON string: escapes, and U+FFFD for bytes that are not UTF-8 (the registry holds bytes). */
+static void json_str(const char *s)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    putchar('"');
+    while (*p) {
+        unsigned c = *p;
+        if (c == '"' || c == '\\') {
+            putchar('\\');
+            putchar((int)c);
+            p++;
+        } else if (c < 0x20 || c == 0x7f) {
+            printf("\\u%04x", c);
+            p++;
+        } else if (c < 0x80) {
+            putchar((int)c);
+            p++;
+        } else {
+            int n = c >= 0xf0 && c <= 0xf4 ? 4 : c >= 0xe0 ? 3 : c >= 0xc2 && c <= 0xdf ? 2 : 0;
+            if (c >= 0xf5) n = 0;
+            bool ok = n > 0;
+            for (int i = 1; ok && i < n; i++) ok = (p[i] & 0xc0) == 0x80;
+            if (ok && n == 3) { /* no overlongs, no surrogates */
+                unsigned cp = (c & 0x0f) << 12 | (p[1] & 0x3fu) << 6 | (p[2] & 0x3fu);
+                ok = cp >= 0x800 && (cp < 0xd800 || cp > 0xdfff);
+            }
+            if (ok && n == 4) {
+                unsigned cp = (c & 0x07) << 18 | (p[1] & 0x3fu) << 12 | (p[2] & 0x3fu) << 6 | (p[3] & 0x3fu);
+                ok = cp >= 0x10000 && cp <= 0x10ffff;
+            }
+            if (ok) {
+                fwrite(p, 1, (size_t)n, stdout);
+                p += n;
+            } else {
+                fputs("\\ufffd", stdout);
+                p++;
+            }
+        }
+    }
+    putchar('"');
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t age_s(uint64_t created_ns, uint64_t now)
+{
+    return created_ns && created_ns < now ? (now - created_ns) / 1000000000ull : 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Arguments                                                                                   */
+
+static const char *registry_opt; /* --registry */
+static bool registry_given;
+
+static bool take_registry(int argc, char **argv, int *i)
+{
+    const char *a = argv[*i];
+    if (strcmp(a, "--registry") == 0) {
+        if (*i + 1 >= argc) usage_error("--registry needs a name");
+        registry_opt = argv[++*i];
+    } else if (strncmp(a, "--registry=", 11) == 0) {
+        registry_opt = a + 11;
+    } else {
+        return false;
+    }
+    if (!*registry_opt) usage_error("--registry needs a name");
+    registry_given = true;
+    return true;
+}
+
+static uint32_t parse_pid(const char *s)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (!*s || *s < '0' || *s > '9' || *end || errno || v == 0 || v > INT_MAX) usage_error("bad pid '%s'", s);
+    return (uint32_t)v;
+}
+
+/* The registry the shim would use: --registry, else the options' VMMSHIM_REGISTRY (environment
+ * or config file), else the library's per-user default. */
+static const char *registry_name(void)
+{
+    if (registry_given) return registry_opt;
+    vmm__opt_init();
+    const char *n = vmm__opt_str(VMM__OPT_REGISTRY);
+    return n && *n ? n : NULL;
+}
+
+static int open_registry(vmm_registry **reg, bool writable)
+{
+    const char *name = registry_name();
+    vmm_status st = writable ? vmm_open_writable(name, reg) : vmm_open(name, reg);
+    return st == VMM_OK ? EXIT_OK : api_error(st);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* list                                                                                        */
+
+typedef struct {
+    uint32_t pid; /* 0: every process */
+    bool json, all;
+    uint64_t now, n, requested, mapped, hidden;
+} list_ctx;
+
+static int list_row(void *ctx, const vmm_alloc_info *a)
+{
+    list_ctx *c = ctx;
+    if (c->pid && a->pid != c->pid) return 0;
+    if (!c->all && a->owner_alive == VMM_OWNER_DEAD) {
+        c->hidden++;
+        return 0;
+    }
+    char id[33], kinds[32], tag[sizeof a->tag];
+    hex(a->alloc_id, sizeof a->alloc_id, id);
+    if (c->json) {
+        char uuid[33];
+        hex(a->device_uuid, sizeof a->device_uuid, uuid);
+        printf("%s\n  {\"id\": \"%s\", \"slot\": %llu, \"generation\": %llu, \"pid\": %u, \"owner\": \"%s\", "
+               "\"owner_start_time\": %llu, \"owner_pidns\": %llu, \"device\": %u, \"device_uuid\": \"%s\", "
+               "\"address\": %llu, \"address_hex\": \"0x%llx\", \"requested_size\": %llu, \"mapped_size\": %llu, "
+               "\"stream\": %llu, \"created_ns\": %llu, \"age_s\": %llu, \"api\": \"%s\", \"handle_kinds\": [",
+               c->n ? "," : "", id, (unsigned long long)a->slot, (unsigned long long)a->generation, a->pid,
+               owner_name(a->owner_alive, true), (unsigned long long)a->owner_start_time,
+               (unsigned long long)a->owner_pidns, a->device, uuid, (unsigned long long)a->address,
+               (unsigned long long)a->address, (unsigned long long)a->requested_size,
+               (unsigned long long)a->mapped_size, (unsigned long long)a->stream, (unsigned long long)a->created_ns,
+               (unsigned long long)age_s(a->created_ns, c->now), api_name(a->api));
+        const char *sep = "";
+        if (a->handle_kinds & VMM_KIND_BROKER) printf("%s\"broker\"", sep), sep = ", ";
+        if (a->handle_kinds & VMM_KIND_PIDFD) printf("%s\"pidfd\"", sep), sep = ", ";
+        if (a->handle_kinds & VMM_KIND_FABRIC) printf("%s\"fabric\"", sep);
+        printf("], \"exported_fd\": %d, \"frames\": [", a->exported_fd);
+        for (uint32_t i = 0; i < a->n_frames && i < 8; i++) printf("%s%llu", i ? ", " : "", (unsigned long long)a->frames[i]);
+        printf("], \"tag\": ");
+        json_str(a->tag);
+        putchar('}');
+    } else {
+        hbuf req, map;
+        char age[24];
+        snprintf(age, sizeof age, "%llus", (unsigned long long)age_s(a->created_ns, c->now));
+        /* The short id is the last 8 bytes: the registry makes the first 8 a per-process nonce,
+         * the same on every row of a process. */
+        printf("%7u %3u 0x%012llx %10s %10s %-15s %-19s %-5s %7s %-16s %s\n", a->pid, a->device,
+               (unsigned long long)a->address, human(a->requested_size, &req), human(a->mapped_size, &map),
+               api_name(a->api), kinds_text(a->handle_kinds, kinds, sizeof kinds), owner_name(a->owner_alive, false),
+               age, cell(a->tag, tag, sizeof tag), id + 16);
+    }
+    c->n++;
+    c->requested += a->requested_size;
+    c->mapped += a->mapped_size;
+    return 0;
+}
+
+static int cmd_list(int argc, char **argv)
+{
+    list_ctx c = {.now = now_ns()};
+    for (int i = 0; i < argc; i++) {
+        if (take_registry(argc, argv, &i)) continue;
+        if (strcmp(argv[i], "--json") == 0)
+            c.json = true;
+        else if (strcmp(argv[i], "--all") == 0)
+            c.all = true;
+        else if (strcmp(argv[i], "--pid") == 0) {
+            if (i + 1 >= argc) usage_error("--pid needs a pid");
+            c.pid = parse_pid(argv[++i]);
+        } else if (strncmp(argv[i], "--pid=", 6) == 0)
+            c.pid = parse_pid(argv[i] + 6);
+        else
+            usage_error("list: unknown option '%s'", argv[i]);
+    }
+    vmm_registry *reg;
+    int rc = open_registry(&reg, false);
+    if (rc) return rc;
+    if (c.json)
+        putchar('[');
+    else
+        printf("%7s %3s %-14s %10s %10s %-15s %-19s %-5s %7s %-16s %s\n", "PID", "DEV", "ADDRESS", "SIZE", "MAPPED",
+               "API", "KINDS", "OWNER", "AGE", "TAG", "ID");
+    vmm_status st = vmm_foreach_alloc(reg, list_row, &c);
+    vmm_close(reg);
+    if (st != VMM_OK) return api_error(st);
+    if (c.json) {
+        printf("%s]\n", c.n ? "\n" : "");
+    } else {
+        hbuf req, map;
+        printf("%llu allocation%s, %s requested, %s mapped\n", (unsigned long long)c.n, c.n == 1 ? "" : "s",
+               human(c.requested, &req), human(c.mapped, &map));
+        if (c.hidden)
+            printf("(%llu more of dead processes not shown: `vmmctl list --all` shows them, `vmmctl gc` reclaims "
+                   "them)\n",
+                   (unsigned long long)c.hidden);
+    }
+    return fflush(stdout) == 0 ? EXIT_OK : error("writing the output: %s", strerror(errno));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* ps                                                                                          */
+
+typedef struct {
+    bool json;
+    uint64_t n, allocs, requested, mapped;
+    unsigned alive, dead, unknown;
+} ps_ctx;
+
+static int ps_row(void *ctx, const vmm_proc_info *p)
+{
+    ps_ctx *c = ctx;
+    if (c->json) {
+        printf("%s\n  {\"pid\": %u, \"state\": \"%s\", \"start_time\": %llu, \"pidns\": %llu, \"uid\": %u, "
+               "\"registered_ns\": %llu, \"n_allocs\": %llu, \"bytes_requested\": %llu, \"bytes_mapped\": %llu, "
+               "\"broker_path\": ",
+               c->n ? "," : "", p->pid, owner_name(p->alive, true), (unsigned long long)p->start_time,
+               (unsigned long long)p->pidns, p->uid, (unsigned long long)p->registered_ns,
+               (unsigned long long)p->n_allocs, (unsigned long long)p->bytes_requested,
+               (unsigned long long)p->bytes_mapped);
+        json_str(p->broker_path);
+        printf(", \"cmdline\": ");
+        json_str(p->cmdline);
+        putchar('}');
+    } else {
+        hbuf req, map;
+        char broker[sizeof p->broker_path], cmd[sizeof p->cmdline];
+        printf("%7u %-5s %7llu %10s %10s %-24s %s\n", p->pid, owner_name(p->alive, false),
+               (unsigned long long)p->n_allocs, human(p->bytes_requested, &req), human(p->bytes_mapped, &map),
+               cell(p->broker_path, broker, sizeof broker), cell(p->cmdline, cmd, sizeof cmd));
+    }
+    c->n++;
+    c->allocs += p->n_allocs;
+    c->requested += p->bytes_requested;
+    c->mapped += p->bytes_mapped;
+    if (p->alive == VMM_OWNER_ALIVE) c->alive++;
+    else if (p->alive == VMM_OWNER_DEAD) c->dead++;
+    else c->unknown++;
+    return 0;
+}
+
+static int cmd_ps(int argc, char **argv)
+{
+    ps_ctx c = {0};
+    for (int i = 0; i < argc; i++) {
+        if (take_registry(argc, argv, &i)) continue;
+        if (strcmp(argv[i], "--json") == 0)
+            c.json = true;
+        else
+            usage_error("ps: unknown option '%s'", argv[i]);
+    }
+    vmm_registry *reg;
+    int rc = open_registry(&reg, false);
+    if (rc) return rc;
+    if (c.json)
+        putchar('[');
+    else
+        printf("%7s %-5s %7s %10s %10s %-24s %s\n", "PID", "STATE", "ALLOCS", "REQUESTED", "MAPPED", "BROKER", "CMD");
+    vmm_status st = vmm_foreach_proc(reg, ps_row, &c);
+    vmm_close(reg);
+    if (st != VMM_OK) return api_error(st);
+    if (c.json) {
+        printf("%s]\n", c.n ? "\n" : "");
+    } else {
+        hbuf req, map;
+        printf("%llu process%s (%u alive, %u dead, %u unknown), %llu allocation%s, %s requested, %s mapped\n",
+               (unsigned long long)c.n, c.n == 1 ? "" : "es", c.alive, c.dead, c.unknown,
+               (unsigned long long)c.allocs, c.allocs == 1 ? "" : "s", human(c.requested, &req),
+               human(c.mapped, &map));
+    }
+    return fflush(stdout) == 0 ? EXIT_OK : error("writing the output: %s", strerror(errno));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* check, gc                                                                                   */
+
+static int count_alloc(void *ctx, const vmm_alloc_info *a)
+{
+    (void)a;
+    ++*(uint64_t *)ctx;
+    return 0;
+}
+
+static int dead_row(void *ctx, const vmm_proc_info *p)
+{
+    if (p->alive != VMM_OWNER_DEAD) return 0;
+    char cmd[sizeof p->cmdline];
+    printf("dead owner: pid %u, %llu record%s, %s\n", p->pid, (unsigned long long)p->n_allocs,
+           p->n_allocs == 1 ? "" : "s", cell(p->cmdline, cmd, sizeof cmd));
+    ++*(unsigned *)ctx;
+    return 0;
+}
+
+static int cmd_check(int argc, char **argv)
+{
+    for (int i = 0; i < argc; i++)
+        if (!take_registry(argc, argv, &i)) usage_error("check: unknown option '%s'", argv[i]);
+    vmm_registry *reg;
+    int rc = open_registry(&reg, false);
+    if (rc) return rc;
+    vmm_registry_info info;
+    vmm_status st = vmm_registry_describe(reg, &info);
+    if (st != VMM_OK) {
+        rc = api_error(st);
+        vmm_close(reg);
+        return rc;
+    }
+    uint64_t live = 0;
+    vmm_foreach_alloc(reg, count_alloc, &live);
+    vmm_gc_report rep;
+    st = vmm_check(reg, &rep);
+    if (st != VMM_OK && st != VMM_ERR_BUSY) {
+        rc = api_error(st);
+        vmm_close(reg);
+        return rc;
+    }
+    char busy[512] = "";
+    if (st == VMM_ERR_BUSY) snprintf(busy, sizeof busy, "%s", vmm_last_error());
+    hbuf touched, total;
+    printf("registry %s: layout version %u (readers of version %u and up), capacity %llu records\n", info.name,
+           info.version, info.compat_version, (unsigned long long)info.capacity);
+    printf("  records in use: %llu live, in %llu chunk%s of %llu\n", (unsigned long long)live,
+           (unsigned long long)info.used_chunks, info.used_chunks == 1 ? "" : "s",
+           (unsigned long long)info.chunk_records);
+    printf("  memory: %s touched of %s\n", human(info.touched_bytes, &touched), human(info.total_bytes, &total));
+    printf("  totals: %llu published, %llu retracted, %llu reclaimed\n", (unsigned long long)info.publishes,
+           (unsigned long long)info.retracts, (unsigned long long)info.reclaimed);
+    printf("  processes: %u alive, %u dead, %u unknown\n", rep.procs_alive, rep.procs_dead, rep.procs_unknown);
+    unsigned dead_listed = 0;
+    if (rep.procs_dead) vmm_foreach_proc(reg, dead_row, &dead_listed);
+    vmm_close(reg);
+
+    unsigned problems = 0;
+    if (rep.procs_dead || rep.records_reclaimed || rep.chunks_reclaimed) {
+        printf("problem: %u dead process%s hold%s %u record%s (%u chunk%s); `vmmctl gc` reclaims them\n",
+               rep.procs_dead, rep.procs_dead == 1 ? "" : "es", rep.procs_dead == 1 ? "s" : "", rep.records_reclaimed,
+               rep.records_reclaimed == 1 ? "" : "s", rep.chunks_reclaimed, rep.chunks_reclaimed == 1 ? "" : "s");
+        problems++;
+    }
+    if (rep.index_rebuilt) {
+        printf("problem: the index was left mid-update by a writer that died; `vmmctl gc` rebuilds it\n");
+        problems++;
+    }
+    if (busy[0]) {
+        printf("problem: %s\n", busy);
+        problems++;
+    }
+    if (!problems) printf("ok: no problems found\n");
+    fflush(stdout);
+    return problems ? EXIT_PROBLEMS : EXIT_OK;
+}
+
+static int cmd_gc(int argc, char **argv)
+{
+    for (int i = 0; i < argc; i++)
+        if (!take_registry(argc, argv, &i)) usage_error("gc: unknown option '%s'", argv[i]);
+    vmm_registry *reg;
+    int rc = open_registry(&reg, true);
+    if (rc) return rc;
+    vmm_gc_report rep;
+    vmm_status st = vmm_gc(reg, &rep);
+    vmm_close(reg);
+    if (st != VMM_OK) return api_error(st);
+    printf("reclaimed %u record%s from %u dead process%s", rep.records_reclaimed,
+           rep.records_reclaimed == 1 ? "" : "s", rep.procs_dead, rep.procs_dead == 1 ? "" : "es");
+    if (rep.index_rebuilt) printf("; rebuilt the index");
+    printf("\n");
+    fflush(stdout);
+    return EXIT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* config                                                                                      */
+
+static int cmd_config(int argc, char **argv)
+{
+    for (int i = 0; i < argc; i++)
+        if (!take_registry(argc, argv, &i)) usage_error("config: unknown option '%s'", argv[i]);
+    fflush(stdout);
+    int rc = vmm__opt_init();
+    vmm__opt_print_table(STDOUT_FILENO, true);
+    return rc < 0 ? EXIT_PROBLEMS : EXIT_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+
+/* ------------------------------------------------------------------------------------------ */
+/* show, import-test                                                                           */
+
+static uint64_t parse_addr(const char *s)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 0);
+    if (!*s || *end || errno || v == 0) usage_error("bad address '%s'", s);
+    return v;
+}
+
+static int find_alloc(int argc, char **argv, const char *cmd, vmm_registry **reg, vmm_alloc_info *a, uint64_t *addr,
+                      uint64_t *extra)
+{
+    int pos = 0;
+    const char *args[3] = {0};
+    for (int i = 0; i < argc; i++) {
+        if (take_registry(argc, argv, &i)) continue;
+        if (pos == 3) usage_error("%s: too many arguments", cmd);
+        args[pos++] = argv[i];
+    }
+    if (pos < 2) usage_error("%s needs PID and ADDR", cmd);
+    uint32_t pid = parse_pid(args[0]);
+    *addr = parse_addr(args[1]);
+    *extra = pos == 3 ? parse_addr(args[2]) : 0;
+    int rc = open_registry(reg, false);
+    if (rc) return rc;
+    vmm_status st = vmm_find(*reg, pid, *addr, a);
+    if (st != VMM_OK) {
+        vmm_close(*reg);
+        return api_error(st);
+    }
+    return EXIT_OK;
+}
+
+static int cmd_show(int argc, char **argv)
+{
+    vmm_registry *reg;
+    vmm_alloc_info a;
+    uint64_t addr;
+    uint64_t extra;
+    int rc = find_alloc(argc, argv, "show", &reg, &a, &addr, &extra);
+    if (rc) return rc;
+    char id[33], uuid[33], kinds[64];
+    hbuf h1, h2;
+    hex(a.alloc_id, 16, id);
+    hex(a.device_uuid, 16, uuid);
+    printf("allocation   %s (slot %llu, generation %llu)\n", id, (unsigned long long)a.slot, (unsigned long long)a.generation);
+    printf("owner        pid %u, %s, start time %llu, pid namespace %llu\n", a.pid, owner_name(a.owner_alive, false),
+           (unsigned long long)a.owner_start_time, (unsigned long long)a.owner_pidns);
+    printf("device       %u (uuid %s)\n", a.device, uuid);
+    printf("address      0x%llx (offset %llu of the given address)\n", (unsigned long long)a.address,
+           (unsigned long long)(addr - a.address));
+    printf("size         %s requested, %s mapped\n", human(a.requested_size, &h1), human(a.mapped_size, &h2));
+    printf("made by      %s", api_name(a.api));
+    if (a.stream) printf(" on stream 0x%llx", (unsigned long long)a.stream);
+    printf("\nexport       %s", kinds_text(a.handle_kinds, kinds, sizeof kinds));
+    if (a.exported_fd >= 0) printf(" (fd %d in the owner)", a.exported_fd);
+    printf("\ncreated      %llu s ago\n", (unsigned long long)age_s(a.created_ns, now_ns()));
+    printf("tag          %s\n", a.tag[0] ? a.tag : "-");
+    for (uint32_t i = 0; i < a.n_frames && i < 8; i++) printf("frame %u      0x%llx\n", i, (unsigned long long)a.frames[i]);
+    vmm_close(reg);
+    return EXIT_OK;
+}
+
+typedef int (*dtoh_fn)(void *, unsigned long long, size_t);
+
+static int cmd_import_test(int argc, char **argv)
+{
+    vmm_registry *reg;
+    vmm_alloc_info a;
+    uint64_t addr;
+    uint64_t len_arg;
+    int rc = find_alloc(argc, argv, "import-test", &reg, &a, &addr, &len_arg);
+    if (rc) return rc;
+    uint64_t off = addr - a.address, len = len_arg ? len_arg : a.requested_size - off;
+    if (off + len > a.mapped_size) usage_error("import-test: LEN runs past the allocation");
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    vmm_imported *imp;
+    vmm_status st = vmm_import(reg, &a, &imp);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (st != VMM_OK) {
+        vmm_close(reg);
+        return api_error(st);
+    }
+    /* the client library opened libcuda.so.1 already; copy out with the driver, never linked */
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD), *sym = h ? dlsym(h, "cuMemcpyDtoH_v2") : NULL;
+    dtoh_fn dtoh;
+    memcpy(&dtoh, &sym, sizeof sym);
+    size_t chunk = 64u << 20;
+    unsigned char *buf = malloc(chunk);
+    uint64_t fnv = 0xcbf29ce484222325ull;
+    int copy_rc = dtoh && buf ? 0 : -1;
+    for (uint64_t done = 0; copy_rc == 0 && done < len; done += chunk) {
+        size_t n = len - done < chunk ? (size_t)(len - done) : chunk;
+        copy_rc = dtoh(buf, vmm_import_ptr(imp) + off + done, n);
+        for (size_t i = 0; copy_rc == 0 && i < n; i++) fnv = (fnv ^ buf[i]) * 0x100000001b3ull;
+    }
+    free(buf);
+    vmm_import_release(imp);
+    vmm_close(reg);
+    if (copy_rc) {
+        fprintf(stderr, "vmmctl: error: could not copy the imported bytes (CUDA error %d)\n", copy_rc);
+        return EXIT_PROBLEMS;
+    }
+    double us = (double)(t1.tv_sec - t0.tv_sec) * 1e6 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e3;
+    printf("imported pid %u 0x%llx (%llu bytes mapped) in %.0f us; %llu bytes from 0x%llx: fnv %016llx checksum ok\n", a.pid,
+           (unsigned long long)a.address, (unsigned long long)a.mapped_size, us, (unsigned long long)len,
+           (unsigned long long)addr, (unsigned long long)fnv);
+    return EXIT_OK;
+}
+
+int main(int argc, char **argv)
+{
+    int i = 1;
+    for (; i < argc && argv[i][0] == '-'; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+            fputs(usage_text, stdout);
+            return EXIT_OK;
+        }
+        if (strcmp(a, "-V") == 0 || strcmp(a, "--version") == 0) {
+            printf("vmmctl %s\n", VMM_VERSION_STRING);
+            return EXIT_OK;
+        }
+        if (!take_registry(argc, argv, &i)) usage_error("unknown option '%s'", a);
+    }
+    if (i >= argc) usage_error("no command given");
+    const char *cmd = argv[i++];
+    int n = argc - i;
+    char **rest = argv + i;
+    if (strcmp(cmd, "list") == 0) return cmd_list(n, rest);
+    if (strcmp(cmd, "ps") == 0) return cmd_ps(n, rest);
+    if (strcmp(cmd, "check") == 0) return cmd_check(n, rest);
+    if (strcmp(cmd, "gc") == 0) return cmd_gc(n, rest);
+    if (strcmp(cmd, "config") == 0) return cmd_config(n, rest);
+    if (strcmp(cmd, "show") == 0) return cmd_show(n, rest);
+    if (strcmp(cmd, "import-test") == 0) return cmd_import_test(n, rest);
+    if (strcmp(cmd, "help") == 0) {
+        fputs(usage_text, stdout);
+        return EXIT_OK;
+    }
+    usage_error("unknown command '%s'", cmd);
+}
