@@ -1,0 +1,526 @@
+/* The owner-side fd broker.  A detached thread, started on the first successful allocation,
+ * listens on "<dir>/<pid>.sock" (SOCK_SEQPACKET) and answers each request (broker/protocol.h)
+ * with a freshly exported fd of the named allocation, passed with SCM_RIGHTS.  Peers are
+ * judged by SO_PEERCRED: the same uid as this process, or a member of VMMSHIM_BROKER_GROUP.
+ * See README.md in this directory for the design and its threats. */
+#include "broker/broker.h"
+
+#include "broker/protocol.h"
+#include "core/log.h"
+#include "core/options.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define BROKER_CLIENT_TIMEOUT_MS 1000 /* one stuck peer stalls the broker at most this long */
+#define BROKER_BACKLOG 64
+#define BROKER_MAX_GROUPS 1024
+#define BROKER_STALE_SCAN_MAX 4096 /* directory entries looked at when removing stale sockets */
+
+enum { ST_IDLE = 0, ST_STARTING = 1, ST_RUNNING = 2 };
+
+/* Start state.  An atomic state machine rather than a mutex, so that the child of a fork taken
+ * while another thread was starting the broker can simply reset it. */
+static int g_state = ST_IDLE;
+static pid_t g_owner_pid;                      /* the process whose socket g_path is */
+static char g_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+static int g_listen_fd = -1;
+static int g_conn_fd = -1;                     /* the connection being served, for the fork child */
+static int g_atexit_done;
+static int g_warned_start;
+
+/* Everything the thread needs, fixed before it starts. */
+typedef struct broker_cfg {
+    int listen_fd;
+    vmm__broker_export_fn export_fn;
+    uid_t uid;
+    bool have_group;
+    gid_t group;
+} broker_cfg;
+/* Static, not malloc'ed: after a fork the parent's thread is gone but its config must not look
+ * leaked, and a process runs at most one broker at a time (a fork child starts its own). */
+static broker_cfg g_cfg;
+
+/* ---- helpers ---- */
+
+/* A broker that cannot start is retried on later allocations: say why once. */
+#define warn_start(...)                                                                            \
+    do {                                                                                           \
+        if (!__atomic_exchange_n(&g_warned_start, 1, __ATOMIC_RELAXED))                            \
+            vmm__log(VMM__LOG_WARNING, __VA_ARGS__);                                               \
+    } while (0)
+
+/* A group named by number or by name; 0 = ok. */
+static int resolve_group(const char *name, gid_t *gid)
+{
+    char *end;
+    errno = 0;
+    unsigned long n = strtoul(name, &end, 10);
+    if (*name && *end == 0 && errno == 0 && n < (unsigned long)UINT32_MAX) {
+        *gid = (gid_t)n;
+        return 0;
+    }
+    struct group gr, *res = NULL;
+    char buf[4096];
+    if (getgrnam_r(name, &gr, buf, sizeof buf, &res) != 0 || !res) return -ENOENT;
+    *gid = res->gr_gid;
+    return 0;
+}
+
+/* The broker directory: the option, else $XDG_RUNTIME_DIR/vmmshim, else /tmp/vmmshim-<uid>. */
+static int choose_dir(char *dir, size_t len)
+{
+    const char *opt = vmm__opt_str(VMM__OPT_BROKER_DIR);
+    int n;
+    if (opt && *opt) {
+        n = snprintf(dir, len, "%s", opt);
+    } else {
+        const char *xdg = getenv("XDG_RUNTIME_DIR");
+        if (xdg && xdg[0] == '/' && access(xdg, W_OK | X_OK) == 0)
+            n = snprintf(dir, len, "%s/vmmshim", xdg);
+        else
+            n = snprintf(dir, len, "/tmp/vmmshim-%u", (unsigned)geteuid());
+    }
+    if (n < 0 || (size_t)n >= len) return -ENAMETOOLONG;
+    /* strip trailing slashes (but keep "/") */
+    while (n > 1 && dir[n - 1] == '/') dir[--n] = 0;
+    return 0;
+}
+
+/* chmod through an O_PATH descriptor: the very inode we checked, whatever happens to the name.
+ * /proc/self/fd is the way (fchmod refuses O_PATH); without /proc, chmod the name and check
+ * through the descriptor that it was this inode that changed. */
+static int chmod_opath(int pfd, const char *dir, mode_t mode)
+{
+    char link[64];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", pfd);
+    if (chmod(link, mode) != 0) {
+        if (errno != ENOENT) return -errno;
+        if (chmod(dir, mode) != 0) return -errno;
+    }
+    struct stat st;
+    if (fstat(pfd, &st) != 0) return -errno;
+    return (st.st_mode & 07777) == mode ? 0 : -EAGAIN;
+}
+
+/* Create (or accept) the directory and open it.  Refuses a symlink, a non-directory, a
+ * directory owned by another user, and one that others may write to.  Returns a directory fd
+ * (readable when we may read it, else O_PATH: good for the *at calls either way). */
+static int open_dir(const char *dir, bool have_group, gid_t gid)
+{
+    mode_t want = have_group ? 0750 : 0700;
+    bool created = false;
+    char eb[96];
+    if (mkdir(dir, want) == 0) {
+        created = true;
+    } else if (errno != EEXIST) {
+        int e = errno;
+        warn_start("broker: cannot create directory %s: %s", dir, vmm__strerror(e, eb, sizeof eb));
+        return -e;
+    }
+    struct stat ls, st;
+    if (lstat(dir, &ls) != 0) {
+        int e = errno;
+        warn_start("broker: cannot stat directory %s: %s", dir, vmm__strerror(e, eb, sizeof eb));
+        return -e;
+    }
+    if (S_ISLNK(ls.st_mode) || !S_ISDIR(ls.st_mode)) {
+        warn_start("broker: %s %s; refusing it", dir, S_ISLNK(ls.st_mode) ? "is a symlink" : "is not a directory");
+        return -ENOTDIR;
+    }
+    /* O_PATH: needs no permission on the directory itself, which the umask may have left at
+     * 0000 for now. */
+    int pfd = open(dir, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (pfd < 0) {
+        int e = errno;
+        warn_start("broker: cannot open directory %s: %s", dir, vmm__strerror(e, eb, sizeof eb));
+        return -e;
+    }
+    /* the directory we opened must be the one we checked (no swap in between) */
+    if (fstat(pfd, &st) != 0 || st.st_dev != ls.st_dev || st.st_ino != ls.st_ino || !S_ISDIR(st.st_mode)) {
+        close(pfd);
+        warn_start("broker: directory %s changed while being opened; refusing it", dir);
+        return -EAGAIN;
+    }
+    if (st.st_uid != geteuid()) {
+        close(pfd);
+        warn_start("broker: directory %s is owned by uid %u, not by this user; refusing it", dir, (unsigned)st.st_uid);
+        return -EACCES;
+    }
+    if (st.st_mode & 0022) {
+        close(pfd);
+        warn_start("broker: directory %s has mode %03o (writable by others); refusing it", dir,
+                   (unsigned)(st.st_mode & 0777));
+        return -EACCES;
+    }
+    /* Ours: set group and mode explicitly (mkdir applied the umask); never call umask(). */
+    if (have_group && st.st_gid != gid && fchownat(pfd, "", (uid_t)-1, gid, AT_EMPTY_PATH) != 0) {
+        int e = errno;
+        close(pfd);
+        warn_start("broker: cannot give directory %s to the broker group: %s", dir, vmm__strerror(e, eb, sizeof eb));
+        return -e;
+    }
+    if ((created || have_group) && (st.st_mode & 07777) != want) {
+        int rc = chmod_opath(pfd, dir, want);
+        if (rc) {
+            close(pfd);
+            warn_start("broker: cannot chmod directory %s: %s", dir, vmm__strerror(-rc, eb, sizeof eb));
+            return rc;
+        }
+    }
+    int fd = openat(pfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return pfd; /* e.g. an existing 0300 directory: no stale-socket scan then */
+    close(pfd);
+    return fd;
+}
+
+/* Is there a listener on this socket?  A non-blocking connect answers at once. */
+static bool socket_has_listener(const char *path)
+{
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof sa.sun_path) return true; /* cannot tell: keep it */
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (s < 0) return true;
+    int rc = connect(s, (struct sockaddr *)&sa, sizeof sa);
+    int e = errno;
+    close(s);
+    return rc == 0 || (e != ECONNREFUSED && e != ENOENT);
+}
+
+/* Best effort: remove "<pid>.sock" files whose pid is gone and nobody listens on. */
+static void remove_stale(int dirfd, const char *dir)
+{
+    int fd = dup(dirfd);
+    if (fd < 0) return;
+    DIR *d = fdopendir(fd);
+    if (!d) {
+        close(fd);
+        return;
+    }
+    pid_t self = getpid();
+    struct dirent *de;
+    for (int seen = 0; seen < BROKER_STALE_SCAN_MAX && (de = readdir(d)) != NULL; seen++) {
+        const char *n = de->d_name;
+        char *end;
+        if (n[0] < '1' || n[0] > '9') continue;
+        errno = 0;
+        unsigned long pid = strtoul(n, &end, 10);
+        if (errno || strcmp(end, ".sock") != 0 || pid > INT32_MAX || (pid_t)pid == self) continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* alive (or not ours to judge) */
+        struct stat st;
+        if (fstatat(dirfd, n, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISSOCK(st.st_mode) || st.st_uid != geteuid())
+            continue;
+        /* The pid may be alive in another pid namespace sharing this directory: a listener says so. */
+        char full[PATH_MAX];
+        if (snprintf(full, sizeof full, "%s/%s", dir, n) >= (int)sizeof full) continue;
+        if (socket_has_listener(full)) continue;
+        (void)unlinkat(dirfd, n, 0);
+    }
+    closedir(d);
+}
+
+static void at_exit_unlink(void)
+{
+    /* cheap and non-blocking; never for a parent's socket (atexit handlers survive fork) */
+    if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) == ST_RUNNING && g_owner_pid == getpid() && g_path[0])
+        (void)unlink(g_path);
+}
+
+/* ---- serving ---- */
+
+/* The peer's supplementary groups: SO_PEERGROUPS (taken at connect time), else /proc. */
+static bool peer_in_group(int fd, pid_t pid, gid_t gid)
+{
+    gid_t groups[BROKER_MAX_GROUPS];
+    socklen_t len = sizeof groups;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0) {
+        for (size_t i = 0; i < len / sizeof(gid_t); i++)
+            if (groups[i] == gid) return true;
+        return false;
+    }
+    if (pid <= 0) return false;
+    char path[64], buf[4096];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    int sfd = open(path, O_RDONLY | O_CLOEXEC);
+    if (sfd < 0) return false;
+    size_t have = 0;
+    ssize_t n;
+    while (have < sizeof buf - 1 && (n = read(sfd, buf + have, sizeof buf - 1 - have)) > 0) have += (size_t)n;
+    close(sfd);
+    buf[have] = 0;
+    char *line = strstr(buf, "\nGroups:");
+    if (!line) return false;
+    line += strlen("\nGroups:");
+    for (;;) {
+        while (*line == ' ' || *line == '\t') line++;
+        if (*line < '0' || *line > '9') return false;
+        char *end;
+        unsigned long g = strtoul(line, &end, 10);
+        if (end == line) return false;
+        if ((gid_t)g == gid) return true;
+        line = end;
+    }
+}
+
+static void send_reply(int fd, int32_t status, uint64_t mapped_size, uint32_t device, int pass_fd)
+{
+    vmm_broker_reply rep;
+    memset(&rep, 0, sizeof rep);
+    rep.magic = VMM_BROKER_MAGIC;
+    rep.status = status;
+    rep.mapped_size = mapped_size;
+    rep.device = device;
+    struct iovec iov = {.iov_base = &rep, .iov_len = sizeof rep};
+    union {
+        struct cmsghdr align;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } ctl;
+    memset(&ctl, 0, sizeof ctl);
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    if (pass_fd >= 0) {
+        mh.msg_control = ctl.buf;
+        mh.msg_controllen = sizeof ctl.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+    }
+    /* One small datagram into an empty queue: never blocks; a vanished peer is just skipped. */
+    ssize_t n;
+    do n = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (n < 0 && errno == EINTR);
+}
+
+static void serve_one(const broker_cfg *cfg, int fd)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int pr;
+    do pr = poll(&p, 1, BROKER_CLIENT_TIMEOUT_MS);
+    while (pr < 0 && errno == EINTR);
+    if (pr <= 0 || !(p.revents & POLLIN)) return; /* silent or gone: drop it */
+
+    union {
+        vmm_broker_request req;
+        uint8_t raw[sizeof(vmm_broker_request) + 64];
+    } in;
+    memset(&in, 0, sizeof in);
+    /* MSG_TRUNC: the datagram's real length, so an oversized one is caught; any fds a peer
+     * tried to pass are discarded by the kernel (no control buffer given). */
+    ssize_t n;
+    do n = recv(fd, in.raw, sizeof in.raw, MSG_DONTWAIT | MSG_TRUNC);
+    while (n < 0 && errno == EINTR);
+    if (n <= 0) return;
+
+    struct ucred cred;
+    socklen_t clen = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 || clen != sizeof cred) {
+        send_reply(fd, -EACCES, 0, 0, -1);
+        return;
+    }
+    bool ok = cred.uid == cfg->uid;
+    if (!ok && cfg->have_group) ok = cred.gid == cfg->group || peer_in_group(fd, cred.pid, cfg->group);
+    if (!ok) {
+        vmm__log(VMM__LOG_WARNING, "broker: refused uid %u (pid %d)", (unsigned)cred.uid, (int)cred.pid);
+        send_reply(fd, -EACCES, 0, 0, -1);
+        return;
+    }
+    if ((size_t)n != sizeof(vmm_broker_request) || in.req.magic != VMM_BROKER_MAGIC ||
+        in.req.version != VMM_BROKER_VERSION) {
+        send_reply(fd, -EPROTO, 0, 0, -1);
+        return;
+    }
+    int xfd = -1;
+    uint64_t mapped = 0;
+    uint32_t device = 0;
+    int rc = cfg->export_fn(in.req.slot, in.req.generation, in.req.alloc_id, &xfd, &mapped, &device);
+    if (rc > 0) rc = -rc;
+    if (rc == 0 && xfd < 0) rc = -EIO;
+    if (rc != 0) {
+        if (xfd >= 0) close(xfd);
+        send_reply(fd, rc, 0, 0, -1);
+        return;
+    }
+    send_reply(fd, 0, mapped, device, xfd);
+    close(xfd); /* the peer holds its own reference now (or never will) */
+}
+
+static void *broker_thread(void *arg)
+{
+    broker_cfg cfg = *(const broker_cfg *)arg;
+    for (;;) {
+        int fd = accept4(cfg.listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            int e = errno;
+            if (e == EINTR || e == ECONNABORTED || e == EPROTO) continue;
+            if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) {
+                (void)poll(NULL, 0, 100); /* out of fds: back off instead of spinning */
+                continue;
+            }
+            return NULL; /* the listening socket is gone */
+        }
+        __atomic_store_n(&g_conn_fd, fd, __ATOMIC_RELEASE);
+        serve_one(&cfg, fd);
+        /* cleared before the close, so a fork child never closes a number reused meanwhile */
+        __atomic_store_n(&g_conn_fd, -1, __ATOMIC_RELEASE);
+        close(fd);
+    }
+}
+
+/* ---- start ---- */
+
+static int start_locked(vmm__broker_export_fn export_fn)
+{
+    char dir[PATH_MAX];
+    int rc = choose_dir(dir, sizeof dir);
+    if (rc) {
+        warn_start("broker: directory name too long");
+        return rc;
+    }
+    const char *gname = vmm__opt_str(VMM__OPT_BROKER_GROUP);
+    bool have_group = gname && *gname;
+    gid_t gid = 0;
+    if (have_group && resolve_group(gname, &gid) != 0) {
+        warn_start("broker: VMMSHIM_BROKER_GROUP '%s' does not exist; broker not started", gname);
+        return -EINVAL;
+    }
+    int dirfd = open_dir(dir, have_group, gid);
+    if (dirfd < 0) return dirfd;
+
+    pid_t pid = getpid();
+    char name[32], path[sizeof g_path];
+    snprintf(name, sizeof name, "%d.sock", (int)pid);
+    if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path) {
+        close(dirfd);
+        warn_start("broker: socket path %s/%s is too long for a Unix socket", dir, name);
+        return -ENAMETOOLONG;
+    }
+    remove_stale(dirfd, dir);
+    (void)unlinkat(dirfd, name, 0); /* ours from before an exec, or a dead namesake's */
+
+    int lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (lfd < 0) {
+        rc = -errno;
+        goto fail_dir;
+    }
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    /* The directory is 0700/0750, so nobody else can reach the socket before its chmod. */
+    if (bind(lfd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        rc = -errno;
+        goto fail_sock;
+    }
+    if (have_group && fchownat(dirfd, name, (uid_t)-1, gid, AT_SYMLINK_NOFOLLOW) != 0) {
+        rc = -errno;
+        goto fail_bound;
+    }
+    if (fchmodat(dirfd, name, have_group ? 0660 : 0600, 0) != 0 || listen(lfd, BROKER_BACKLOG) != 0) {
+        rc = -errno;
+        goto fail_bound;
+    }
+    broker_cfg *cfg = &g_cfg;
+    cfg->listen_fd = lfd;
+    cfg->export_fn = export_fn;
+    cfg->uid = geteuid();
+    cfg->have_group = have_group;
+    cfg->group = gid;
+
+    /* The thread takes no signals (they belong to the application): block them all while it is
+     * created, so it starts with everything blocked, then restore ours. */
+    pthread_attr_t attr;
+    sigset_t all, old;
+    pthread_t th;
+    sigfillset(&all);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int prc = pthread_create(&th, &attr, broker_thread, cfg);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    if (prc != 0) {
+        rc = -prc;
+        goto fail_bound;
+    }
+    (void)pthread_setname_np(th, "vmmshim-broker");
+    close(dirfd);
+    memcpy(g_path, path, sizeof g_path);
+    g_owner_pid = pid;
+    __atomic_store_n(&g_listen_fd, lfd, __ATOMIC_RELEASE);
+    if (!__atomic_exchange_n(&g_atexit_done, 1, __ATOMIC_RELAXED)) atexit(at_exit_unlink);
+    return 0;
+
+fail_bound:
+    (void)unlinkat(dirfd, name, 0);
+fail_sock:
+    close(lfd);
+fail_dir:
+    close(dirfd);
+    {
+        char eb[96];
+        warn_start("broker: cannot listen on %s: %s", path, vmm__strerror(-rc, eb, sizeof eb));
+    }
+    return rc;
+}
+
+int vmm__broker_start(vmm__broker_export_fn export_fn, char *path, unsigned long path_len)
+{
+    if (!export_fn) return -EINVAL;
+    for (;;) {
+        int s = __atomic_load_n(&g_state, __ATOMIC_ACQUIRE);
+        if (s == ST_RUNNING) break;
+        if (s == ST_STARTING) {
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        if (!__atomic_compare_exchange_n(&g_state, &s, ST_STARTING, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        int rc = start_locked(export_fn);
+        __atomic_store_n(&g_state, rc == 0 ? ST_RUNNING : ST_IDLE, __ATOMIC_RELEASE);
+        if (rc) return rc;
+        break;
+    }
+    if (path && path_len) {
+        if (strlen(g_path) >= path_len) return -ENAMETOOLONG;
+        memcpy(path, g_path, strlen(g_path) + 1);
+    }
+    return 0;
+}
+
+void vmm__broker_forget_after_fork(void)
+{
+    /* Only this thread exists in the child.  Drop our copies of the parent's listening socket
+     * and connection (the parent keeps serving through its own), never its socket file. */
+    int fd = __atomic_exchange_n(&g_listen_fd, -1, __ATOMIC_ACQ_REL);
+    if (fd >= 0) close(fd);
+    fd = __atomic_exchange_n(&g_conn_fd, -1, __ATOMIC_ACQ_REL);
+    if (fd >= 0) close(fd);
+    g_path[0] = 0;
+    g_owner_pid = 0;
+    __atomic_store_n(&g_warned_start, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_state, ST_IDLE, __ATOMIC_RELEASE);
+}

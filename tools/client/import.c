@@ -1,0 +1,589 @@
+/* libvmmshim-client: importing a live allocation into the calling process.
+ *
+ * The fd comes from the owner's broker (VMM_KIND_BROKER: one SOCK_SEQPACKET request, the reply
+ * carries the fd with SCM_RIGHTS; wire format in shim/broker/protocol.h) or straight out of the
+ * owner's fd table (VMM_KIND_PIDFD: pidfd_getfd, which needs ptrace permission over the owner).
+ * The CUDA driver is dlopen'ed on first use; this library links none.  Rules as in client.c:
+ * never print, never exit, every failure leaves a one-line reason in vmm_last_error(). */
+#include "vmmshim.h"
+
+#include "broker/protocol.h"
+#include "registry/registry.h"
+
+#include <cuda.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define VMM_PUBLIC __attribute__((visibility("default")))
+#define CONNECT_TIMEOUT_MS 2000
+/* The broker serves connections one at a time and gives each at most 1 s. */
+#define REPLY_TIMEOUT_MS 5000
+
+/* ------------------------------------------------------------------------------------------ */
+/* Errors                                                                                      */
+
+/* client.c owns the thread-local reason buffer (static there); vmm_last_error() returns that
+ * writable, thread-local array (512 bytes).  Until client.c offers an internal setter, write the
+ * reason through it, staying well inside its size.  Same rules: one printable line. */
+#define IMPORT_ERR_MAX 256
+
+__attribute__((format(printf, 2, 3))) static vmm_status set_err(vmm_status st, const char *fmt, ...)
+{
+    char buf[IMPORT_ERR_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (n < 0) snprintf(buf, sizeof buf, "%s", vmm_strerror(st));
+    for (char *p = buf; *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f) *p = ' ';
+    char *dst = (char *)vmm_last_error();
+    memcpy(dst, buf, strlen(buf) + 1);
+    return st;
+}
+
+#define NEED(cond, what)                                                                          \
+    do {                                                                                          \
+        if (!(cond)) return set_err(VMM_ERR_INVALID, "%s: %s", __func__, what);                   \
+    } while (0)
+
+/* ------------------------------------------------------------------------------------------ */
+/* The driver, found at run time                                                              */
+
+typedef struct cuda_api {
+    CUresult (*Init)(unsigned int);
+    CUresult (*CtxGetCurrent)(CUcontext *);
+    CUresult (*CtxSetCurrent)(CUcontext);
+    CUresult (*CtxGetDevice)(CUdevice *);
+    CUresult (*DeviceGet)(CUdevice *, int);
+    CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*MemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
+    CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*MemAddressFree)(CUdeviceptr, size_t);
+    CUresult (*MemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+    CUresult (*MemUnmap)(CUdeviceptr, size_t);
+    CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    CUresult (*MemRelease)(CUmemGenericAllocationHandle);
+    CUresult (*GetErrorName)(CUresult, const char **);
+} cuda_api;
+
+static cuda_api cu;
+static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
+static char cu_error[200]; /* why the driver cannot be used; "" when it can */
+
+/* The exported ABI names: none of these is renamed to a _v2 by cuda.h at CUDA 13 (the macros in
+ * cuda.h only cover e.g. cuDevicePrimaryCtxRelease_v2 and cuMemcpyDtoH_v2, not used here). */
+static void cuda_load(void)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        const char *e = dlerror();
+        snprintf(cu_error, sizeof cu_error, "libcuda.so.1 not found: %s", e ? e : "dlopen failed");
+        return;
+    }
+    struct {
+        const char *name;
+        void **slot;
+        bool optional;
+    } syms[] = {
+#define SYM(field, name, opt) {name, (void **)&cu.field, opt}
+        SYM(Init, "cuInit", false),
+        SYM(CtxGetCurrent, "cuCtxGetCurrent", false),
+        SYM(CtxSetCurrent, "cuCtxSetCurrent", false),
+        SYM(CtxGetDevice, "cuCtxGetDevice", false),
+        SYM(DeviceGet, "cuDeviceGet", true),
+        SYM(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", false),
+        SYM(MemImportFromShareableHandle, "cuMemImportFromShareableHandle", false),
+        SYM(MemAddressReserve, "cuMemAddressReserve", false),
+        SYM(MemAddressFree, "cuMemAddressFree", false),
+        SYM(MemMap, "cuMemMap", false),
+        SYM(MemUnmap, "cuMemUnmap", false),
+        SYM(MemSetAccess, "cuMemSetAccess", false),
+        SYM(MemRelease, "cuMemRelease", false),
+        SYM(GetErrorName, "cuGetErrorName", true),
+#undef SYM
+    };
+    for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
+        void *p = dlsym(h, syms[i].name);
+        if (!p && !syms[i].optional) {
+            snprintf(cu_error, sizeof cu_error, "libcuda.so.1 lacks %s (driver too old?)", syms[i].name);
+            memset(&cu, 0, sizeof cu);
+            return; /* the handle stays open: harmless, and dlclose of a driver is not */
+        }
+        memcpy(syms[i].slot, &p, sizeof p);
+    }
+}
+
+static vmm_status cuda_ready(void)
+{
+    pthread_once(&cu_once, cuda_load);
+    return cu_error[0] ? set_err(VMM_ERR_CUDA, "%s", cu_error) : VMM_OK;
+}
+
+static vmm_status cu_fail(const char *what, CUresult r)
+{
+    const char *name = NULL;
+    if (!cu.GetErrorName || cu.GetErrorName(r, &name) != CUDA_SUCCESS || !name) name = "CUDA_ERROR_UNKNOWN";
+    return set_err(VMM_ERR_CUDA, "%s failed: %s (%d)", what, name, (int)r);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Owner identity                                                                              */
+
+typedef struct {
+    const vmm_alloc_info *alloc;
+    vmm_proc_info *out;
+    bool found;
+} proc_match;
+
+static int match_proc(void *ctx, const vmm_proc_info *p)
+{
+    proc_match *m = ctx;
+    if (p->pid != m->alloc->pid || p->start_time != m->alloc->owner_start_time ||
+        (m->alloc->owner_pidns && p->pidns && p->pidns != m->alloc->owner_pidns))
+        return 0;
+    *m->out = *p;
+    m->found = true;
+    return 1;
+}
+
+static int owner_liveness(const vmm_alloc_info *a)
+{
+    return vmm__reg_liveness(a->pid, a->owner_start_time, a->owner_pidns);
+}
+
+static vmm_status owner_dead(const vmm_alloc_info *a)
+{
+    return set_err(VMM_ERR_OWNER_DEAD, "owner pid %u has exited", a->pid);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Broker                                                                                      */
+
+static long ms_left(const struct timespec *deadline)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long ms = (long)(deadline->tv_sec - now.tv_sec) * 1000 + (deadline->tv_nsec - now.tv_nsec) / 1000000;
+    return ms < 0 ? 0 : ms;
+}
+
+static void deadline_in(struct timespec *d, long ms)
+{
+    clock_gettime(CLOCK_MONOTONIC, d);
+    d->tv_sec += ms / 1000;
+    d->tv_nsec += (ms % 1000) * 1000000;
+    if (d->tv_nsec >= 1000000000) {
+        d->tv_sec++;
+        d->tv_nsec -= 1000000000;
+    }
+}
+
+/* Connect (non-blocking) within CONNECT_TIMEOUT_MS.  Returns the socket or -errno. */
+static int broker_connect(const char *path)
+{
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    size_t len = strlen(path);
+    if (len >= sizeof sa.sun_path) return -ENAMETOOLONG;
+    memcpy(sa.sun_path, path, len + 1);
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (s < 0) return -errno;
+    struct timespec deadline;
+    deadline_in(&deadline, CONNECT_TIMEOUT_MS);
+    for (;;) {
+        if (connect(s, (struct sockaddr *)&sa, sizeof sa) == 0) return s;
+        int e = errno;
+        if (e == EINTR) continue;
+        if (e == EAGAIN) { /* the listener's backlog is full: it is busy, wait a little */
+            long left = ms_left(&deadline);
+            if (left == 0) break;
+            (void)poll(NULL, 0, left < 10 ? (int)left : 10);
+            continue;
+        }
+        if (e == EINPROGRESS) {
+            struct pollfd p = {.fd = s, .events = POLLOUT};
+            int pr;
+            do pr = poll(&p, 1, (int)ms_left(&deadline));
+            while (pr < 0 && errno == EINTR);
+            if (pr <= 0) break;
+            int soerr = 0;
+            socklen_t sl = sizeof soerr;
+            if (getsockopt(s, SOL_SOCKET, SO_ERROR, &soerr, &sl) != 0) soerr = errno;
+            if (soerr == 0) return s;
+            close(s);
+            return -soerr;
+        }
+        close(s);
+        return -e;
+    }
+    close(s);
+    return -ETIMEDOUT;
+}
+
+/* Receive the reply and at most one fd (any extra fds are closed).  Returns 0 or -errno. */
+static int broker_recv(int s, vmm_broker_reply *rep, int *fd)
+{
+    *fd = -1;
+    struct pollfd p = {.fd = s, .events = POLLIN};
+    int pr;
+    do pr = poll(&p, 1, REPLY_TIMEOUT_MS);
+    while (pr < 0 && errno == EINTR);
+    if (pr < 0) return -errno;
+    if (pr == 0) return -ETIMEDOUT;
+    union {
+        vmm_broker_reply rep;
+        uint8_t raw[sizeof(vmm_broker_reply) + 32];
+    } in;
+    memset(&in, 0, sizeof in);
+    union {
+        struct cmsghdr align;
+        char buf[CMSG_SPACE(4 * sizeof(int))];
+    } ctl;
+    struct iovec iov = {.iov_base = in.raw, .iov_len = sizeof in.raw};
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.buf;
+    mh.msg_controllen = sizeof ctl.buf;
+    ssize_t n;
+    do n = recvmsg(s, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    while (n < 0 && errno == EINTR);
+    if (n < 0) return -errno;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < k; i++) {
+            int f;
+            memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
+            if (*fd < 0)
+                *fd = f;
+            else
+                close(f);
+        }
+    }
+    if (n == 0) {
+        if (*fd >= 0) close(*fd);
+        *fd = -1;
+        return -ECONNRESET; /* closed without a word */
+    }
+    if ((size_t)n != sizeof(vmm_broker_reply) || in.rep.magic != VMM_BROKER_MAGIC) {
+        if (*fd >= 0) close(*fd);
+        *fd = -1;
+        return -EPROTO;
+    }
+    *rep = in.rep;
+    if (rep->status != 0 && *fd >= 0) {
+        close(*fd);
+        *fd = -1;
+    }
+    return 0;
+}
+
+static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *fd_out, uint64_t *mapped)
+{
+    vmm_proc_info proc;
+    proc_match m = {.alloc = a, .out = &proc};
+    vmm_status st = vmm_foreach_proc(reg, match_proc, &m);
+    if (st != VMM_OK) return st;
+    if (!m.found) {
+        if (owner_liveness(a) == VMM__DEAD) return owner_dead(a);
+        return set_err(VMM_ERR_NOT_FOUND, "no process record for owner pid %u in the registry", a->pid);
+    }
+    if (!proc.broker_path[0]) {
+        if (owner_liveness(a) == VMM__DEAD) return owner_dead(a);
+        return set_err(VMM_ERR_NOT_FOUND, "owner pid %u has no broker (not started yet)", a->pid);
+    }
+    int s = broker_connect(proc.broker_path);
+    if (s < 0) {
+        int e = -s;
+        if (e == ECONNREFUSED || e == ENOENT || e == ENOTDIR) {
+            if (owner_liveness(a) == VMM__DEAD) return owner_dead(a);
+            return set_err(VMM_ERR_IO, "owner pid %u's broker %s is not listening: %s", a->pid, proc.broker_path,
+                           strerror(e));
+        }
+        if (e == EACCES || e == EPERM)
+            return set_err(VMM_ERR_ACCESS, "cannot reach owner pid %u's broker %s: %s (is this user in the "
+                                           "owner's VMMSHIM_BROKER_GROUP?)",
+                           a->pid, proc.broker_path, strerror(e));
+        if (e == ETIMEDOUT)
+            return set_err(VMM_ERR_IO, "owner pid %u's broker %s: connect timed out", a->pid, proc.broker_path);
+        return set_err(VMM_ERR_IO, "owner pid %u's broker %s: connect: %s", a->pid, proc.broker_path, strerror(e));
+    }
+    vmm_broker_request req;
+    memset(&req, 0, sizeof req);
+    req.magic = VMM_BROKER_MAGIC;
+    req.version = VMM_BROKER_VERSION;
+    req.slot = a->slot;
+    req.generation = a->generation;
+    memcpy(req.alloc_id, a->alloc_id, sizeof req.alloc_id);
+    ssize_t n;
+    do n = send(s, &req, sizeof req, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (n < 0 && errno == EINTR);
+    if (n != (ssize_t)sizeof req) {
+        int e = n < 0 ? errno : EIO;
+        close(s);
+        if ((e == EPIPE || e == ECONNRESET) && owner_liveness(a) == VMM__DEAD) return owner_dead(a);
+        return set_err(VMM_ERR_IO, "owner pid %u's broker: send: %s", a->pid, strerror(e));
+    }
+    vmm_broker_reply rep;
+    memset(&rep, 0, sizeof rep);
+    int fd = -1;
+    int rc = broker_recv(s, &rep, &fd);
+    close(s);
+    if (rc) {
+        if ((rc == -ECONNRESET || rc == -EPIPE) && owner_liveness(a) == VMM__DEAD) return owner_dead(a);
+        if (rc == -ETIMEDOUT)
+            return set_err(VMM_ERR_IO, "owner pid %u's broker did not reply within %d s", a->pid,
+                           REPLY_TIMEOUT_MS / 1000);
+        if (rc == -EPROTO) return set_err(VMM_ERR_IO, "owner pid %u's broker sent a malformed reply", a->pid);
+        if (rc == -ECONNRESET)
+            return set_err(VMM_ERR_IO, "owner pid %u's broker closed the connection without replying", a->pid);
+        return set_err(VMM_ERR_IO, "owner pid %u's broker: recv: %s", a->pid, strerror(-rc));
+    }
+    switch (rep.status) {
+    case 0: break;
+    case -ESTALE:
+        return set_err(VMM_ERR_STALE, "allocation was freed (generation %llu is gone)",
+                       (unsigned long long)a->generation);
+    case -ENOENT:
+        return set_err(VMM_ERR_STALE, "allocation was freed (slot %llu is no longer live in pid %u)",
+                       (unsigned long long)a->slot, a->pid);
+    case -EACCES:
+        return set_err(VMM_ERR_ACCESS, "owner's broker refused this uid (%u); the owner's VMMSHIM_BROKER_GROUP "
+                                       "decides who else may import",
+                       (unsigned)geteuid());
+    case -EPROTO: return set_err(VMM_ERR_IO, "owner pid %u's broker rejected the request (protocol mismatch)", a->pid);
+    default:
+        return set_err(VMM_ERR_IO, "owner pid %u's broker could not export the allocation: %s", a->pid,
+                       rep.status < 0 && rep.status > -4096 ? strerror(-rep.status) : "unknown status");
+    }
+    if (fd < 0) return set_err(VMM_ERR_IO, "owner pid %u's broker replied without an fd", a->pid);
+    *fd_out = fd;
+    if (rep.mapped_size) *mapped = rep.mapped_size;
+    return VMM_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* pidfd                                                                                       */
+
+static vmm_status pidfd_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *fd_out)
+{
+    if (a->exported_fd < 0) return set_err(VMM_ERR_INVALID, "allocation has no exported fd for pidfd_getfd");
+    int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)a->pid, 0);
+    if (pidfd < 0) {
+        int e = errno;
+        if (e == ESRCH) return owner_dead(a);
+        if (e == ENOSYS) return set_err(VMM_ERR_IO, "pidfd_open: not supported by this kernel (Linux >= 5.6 needed)");
+        return set_err(VMM_ERR_IO, "pidfd_open(%u): %s", a->pid, strerror(e));
+    }
+    /* The pidfd pins the process: if it is the owner now, it is the owner for good. */
+    int live = owner_liveness(a);
+    if (live != VMM__ALIVE) {
+        close(pidfd);
+        if (live == VMM__DEAD) return owner_dead(a);
+        return set_err(VMM_ERR_ACCESS, "owner pid %u is in another pid namespace; pidfd_getfd cannot reach it", a->pid);
+    }
+    int fd = (int)syscall(SYS_pidfd_getfd, pidfd, a->exported_fd, 0); /* the new fd is close-on-exec */
+    int e = errno;
+    close(pidfd);
+    if (fd < 0) {
+        if (e == EPERM || e == EACCES)
+            return set_err(VMM_ERR_ACCESS, "pidfd_getfd(pid %u, fd %d) denied: needs ptrace permission over the owner "
+                                           "(same uid and kernel.yama.ptrace_scope 0, or CAP_SYS_PTRACE)",
+                           a->pid, a->exported_fd);
+        if (e == ESRCH) return owner_dead(a);
+        if (e == EBADF)
+            return set_err(VMM_ERR_STALE, "allocation was freed (fd %d is closed in pid %u)", a->exported_fd, a->pid);
+        if (e == ENOSYS) return set_err(VMM_ERR_IO, "pidfd_getfd: not supported by this kernel (Linux >= 5.6 needed)");
+        return set_err(VMM_ERR_IO, "pidfd_getfd(pid %u, fd %d): %s", a->pid, a->exported_fd, strerror(e));
+    }
+    /* The number may have been reused after a free: the record must still be this allocation.
+     * (The shim retracts the record before it closes the exported fd.) */
+    vmm_alloc_info now;
+    vmm_status st = vmm_find(reg, a->pid, a->address, &now);
+    if (st == VMM_OK && (now.slot != a->slot || now.generation != a->generation ||
+                         memcmp(now.alloc_id, a->alloc_id, sizeof now.alloc_id) != 0))
+        st = VMM_ERR_STALE;
+    if (st != VMM_OK) {
+        close(fd);
+        if (st == VMM_ERR_STALE || st == VMM_ERR_NOT_FOUND)
+            return set_err(VMM_ERR_STALE, "allocation was freed (generation %llu is gone)",
+                           (unsigned long long)a->generation);
+        return st; /* vmm_find's reason stands */
+    }
+    *fd_out = fd;
+    return VMM_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Public                                                                                      */
+
+struct vmm_imported {
+    CUdeviceptr ptr;
+    size_t mapped_size;
+    uint64_t requested_size;
+    CUmemGenericAllocationHandle handle;
+    CUcontext ctx;
+};
+
+static vmm_status fetch_fd(vmm_registry *reg, const vmm_alloc_info *a, int *fd, uint64_t *mapped)
+{
+    *fd = -1;
+    *mapped = a->mapped_size;
+    if (a->handle_kinds & VMM_KIND_BROKER) {
+        vmm_status st = broker_fetch(reg, a, fd, mapped);
+        /* a broker that has not started yet is no reason to give up when pidfd works too */
+        if (st == VMM_ERR_NOT_FOUND && (a->handle_kinds & VMM_KIND_PIDFD)) return pidfd_fetch(reg, a, fd);
+        return st;
+    }
+    if (a->handle_kinds & VMM_KIND_PIDFD) return pidfd_fetch(reg, a, fd);
+    if (a->handle_kinds & VMM_KIND_FABRIC)
+        return set_err(VMM_ERR_INVALID, "allocation offers only a FABRIC handle; this library imports fds");
+    return set_err(VMM_ERR_INVALID, "allocation is not exportable (its owner passed it through)");
+}
+
+VMM_PUBLIC vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd)
+{
+    NEED(reg, "reg is NULL");
+    NEED(alloc, "alloc is NULL");
+    NEED(fd, "fd is NULL");
+    *fd = -1;
+    NEED(alloc->pid != 0, "alloc->pid is 0");
+    uint64_t mapped;
+    return fetch_fd(reg, alloc, fd, &mapped);
+}
+
+VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out)
+{
+    NEED(out, "out is NULL");
+    *out = NULL;
+    NEED(reg, "reg is NULL");
+    NEED(alloc, "alloc is NULL");
+    NEED(alloc->pid != 0, "alloc->pid is 0");
+    NEED(alloc->mapped_size != 0, "alloc->mapped_size is 0");
+    vmm_status st = cuda_ready();
+    if (st != VMM_OK) return st;
+    vmm_imported *imp = calloc(1, sizeof *imp);
+    if (!imp) return set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
+
+    int fd = -1;
+    uint64_t mapped = 0;
+    if ((st = fetch_fd(reg, alloc, &fd, &mapped)) != VMM_OK) {
+        free(imp);
+        return st;
+    }
+
+    CUresult r;
+    CUcontext ctx = NULL;
+    CUdevice dev = 0;
+    const char *what = NULL;
+    bool imported = false, reserved = false, mapped_ok = false;
+    if ((r = cu.Init(0)) != CUDA_SUCCESS) {
+        what = "cuInit";
+        goto fail;
+    }
+    if ((r = cu.CtxGetCurrent(&ctx)) != CUDA_SUCCESS) {
+        what = "cuCtxGetCurrent";
+        goto fail;
+    }
+    if (!ctx) {
+        /* no context on this thread: device 0's primary one (retained for the process's life) */
+        CUdevice d0 = 0;
+        if (cu.DeviceGet && (r = cu.DeviceGet(&d0, 0)) != CUDA_SUCCESS) {
+            what = "cuDeviceGet";
+            goto fail;
+        }
+        if ((r = cu.DevicePrimaryCtxRetain(&ctx, d0)) != CUDA_SUCCESS) {
+            what = "cuDevicePrimaryCtxRetain";
+            goto fail;
+        }
+        if ((r = cu.CtxSetCurrent(ctx)) != CUDA_SUCCESS) {
+            what = "cuCtxSetCurrent";
+            goto fail;
+        }
+    }
+    if ((r = cu.CtxGetDevice(&dev)) != CUDA_SUCCESS) {
+        what = "cuCtxGetDevice";
+        goto fail;
+    }
+    r = cu.MemImportFromShareableHandle(&imp->handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    close(fd); /* the driver keeps its own reference */
+    fd = -1;
+    if (r != CUDA_SUCCESS) {
+        what = "cuMemImportFromShareableHandle";
+        goto fail;
+    }
+    imported = true;
+    if ((r = cu.MemAddressReserve(&imp->ptr, (size_t)mapped, 0, 0, 0)) != CUDA_SUCCESS) {
+        what = "cuMemAddressReserve";
+        goto fail;
+    }
+    reserved = true;
+    if ((r = cu.MemMap(imp->ptr, (size_t)mapped, 0, imp->handle, 0)) != CUDA_SUCCESS) {
+        what = "cuMemMap";
+        goto fail;
+    }
+    mapped_ok = true;
+    CUmemAccessDesc acc;
+    memset(&acc, 0, sizeof acc);
+    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    acc.location.id = (int)dev;
+    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if ((r = cu.MemSetAccess(imp->ptr, (size_t)mapped, &acc, 1)) != CUDA_SUCCESS) {
+        what = "cuMemSetAccess";
+        goto fail;
+    }
+    imp->mapped_size = (size_t)mapped;
+    imp->requested_size = alloc->requested_size ? alloc->requested_size : mapped;
+    imp->ctx = ctx;
+    *out = imp;
+    return VMM_OK;
+
+fail:
+    st = cu_fail(what, r);
+    if (fd >= 0) close(fd);
+    if (mapped_ok) (void)cu.MemUnmap(imp->ptr, (size_t)mapped);
+    if (reserved) (void)cu.MemAddressFree(imp->ptr, (size_t)mapped);
+    if (imported) (void)cu.MemRelease(imp->handle);
+    free(imp);
+    return st;
+}
+
+VMM_PUBLIC uint64_t vmm_import_ptr(const vmm_imported *imp) { return imp ? (uint64_t)imp->ptr : 0; }
+
+VMM_PUBLIC uint64_t vmm_import_size(const vmm_imported *imp) { return imp ? imp->requested_size : 0; }
+
+VMM_PUBLIC vmm_status vmm_import_release(vmm_imported *imp)
+{
+    if (!imp) return VMM_OK;
+    /* cuda_ready() succeeded when imp was made; the table never changes after. */
+    CUcontext cur = NULL;
+    bool switched = false;
+    if (cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur != imp->ctx && cu.CtxSetCurrent(imp->ctx) == CUDA_SUCCESS)
+        switched = true;
+    vmm_status st = VMM_OK;
+    CUresult r;
+    if ((r = cu.MemUnmap(imp->ptr, imp->mapped_size)) != CUDA_SUCCESS) st = cu_fail("cuMemUnmap", r);
+    if ((r = cu.MemRelease(imp->handle)) != CUDA_SUCCESS && st == VMM_OK) st = cu_fail("cuMemRelease", r);
+    if ((r = cu.MemAddressFree(imp->ptr, imp->mapped_size)) != CUDA_SUCCESS && st == VMM_OK)
+        st = cu_fail("cuMemAddressFree", r);
+    if (switched) (void)cu.CtxSetCurrent(cur);
+    free(imp);
+    return st;
+}
