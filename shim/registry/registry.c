@@ -115,7 +115,7 @@ int vmm__reg_validate(const void *base, size_t size, char *err, size_t errlen)
     char d[160];
     if (size < sizeof(vmm_reg_header)) {
         snprintf(d, sizeof d, "segment is %zu bytes, shorter than its header", size);
-        return fail(err, errlen, -EPROTO, "registry %s: %s", "", d);
+        return fail(err, errlen, -EPROTO, "registry%s: %s", "", d);
     }
     if (h->magic != VMM_REG_MAGIC) return fail(err, errlen, -EPROTO, "registry%s: %s", "", "wrong magic (not a vmmshim registry)");
     if (__atomic_load_n(&h->ready, __ATOMIC_ACQUIRE) != 1)
@@ -131,14 +131,18 @@ int vmm__reg_validate(const void *base, size_t size, char *err, size_t errlen)
         return fail(err, errlen, -EPROTO, "registry%s: %s", "", "record sizes do not match this reader");
     uint64_t cap = h->capacity, ch = h->chunk_count, slots = h->index_slots;
     if (h->chunk_records != VMM_REG_CHUNK_RECORDS || cap == 0 || cap > (1ull << 28) || ch * VMM_REG_CHUNK_RECORDS != cap ||
-        slots < cap || (slots & (slots - 1)) || h->proc_capacity == 0 || h->proc_capacity > (1u << 20))
+        slots < cap || slots > (1ull << 32) || (slots & (slots - 1)) || h->proc_capacity == 0 ||
+        h->proc_capacity > (1u << 20))
         return fail(err, errlen, -EPROTO, "registry%s: %s", "", "corrupt header (capacity fields)");
-    if (h->proc_off < h->header_size || h->chunk_off < h->proc_off + (uint64_t)h->proc_capacity * h->proc_size ||
-        h->index_off < h->chunk_off + ch * 8 || h->rec_off < h->index_off + slots * 4 ||
-        h->total_size < h->rec_off + cap * h->alloc_size || h->total_size > size)
-        return fail(err, errlen, -EPROTO, "registry%s: %s", "",
-                    h->total_size > size ? "segment is shorter than its header says (truncated)"
-                                         : "corrupt header (region offsets overlap)");
+    /* Every offset within the object first, so the sums below cannot wrap (sizes are bounded
+     * above); 8-byte aligned, so the 8-byte atomics never straddle. */
+    if (h->total_size > size)
+        return fail(err, errlen, -EPROTO, "registry%s: %s", "", "segment is shorter than its header says (truncated)");
+    if (h->proc_off > size || h->chunk_off > size || h->index_off > size || h->rec_off > size ||
+        ((h->proc_off | h->chunk_off | h->index_off | h->rec_off) & 7) || h->proc_off < h->header_size ||
+        h->chunk_off < h->proc_off + (uint64_t)h->proc_capacity * h->proc_size || h->index_off < h->chunk_off + ch * 8 ||
+        h->rec_off < h->index_off + slots * 4 || h->total_size < h->rec_off + cap * h->alloc_size)
+        return fail(err, errlen, -EPROTO, "registry%s: %s", "", "corrupt header (region offsets overlap or are misaligned)");
     return 0;
 }
 
@@ -341,6 +345,8 @@ int vmm__proc_identity(uint32_t pid, uint64_t *start_time, uint64_t *pidns)
     char *p = strrchr(buf, ')');
     if (!p) return -EIO;
     p++;
+    /* a zombie (or a dying task) has exited: nobody will ever free its records */
+    if (p[0] == ' ' && (p[1] == 'Z' || p[1] == 'X')) return -ESRCH;
     for (int field = 3; field < 22 && p; field++) p = strchr(p + 1, ' ');
     if (!p) return -EIO;
     *start_time = strtoull(p + 1, NULL, 10);
@@ -453,11 +459,31 @@ int vmm__reg_set_broker(vmm__reg *r, const char *broker_path)
     return 0;
 }
 
+/* OFD locks belong to the open file description, which all threads of a process share: these
+ * serialise the threads of this process before the OFD lock serialises the processes. */
+static pthread_mutex_t index_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t gc_mutex = PTHREAD_MUTEX_INITIALIZER;
+
 void vmm__reg_forget_after_fork(vmm__reg *r)
 {
     pthread_mutex_init(&r->lock, NULL);
+    pthread_mutex_init(&index_mutex, NULL);
+    pthread_mutex_init(&gc_mutex, NULL);
     r->attached = false;
     r->n_free = r->n_chunks = 0;
+    /* The inherited fd shares the parent's open file description, so its OFD locks would not
+     * exclude the parent's: open the same object again (by /proc/self/fd, no name lookup, works
+     * if unlinked) for a description of our own, under the same fd number.  No snprintf: this
+     * may run in an atfork handler. */
+    if (r->fd < 0) return;
+    char path[32] = "/proc/self/fd/", digits[12];
+    int n = 0, len = (int)strlen(path);
+    for (unsigned v = (unsigned)r->fd; n == 0 || v; v /= 10) digits[n++] = (char)('0' + v % 10);
+    while (n) path[len++] = digits[--n];
+    path[len] = 0;
+    int fd = open(path, (r->writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+    if (fd < 0 || dup3(fd, r->fd, O_CLOEXEC) < 0) r->writable = false; /* cannot lock safely: no writing */
+    if (fd >= 0) close(fd);
 }
 
 static void index_lock(vmm__reg *r);
@@ -532,7 +558,7 @@ static int claim_chunk(vmm__reg *r)
 {
     uint64_t count = r->hdr->chunk_count, tag = chunk_tag(r), c = UINT64_MAX;
     if (grow((void **)&r->chunks, &r->cap_chunks, r->n_chunks + 1, sizeof *r->chunks) ||
-        grow((void **)&r->free_slots, &r->cap_free, r->n_free + VMM_REG_CHUNK_RECORDS, sizeof *r->free_slots))
+        grow((void **)&r->free_slots, &r->cap_free, (r->n_chunks + 1) * VMM_REG_CHUNK_RECORDS, sizeof *r->free_slots))
         return -ENOMEM;
     if (__atomic_load_n(&r->hdr->chunks_hwm, __ATOMIC_RELAXED) < count) {
         uint64_t h = __atomic_fetch_add(&r->hdr->chunks_hwm, 1, __ATOMIC_ACQ_REL);
@@ -567,6 +593,7 @@ static bool owns_slot(const vmm__reg *r, uint32_t slot)
 int vmm__reg_bind(vmm__reg *r, uint64_t address, uint64_t mapped_size, uint32_t *slot)
 {
     if (!r->attached) return -EINVAL;
+    if (mapped_size > (1ull << VMM_REG_MAX_ALIGN_SHIFT)) return -EINVAL;
     uint64_t align = pow2_ceil(mapped_size < (1ull << VMM_REG_MIN_ALIGN_SHIFT) ? (1ull << VMM_REG_MIN_ALIGN_SHIFT) : mapped_size);
     if (mapped_size == 0 || address == 0 || (address & (align - 1)) || align > (1ull << VMM_REG_MAX_ALIGN_SHIFT))
         return -EINVAL;
@@ -615,7 +642,7 @@ int vmm__reg_publish(vmm__reg *r, uint32_t slot, const vmm_reg_alloc *d, vmm_reg
     if (!memcmp(v.alloc_id, zero_id, 16)) {
         uint64_t n = __atomic_add_fetch(&r->id_counter, 1, __ATOMIC_RELAXED);
         /* splitmix64 is a bijection: ids stay unique per process and look random across them */
-        uint64_t x = n + 0x9e3779b97f4a7c15ull;
+        uint64_t x = n + r->id_nonce; /* both halves then differ between processes */
         x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
         x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
         x ^= x >> 31;
@@ -710,6 +737,7 @@ static void index_rebuild_locked(vmm__reg *r)
 
 static void index_lock(vmm__reg *r)
 {
+    pthread_mutex_lock(&index_mutex);
     (void)ofd_lock(r->fd, VMM_REG_LOCK_INDEX, F_WRLCK);
     uint64_t s = __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED);
     bool torn = s & 1u; /* the last index writer died mid-change */
@@ -722,6 +750,7 @@ static void index_unlock(vmm__reg *r)
 {
     __atomic_store_n(&r->hdr->index_seq, __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
     ofd_unlock(r->fd, VMM_REG_LOCK_INDEX);
+    pthread_mutex_unlock(&index_mutex);
 }
 
 static uint64_t entry_home(const vmm__reg *r, uint32_t e, uint64_t mask)
@@ -801,10 +830,9 @@ int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_all
     if (!slot) slot = &dummy;
     for (int attempt = 0; attempt < READ_RETRIES; attempt++) {
         uint64_t s1 = __atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE), prev = UINT64_MAX;
-        if (s1 & 1u) {
-            if (attempt > 64) sched_yield();
-            continue;
-        }
+        /* Search even while the index changes (or its writer died mid-change): what a search
+         * finds is checked against the record itself; only "not found" needs a quiet index. */
+        if ((s1 & 1u) && attempt > 64) sched_yield();
         for (unsigned k = VMM_REG_MIN_ALIGN_SHIFT; k <= VMM_REG_MAX_ALIGN_SHIFT; k++) {
             uint64_t base = address & ~((1ull << k) - 1);
             if (base == prev) continue;
@@ -815,7 +843,7 @@ int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_all
             }
         }
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
-        if (__atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) == s1) return -ENOENT;
+        if (!(s1 & 1u) && __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) == s1) return -ENOENT;
     }
     return -EAGAIN;
 }
@@ -857,8 +885,12 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
     if (!st) st = &z;
     memset(st, 0, sizeof *st);
     if (!r->writable) return -EPERM;
+    pthread_mutex_lock(&gc_mutex);
     int rc = ofd_lock(r->fd, VMM_REG_LOCK_GC, F_WRLCK);
-    if (rc) return rc;
+    if (rc) {
+        pthread_mutex_unlock(&gc_mutex);
+        return rc;
+    }
     if (__atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE) & 1u) {
         /* a writer died mid-change and no writer came since: repair now */
         index_lock(r);
@@ -872,6 +904,7 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
         free(state);
         free(gens);
         ofd_unlock(r->fd, VMM_REG_LOCK_GC);
+        pthread_mutex_unlock(&gc_mutex);
         return -ENOMEM;
     }
     for (uint32_t i = 0; i < cap; i++) {
@@ -930,6 +963,7 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
     free(state);
     free(gens);
     ofd_unlock(r->fd, VMM_REG_LOCK_GC);
+    pthread_mutex_unlock(&gc_mutex);
     return 0;
 }
 

@@ -1,0 +1,29 @@
+/* The shim's logic: VMM-backed allocations, the per-device cache, publishing.  Called by the
+ * forwarding-only hooks in shim/hooks; it knows nothing of which API route a call came from
+ * beyond the `api` tag it records. */
+#ifndef VMM_BACKING_H
+#define VMM_BACKING_H
+#include <cuda.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+    VMM__DONE = 0,     /* handled by the shim: *ptr set */
+    VMM__PASS = 1,     /* not the shim's: call the real function */
+    VMM__NOMEM = 2,    /* out of memory even after emptying the cache: report OOM */
+    VMM__INVALID = 3,  /* the shim's memory, but a double free or interior pointer */
+    VMM__REFUSED = 4   /* VMMSHIM_STRICT=1 and the shim could not start */
+} vmm__result;
+
+/* Allocate `size` bytes on the current context's device (binding the device's primary context
+ * when the thread has none, as the runtime does).  stream_ordered: free-reuse follows `stream`. */
+vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream stream, void **ptr);
+/* Free a pointer; async frees complete in `stream` order. */
+vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream);
+/* Record an allocation the shim passed through (e.g. made during stream capture). */
+void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream);
+/* Bytes held in the cache of the current device (counted as free by cudaMemGetInfo). */
+size_t vmm__cached_bytes_current(void);
+/* True when stream is being captured into a graph. */
+int vmm__stream_capturing(CUstream stream);
+#endif

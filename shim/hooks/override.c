@@ -1,0 +1,162 @@
+/* The interposed CUDA runtime surface.  Forwarding only: each hook asks shim/backing whether the
+ * call is the shim's, and otherwise calls the real function.  Calls the shim itself makes into
+ * CUDA (vmm__in_shim) always go straight through, so nothing is wrapped twice. */
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <string.h>
+
+#include "backing/backing.h"
+#include "hooks/real.h"
+#include "registry/layout.h"
+
+#define VMM_HOOK __attribute__((visibility("default")))
+
+cudaError_t cudaMallocAsync_ptsz(void **ptr, size_t size, cudaStream_t stream);
+cudaError_t cudaFreeAsync_ptsz(void *ptr, cudaStream_t stream);
+
+typedef cudaError_t (*malloc_fn)(void **, size_t);
+typedef cudaError_t (*free_fn)(void *);
+typedef cudaError_t (*malloc_async_fn)(void **, size_t, cudaStream_t);
+typedef cudaError_t (*free_async_fn)(void *, cudaStream_t);
+typedef cudaError_t (*mem_get_info_fn)(size_t *, size_t *);
+
+/* Resolve the real function once per hook; the resolver aborts if it finds the hook itself.
+ * memcpy moves pointers between function and object types, which ISO C does not convert. */
+#define REAL(name, type)                                                                              \
+    static type real_;                                                                                \
+    if (!real_) {                                                                                     \
+        type self_ = name;                                                                            \
+        void *self_obj, *found;                                                                       \
+        memcpy(&self_obj, &self_, sizeof self_obj);                                                   \
+        found = vmm__real_runtime(#name, self_obj);                                                   \
+        memcpy(&real_, &found, sizeof found);                                                         \
+    }                                                                                                 \
+    if (!real_) return cudaErrorInitializationError
+
+/* The per-thread default stream variants mean stream 0 as that thread's stream. */
+static CUstream per_thread(cudaStream_t s) { return s ? (CUstream)s : CU_STREAM_PER_THREAD; }
+
+static cudaError_t forward_malloc(cudaError_t rc, void **ptr, size_t size, uint32_t api, CUstream stream)
+{
+    if (rc == cudaSuccess) vmm__note_passthrough(*ptr, size, api, stream);
+    return rc;
+}
+
+static cudaError_t call_real_malloc(malloc_fn real, void **ptr, size_t size)
+{
+    vmm__enter();
+    cudaError_t rc = real(ptr, size);
+    vmm__leave();
+    return rc;
+}
+
+VMM_HOOK cudaError_t cudaMalloc(void **ptr, size_t size)
+{
+    REAL(cudaMalloc, malloc_fn);
+    if (vmm__in_shim()) return real_(ptr, size);
+    switch (vmm__alloc(size, VMM_API_CUDA_MALLOC, 0, NULL, ptr)) {
+    case VMM__DONE: return cudaSuccess;
+    case VMM__REFUSED: return cudaErrorNotSupported;
+    case VMM__NOMEM: /* the real allocator decides, so OOM (and the sticky last error) stay native */
+        return forward_malloc(call_real_malloc(real_, ptr, size), ptr, size, VMM_API_CUDA_MALLOC, NULL);
+    default: return call_real_malloc(real_, ptr, size);
+    }
+}
+
+/* A double free or an interior pointer of shim memory: let the runtime itself produce (and
+ * record as its last error) the error it gives for a pointer that is no allocation, without
+ * letting it near the shim's mapping.  A host address is never device memory. */
+static cudaError_t runtime_invalid_free(free_fn real)
+{
+    char not_device_memory;
+    vmm__enter();
+    cudaError_t rc = real(&not_device_memory);
+    vmm__leave();
+    return rc;
+}
+
+VMM_HOOK cudaError_t cudaFree(void *ptr)
+{
+    REAL(cudaFree, free_fn);
+    if (!vmm__in_shim()) switch (vmm__free(ptr, 0, NULL)) {
+        case VMM__DONE: return cudaSuccess;
+        case VMM__INVALID: return runtime_invalid_free(real_);
+        default: break;
+        }
+    vmm__enter();
+    cudaError_t rc = real_(ptr);
+    vmm__leave();
+    return rc;
+}
+
+static cudaError_t malloc_async(malloc_async_fn real, void **ptr, size_t size,
+                                cudaStream_t stream, CUstream cu_stream)
+{
+    cudaError_t rc;
+    if (vmm__in_shim()) return real(ptr, size, stream);
+    if (!vmm__stream_capturing(cu_stream)) {
+        switch (vmm__alloc(size, VMM_API_CUDA_MALLOC_ASYNC, 1, cu_stream, ptr)) {
+        case VMM__DONE: return cudaSuccess;
+        case VMM__REFUSED: return cudaErrorNotSupported;
+        case VMM__NOMEM: break;
+        default:
+            vmm__enter();
+            rc = real(ptr, size, stream);
+            vmm__leave();
+            return rc;
+        }
+    }
+    /* captured into a graph, or the device is full: the real pool's memory, noted as not exportable */
+    vmm__enter();
+    rc = real(ptr, size, stream);
+    vmm__leave();
+    return forward_malloc(rc, ptr, size, VMM_API_CUDA_MALLOC_ASYNC, cu_stream);
+}
+
+static cudaError_t free_async(free_async_fn real, void *ptr, cudaStream_t stream, CUstream cu_stream)
+{
+    char not_device_memory;
+    if (!vmm__in_shim()) switch (vmm__free(ptr, 1, cu_stream)) {
+        case VMM__DONE: return cudaSuccess;
+        case VMM__INVALID: ptr = &not_device_memory; break; /* the runtime's own error, as in cudaFree */
+        default: break;
+        }
+    vmm__enter();
+    cudaError_t rc = real(ptr, stream);
+    vmm__leave();
+    return rc;
+}
+
+VMM_HOOK cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t stream)
+{
+    REAL(cudaMallocAsync, malloc_async_fn);
+    return malloc_async(real_, ptr, size, stream, (CUstream)stream);
+}
+
+VMM_HOOK cudaError_t cudaMallocAsync_ptsz(void **ptr, size_t size, cudaStream_t stream)
+{
+    REAL(cudaMallocAsync_ptsz, malloc_async_fn);
+    return malloc_async(real_, ptr, size, stream, per_thread(stream));
+}
+
+VMM_HOOK cudaError_t cudaFreeAsync(void *ptr, cudaStream_t stream)
+{
+    REAL(cudaFreeAsync, free_async_fn);
+    return free_async(real_, ptr, stream, (CUstream)stream);
+}
+
+VMM_HOOK cudaError_t cudaFreeAsync_ptsz(void *ptr, cudaStream_t stream)
+{
+    REAL(cudaFreeAsync_ptsz, free_async_fn);
+    return free_async(real_, ptr, stream, per_thread(stream));
+}
+
+VMM_HOOK cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total)
+{
+    REAL(cudaMemGetInfo, mem_get_info_fn);
+    vmm__enter();
+    cudaError_t rc = real_(free_bytes, total);
+    vmm__leave();
+    if (rc == cudaSuccess && free_bytes) *free_bytes += vmm__cached_bytes_current(); /* the cache is ours to give back */
+    return rc;
+}

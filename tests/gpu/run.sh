@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# `make test-gpu`: the shim on a real GPU.  The shim, client library and vmmctl come from the
+# development machine's build (carry build/); test programs are compiled here against NVIDIA's
+# libcudart.  Prints one line per check and closes with "N passed, N failed".
+set -u
+cd "$(dirname "$0")/../.."
+B=$PWD/${BUILD:-build}
+W=${OUT:-/tmp}/vmmshim-gpu; mkdir -p "$W"
+CUDA=${CUDA_HOME:-/usr/local/cuda}
+export VMMSHIM_REGISTRY=/vmmshim-gpu-$$
+SHIM="LD_PRELOAD=$B/libvmmshim.so"
+pass=0; fail=0
+ok()   { pass=$((pass+1)); echo "PASS $*"; }
+bad()  { fail=$((fail+1)); echo "FAIL $*"; }
+check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
+
+cc_rt() { gcc -O2 -std=c11 -D_GNU_SOURCE -I"$CUDA/include" "$1" -o "$2" -L"$CUDA/lib64" -lcudart -pthread -Wl,-rpath,"$CUDA/lib64"; }
+for p in semantics threads owner async_reuse oom; do cc_rt tests/progs/$p.c "$W/$p" || bad "build $p"; done
+cc_rt tests/gpu/bench.c "$W/bench" || bad "build bench"
+nvcc -O2 -arch=sm_90 -cudart shared -Itools/include tests/gpu/kernels.cu -o "$W/kernels" -L"$B" -lvmmshim-client -Xlinker -rpath -Xlinker "$B" || bad "build kernels"
+
+echo "== runtime semantics, native vs shim"
+"$W/semantics" > "$W/sem.native" 2>&1
+env $SHIM "$W/semantics" > "$W/sem.shim" 2>"$W/sem.err"
+check "semantics identical to native" "cmp -s '$W/sem.native' '$W/sem.shim'"
+diff "$W/sem.native" "$W/sem.shim" | head -20; cat "$W/sem.err" | head -5
+
+echo "== 16 threads x 10000 allocate/free"
+env $SHIM "$W/threads" 16 10000 > "$W/thr" 2>&1; cat "$W/thr"
+check "threads: no failures" "grep -q 'failures=0' '$W/thr'"
+
+echo "== kernels: async streams with reuse"
+env $SHIM "$W/kernels" > "$W/k" 2>&1; cat "$W/k"
+check "async streams checked by kernels" "grep -q ', 0 bad words' '$W/k'"
+
+echo "== kernel in owner, kernel in companion"
+coproc OWN { env $SHIM "$W/kernels" owner; }
+read -r _ opid oaddr osize <&"${OWN[0]}"
+"$B/vmmctl" list --pid "$opid"
+"$B/vmmctl" show "$opid" "$oaddr"
+"$W/kernels" companion "$opid" "$oaddr" > "$W/comp" 2>&1; cat "$W/comp"
+check "companion kernel verifies owner's pattern" "grep -q 'pattern: yes' '$W/comp'"
+echo go >&"${OWN[1]}"; read -r line <&"${OWN[0]}"; echo "$line"; wait $OWN_PID 2>/dev/null
+owner_line=$line; check "owner kernel sees companion's writes" '[[ $owner_line == *yes ]]'
+
+echo "== vmmctl import-test while the owner runs"
+coproc OWN2 { env $SHIM "$W/owner" 3 1a; }
+read -r _ opid oaddr _ <&"${OWN2[0]}"; read -r _ _ oaddr2 _ <&"${OWN2[0]}"
+"$B/vmmctl" import-test "$opid" "$oaddr" | tee "$W/it"
+check "import-test reads the owner's bytes" "grep -q checksum '$W/it'"
+echo quit >&"${OWN2[1]}"; wait $OWN2_PID 2>/dev/null
+
+echo "== out of memory: 64 MiB blocks until failure"
+"$W/oom" > "$W/oom.native" 2>&1; env $SHIM "$W/oom" > "$W/oom.shim" 2>&1
+cat "$W/oom.native" "$W/oom.shim"
+n1=$(sed -n 's/^oom: \([0-9]*\) blocks.*/\1/p' "$W/oom.native"); n2=$(sed -n 's/^oom: \([0-9]*\) blocks.*/\1/p' "$W/oom.shim")
+echo "shim reached $n2 of native $n1 blocks"
+check "shim reaches >= 99% of native" "[ -n '$n2' ] && [ \$(( $n2 * 100 )) -ge \$(( $n1 * 99 )) ]"
+check "shim recovers after freeing" "grep -q 'recovered: $n2 of $n2' '$W/oom.shim'"
+
+echo "== PyTorch training loop"
+for conf in "" "backend:cudaMallocAsync"; do
+  PYTORCH_CUDA_ALLOC_CONF=$conf python3 tests/gpu/torch_train.py > "$W/t.native" 2>&1
+  PYTORCH_CUDA_ALLOC_CONF=$conf env $SHIM python3 tests/gpu/torch_train.py > "$W/t.shim" 2>&1
+  tail -1 "$W/t.shim"
+  check "torch ${conf:-default allocator}: same losses" "cmp -s '$W/t.native' '$W/t.shim'"
+  coproc TR { PYTORCH_CUDA_ALLOC_CONF=$conf PAUSE_FOR_COMPANION=1 env $SHIM python3 -u tests/gpu/torch_train.py 2>&1; }
+  while read -r l <&"${TR[0]}"; do [[ $l == param* ]] && break; done
+  read -r _ tpid tptr tlen _ tsum <<<"$l"
+  "$B/vmmctl" list --pid "$tpid" | tail -3
+  "$B/vmmctl" import-test "$tpid" "$tptr" "$tlen" | tee "$W/tit"
+  check "torch ${conf:-default}: companion imports a parameter (fnv $tsum)" "grep -q 'fnv $tsum' '$W/tit'"
+  echo done >&"${TR[1]}"; wait $TR_PID 2>/dev/null
+done
+
+echo "== pair times (median of 2000), native vs shim, one run"
+"$W/bench" 2000 > "$W/b.native"; env $SHIM "$W/bench" 2000 > "$W/b.shim"
+printf '| size | API | native µs | shim µs | shim/native |\n|---|---|---|---|---|\n'
+paste "$W/b.native" "$W/b.shim" | awk '{printf "| %s %s | %s | %.2f | %.2f | %.2f |\n", $2, $3, ($4=="async"?"cudaMallocAsync+cudaFreeAsync":"cudaMalloc+cudaFree"), $5, $10, $10/$5}'
+"$B/vmmctl" gc >/dev/null 2>&1; rm -f /dev/shm$VMMSHIM_REGISTRY
+echo "gpu: $pass passed, $fail failed"
+[ $fail = 0 ]

@@ -1,0 +1,289 @@
+/* The real libvmmshim.so preloaded into real runtime programs over the emulated driver and
+ * runtime: semantics equal to native, threads, stream order, publishing, companion import,
+ * fallback, strict mode, and an owner killed while a companion holds its memory. */
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "vmmshim.h"
+
+static char build[512], shim[600], registry[64];
+
+/* Run argv with extra environment (NULL-terminated "K=V" list); capture stdout and stderr. */
+static int run(char *const argv[], const char *const env[], char *out, size_t outlen, char *err, size_t errlen)
+{
+    int po[2], pe[2];
+    if (pipe(po) || pipe(pe)) return -1;
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(po[1], 1);
+        dup2(pe[1], 2);
+        close(po[0]);
+        close(pe[0]);
+        for (int i = 0; env && env[i]; i++) putenv((char *)env[i]);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    close(po[1]);
+    close(pe[1]);
+    size_t no = 0, ne = 0;
+    for (int open_fds = 2; open_fds;) {
+        open_fds = 0;
+        ssize_t n = read(po[0], out + no, outlen - 1 - no);
+        if (n > 0) no += (size_t)n, open_fds++;
+        ssize_t m = read(pe[0], err + ne, errlen - 1 - ne);
+        if (m > 0) ne += (size_t)m, open_fds++;
+    }
+    out[no] = 0;
+    err[ne] = 0;
+    close(po[0]);
+    close(pe[0]);
+    int st;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static char preload[700];
+
+static int count_lines(const char *s, const char *needle)
+{
+    int n = 0;
+    for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
+    return n;
+}
+
+static void test_semantics(void)
+{
+    char prog[600], nat[8192], sh[8192], e1[8192], e2[8192];
+    snprintf(prog, sizeof prog, "%s/progs/semantics", build);
+    char *argv[] = {prog, NULL};
+    int r1 = run(argv, NULL, nat, sizeof nat, e1, sizeof e1);
+    const char *env[] = {preload, NULL};
+    int r2 = run(argv, env, sh, sizeof sh, e2, sizeof e2);
+    CHECK(r1 == 0 && r2 == 0, "exit codes native %d shim %d", r1, r2);
+    CHECK(strlen(nat) > 500, "native output too short:\n%s", nat);
+    CHECK(strcmp(nat, sh) == 0, "output differs\n--- native\n%s--- shim\n%s", nat, sh);
+    CHECK(strstr(e2, "vmmshim:") == NULL, "shim printed: %s", e2);
+}
+
+static void test_threads(void)
+{
+    char prog[600], out[4096], err[8192];
+    snprintf(prog, sizeof prog, "%s/progs/threads", build);
+    const char *iters = getenv("SAN_SLOW") ? "2000" : "10000";
+    char *argv[] = {prog, "16", (char *)iters, NULL};
+    const char *env[] = {preload, NULL};
+    int rc = run(argv, env, out, sizeof out, err, sizeof err);
+    CHECK(rc == 0 && strstr(out, "failures=0"), "rc %d out %s err %s", rc, out, err);
+    printf("stat: 16 threads x %s allocate/free under the shim: %s", iters, out);
+}
+
+static void test_async_order(void)
+{
+    char prog[600], out[4096], err[4096];
+    snprintf(prog, sizeof prog, "%s/progs/async_reuse", build);
+    char *argv[] = {prog, NULL};
+    const char *env[] = {preload, "FAKECUDA_EVENT_DELAY_US=300000", NULL};
+    int rc = run(argv, env, out, sizeof out, err, sizeof err);
+    CHECK(rc == 0, "rc %d: %s", rc, err);
+    CHECK(strstr(out, "same stream reuses at once: yes") != NULL, "%s", out);
+    CHECK(strstr(out, "other stream before the free completes: new") != NULL, "%s", out);
+    CHECK(strstr(out, "other stream after the free completes: reused") != NULL, "%s", out);
+}
+
+static void test_fallback_and_strict(void)
+{
+    char prog[600], nat[8192], sh[8192], e1[8192], e2[8192];
+    snprintf(prog, sizeof prog, "%s/progs/semantics", build);
+    char *argv[] = {prog, NULL};
+    const char *novmm[] = {"FAKECUDA_NO_VMM=1", NULL};
+    run(argv, novmm, nat, sizeof nat, e1, sizeof e1);
+    const char *env[] = {preload, "FAKECUDA_NO_VMM=1", NULL};
+    int rc = run(argv, env, sh, sizeof sh, e2, sizeof e2);
+    CHECK(rc == 0 && strcmp(nat, sh) == 0, "fallback output differs (rc %d)\n%s---\n%s", rc, nat, sh);
+    CHECK(count_lines(e2, "vmmshim: warning:") == 1 && strstr(e2, "lacks VMM"), "expected one warning, got: %s", e2);
+    const char *strict[] = {preload, "FAKECUDA_NO_VMM=1", "VMMSHIM_STRICT=1", NULL};
+    rc = run(argv, strict, sh, sizeof sh, e2, sizeof e2);
+    CHECK(strstr(sh, "cudaMalloc(&p, 3 MiB)                        cudaErrorNotSupported") != NULL,
+          "strict mode did not refuse:\n%s", sh);
+    CHECK(strstr(e2, "vmmshim: error:") != NULL, "strict mode error line missing: %s", e2);
+    const char *disabled[] = {preload, "VMMSHIM_ENABLE=0", NULL};
+    rc = run(argv, disabled, sh, sizeof sh, e2, sizeof e2);
+    run(argv, NULL, nat, sizeof nat, e1, sizeof e1);
+    CHECK(rc == 0 && strcmp(nat, sh) == 0 && !strstr(e2, "vmmshim"), "VMMSHIM_ENABLE=0 changed behaviour");
+}
+
+typedef struct owner {
+    pid_t pid;
+    FILE *in, *out;
+    uint64_t addr[4], size[4];
+    int n;
+} owner;
+
+static int owner_start(owner *o, const char *const extra_env[], const char *sizes)
+{
+    int pi[2], po[2];
+    if (pipe(pi) || pipe(po)) return -1;
+    o->pid = fork();
+    if (o->pid == 0) {
+        dup2(pi[0], 0);
+        dup2(po[1], 1);
+        close(pi[1]);
+        close(po[0]);
+        putenv(preload);
+        for (int i = 0; extra_env && extra_env[i]; i++) putenv((char *)extra_env[i]);
+        char prog[600], s[64];
+        snprintf(prog, sizeof prog, "%s/progs/owner", build);
+        snprintf(s, sizeof s, "%s", sizes);
+        char *argv[8] = {prog};
+        int n = 1;
+        for (char *t = strtok(s, " "); t && n < 7; t = strtok(NULL, " ")) argv[n++] = t;
+        argv[n] = NULL;
+        execv(prog, argv);
+        _exit(127);
+    }
+    close(pi[0]);
+    close(po[1]);
+    o->in = fdopen(pi[1], "w");
+    o->out = fdopen(po[0], "r");
+    o->n = 0;
+    char line[256];
+    int want = 1;
+    for (const char *p = sizes; *p; p++) want += *p == ' ';
+    while (o->n < want && fgets(line, sizeof line, o->out)) {
+        int pid;
+        unsigned long long a, s;
+        if (sscanf(line, "ready %d %llx %llu", &pid, &a, &s) == 3) {
+            o->addr[o->n] = a;
+            o->size[o->n++] = s;
+        }
+    }
+    return o->n == want ? 0 : -1;
+}
+
+static const char *owner_cmd(owner *o, const char *cmd, char *reply, size_t len)
+{
+    fprintf(o->in, "%s\n", cmd);
+    fflush(o->in);
+    if (!fgets(reply, (int)len, o->out)) snprintf(reply, len, "(no reply)");
+    return reply;
+}
+
+static void owner_end(owner *o)
+{
+    fprintf(o->in, "quit\n");
+    fclose(o->in);
+    fclose(o->out);
+    int st;
+    waitpid(o->pid, &st, 0);
+}
+
+static int pattern_ok(const uint8_t *p, size_t n, int buf)
+{
+    for (size_t k = 0; k < n; k++)
+        if (p[k] != (uint8_t)((size_t)buf * 31 + k)) return 0;
+    return 1;
+}
+
+static void test_publish_and_import(void)
+{
+    owner o;
+    CHECK(owner_start(&o, NULL, "3 1a") == 0, "owner did not start");
+    if (o.n != 2) return;
+    vmm_registry *reg = NULL;
+    CHECK(vmm_open(registry, &reg) == VMM_OK, "open: %s", vmm_last_error());
+    if (!reg) return;
+    vmm_alloc_info a, b;
+    CHECK(vmm_find(reg, (uint32_t)o.pid, o.addr[0] + 12345, &a) == VMM_OK, "find: %s", vmm_last_error());
+    CHECK(a.address == o.addr[0] && a.requested_size == 3u << 20 && a.mapped_size == 4u << 20, "record %llx %llu %llu",
+          (unsigned long long)a.address, (unsigned long long)a.requested_size, (unsigned long long)a.mapped_size);
+    CHECK(a.api == VMM_FROM_CUDA_MALLOC && (a.handle_kinds & VMM_KIND_BROKER), "api %u kinds %u", a.api, a.handle_kinds);
+    CHECK(vmm_find(reg, (uint32_t)o.pid, o.addr[1], &b) == VMM_OK && b.api == VMM_FROM_CUDA_MALLOC_ASYNC, "async record");
+    vmm_proc_info pi;
+    CHECK(vmm_find_proc(reg, (uint32_t)o.pid, &pi) == VMM_OK && pi.n_allocs == 2 && pi.broker_path[0], "proc record");
+
+    vmm_imported *imp = NULL;
+    vmm_status st = vmm_import(reg, &a, &imp);
+    CHECK(st == VMM_OK, "import: %s", vmm_last_error());
+    if (imp) {
+        uint8_t *p = (uint8_t *)(uintptr_t)vmm_import_ptr(imp);
+        CHECK(pattern_ok(p, 3u << 20, 0), "companion does not see the owner's bytes");
+        memset(p, 0xC3, 4096);
+        char reply[128];
+        CHECK(strncmp(owner_cmd(&o, "verify", reply, sizeof reply), "verify ok", 9) == 0, "owner saw: %s", reply);
+        CHECK(vmm_import_release(imp) == VMM_OK, "release: %s", vmm_last_error());
+    }
+    char reply[128];
+    owner_cmd(&o, "free", reply, sizeof reply);
+    CHECK(strncmp(reply, "freed", 5) == 0, "free: %s", reply);
+    vmm_alloc_info gone;
+    CHECK(vmm_find(reg, (uint32_t)o.pid, o.addr[0], &gone) == VMM_ERR_NOT_FOUND, "freed allocation still published");
+    imp = NULL;
+    st = vmm_import(reg, &a, &imp);
+    CHECK(st == VMM_ERR_STALE && imp == NULL, "stale import gave %d: %s", st, vmm_last_error());
+    owner_end(&o);
+    vmm_close(reg);
+}
+
+static void test_owner_killed(void)
+{
+    owner o;
+    CHECK(owner_start(&o, NULL, "2") == 0, "owner did not start");
+    if (o.n != 1) return;
+    vmm_registry *reg = NULL;
+    vmm_alloc_info a;
+    vmm_imported *imp = NULL;
+    if (vmm_open(registry, &reg) != VMM_OK) return;
+    CHECK(vmm_find(reg, (uint32_t)o.pid, o.addr[0], &a) == VMM_OK && vmm_import(reg, &a, &imp) == VMM_OK, "import: %s",
+          vmm_last_error());
+    kill(o.pid, SIGKILL);
+    int stw;
+    waitpid(o.pid, &stw, 0);
+    fclose(o.in);
+    fclose(o.out);
+    if (imp) {
+        CHECK(pattern_ok((uint8_t *)(uintptr_t)vmm_import_ptr(imp), 2u << 20, 0), "bytes lost after the owner died");
+        vmm_import_release(imp);
+    }
+    char ctl[600], out[8192], err[4096];
+    snprintf(ctl, sizeof ctl, "%s/vmmctl", build);
+    char *ps[] = {ctl, "--registry", registry, "ps", NULL};
+    run(ps, NULL, out, sizeof out, err, sizeof err);
+    char pidtxt[32];
+    snprintf(pidtxt, sizeof pidtxt, "%d", (int)o.pid);
+    CHECK(strstr(out, pidtxt) && strstr(out, "dead"), "vmmctl ps does not show the owner dead:\n%s", out);
+    char *chk[] = {ctl, "--registry", registry, "check", NULL};
+    CHECK(run(chk, NULL, out, sizeof out, err, sizeof err) == 1, "check should report the dead owner:\n%s%s", out, err);
+    char *gc[] = {ctl, "--registry", registry, "gc", NULL};
+    CHECK(run(gc, NULL, out, sizeof out, err, sizeof err) == 0, "gc failed: %s", err);
+    CHECK(run(chk, NULL, out, sizeof out, err, sizeof err) == 0, "check after gc:\n%s%s", out, err);
+    vmm_proc_info pi;
+    CHECK(vmm_find_proc(reg, (uint32_t)o.pid, &pi) == VMM_ERR_NOT_FOUND, "dead owner still listed after gc");
+    vmm_close(reg);
+}
+
+int main(void)
+{
+    const char *b = getenv("VMMSHIM_TEST_BUILD");
+    snprintf(build, sizeof build, "%s", b ? b : "build");
+    snprintf(shim, sizeof shim, "%s/libvmmshim.so", build);
+    snprintf(preload, sizeof preload, "LD_PRELOAD=%s", shim);
+    snprintf(registry, sizeof registry, "/vmmshim-tshim-%d", (int)getpid());
+    setenv("VMMSHIM_REGISTRY", registry, 1);
+    test_semantics();
+    test_threads();
+    test_async_order();
+    test_fallback_and_strict();
+    test_publish_and_import();
+    test_owner_killed();
+    shm_unlink(registry);
+    CHECK_DONE();
+}
