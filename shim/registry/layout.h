@@ -14,9 +14,10 @@
  *   +-----------------+------------------+------------------+---------------+--------------+----------------------+
  *
  * OPENING (readers):  map the object read-only.  Refuse unless magic == VMM_REG_MAGIC, ready == 1,
- * compat_version <= the version you implement, header_size/record sizes are at least the sizes
- * you know, and every region lies inside the object's size.  Never guess at a layout you do not
- * know.  Fields beyond the sizes you know are for newer versions: skip them.
+ * compat_version <= the version you implement, header_size is at least the size you know, the
+ * record sizes equal the sizes you know (a layout with other record sizes raises compat_version),
+ * and every region lies inside the object's size.  Never guess at a layout you do not know.
+ * Header bytes beyond the size you know are for newer versions: skip them.
  *
  * READING A RECORD (vmm_reg_alloc or vmm_reg_proc) -- a sequence counter, like Linux's
  * perf_event_mmap_page:

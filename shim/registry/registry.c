@@ -226,14 +226,17 @@ static int set_group(int fd, const char *group, char *err, size_t errlen)
 }
 
 /* Refuse a segment someone else planted under our name, unless a shared group was configured. */
-static int check_owner(const char *name, const struct stat *st, bool writer, const char *group, char *err, size_t errlen)
+/* A publisher (the shim) writes only into a segment its own user made, root included: anyone can
+ * create /dev/shm/vmmshim-0 first and would then read root's allocations.  Root may still open
+ * another user's segment to reclaim it (VMM__REG_WRITE, vmmctl gc). */
+static int check_owner(const char *name, const struct stat *st, int mode, const char *group, char *err, size_t errlen)
 {
     char d[160];
     if (st->st_mode & 0007) {
         snprintf(d, sizeof d, "mode %03o lets every user in; refusing it", (unsigned)(st->st_mode & 0777));
         return fail(err, errlen, -EACCES, "registry %s: %s", name, d);
     }
-    if (st->st_uid == geteuid() || geteuid() == 0 || !writer) return 0;
+    if (st->st_uid == geteuid() || mode == VMM__REG_READ || (mode == VMM__REG_WRITE && geteuid() == 0)) return 0;
     if (group && *group && (st->st_mode & 0060) == 0060) return 0;
     snprintf(d, sizeof d, "owned by uid %u, not by this user; refusing to write to it", (unsigned)st->st_uid);
     return fail(err, errlen, -EACCES, "registry %s: %s", name, d);
@@ -265,7 +268,7 @@ int vmm__reg_open(vmm__reg *r, const char *name, int mode, uint64_t capacity, co
         rc = fail(err, errlen, -errno, "registry %s: %s", r->name, strerror(errno));
         goto out_close;
     }
-    if ((rc = check_owner(r->name, &st, r->writable, group, err, errlen)) != 0) goto out_close;
+    if ((rc = check_owner(r->name, &st, mode, group, err, errlen)) != 0) goto out_close;
     if (mode == VMM__REG_CREATE) {
         if ((rc = ofd_lock(fd, VMM_REG_LOCK_INIT, F_WRLCK)) != 0) {
             fail(err, errlen, rc, "registry %s: lock: %s", r->name, strerror(-rc));
@@ -621,7 +624,7 @@ int vmm__reg_bind(vmm__reg *r, uint64_t address, uint64_t mapped_size, uint32_t 
     /* insert (pid, address) -> slot */
     uint32_t *ix = index_at(r);
     uint64_t mask = r->hdr->index_slots - 1;
-    for (uint64_t i = vmm_reg_hash(r->pid, address) & mask;; i = (i + 1) & mask) {
+    for (uint64_t i = vmm_reg_hash(r->pid, address) & mask, n = 0; n <= mask; i = (i + 1) & mask, n++) {
         if (__atomic_load_n(&ix[i], __ATOMIC_RELAXED) == 0) {
             __atomic_store_n(&ix[i], s + 1, __ATOMIC_RELEASE);
             break;

@@ -1,4 +1,5 @@
-/* An owner for companion tests: allocates buffers of the sizes given (MiB; suffix 'a' = async),
+/* An owner for companion tests: allocates buffers of the sizes given (MiB; suffix 'a' = async,
+ * 'c' = async on a stream being captured, left unfilled),
  * fills buffer i with bytes (i*31 + k) & 0xff, prints "ready <pid> <address> <size>" per
  * buffer, then waits for a line on stdin: "verify" checks that a companion wrote 0xC3 into the
  * first 4096 bytes of buffer 0; "free" frees everything; "quit" exits. */
@@ -16,7 +17,21 @@ int main(int argc, char **argv)
     int n = 0;
     for (int i = 1; i < argc && n < 16; i++, n++) {
         size[n] = (size_t)(atof(argv[i]) * 1048576.0);
-        cudaError_t e = strchr(argv[i], 'a') ? cudaMallocAsync(&buf[n], size[n], 0) : cudaMalloc(&buf[n], size[n]);
+        cudaError_t e;
+        if (strchr(argv[i], 'c')) { /* allocated while its stream is captured into a graph */
+            cudaStream_t s;
+            cudaGraph_t g;
+            cudaStreamCreate(&s);
+            cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+            e = cudaMallocAsync(&buf[n], size[n], s);
+            cudaStreamEndCapture(s, &g);
+            if (e != cudaSuccess) {
+                printf("error %s\n", cudaGetErrorName(e));
+                return 1;
+            }
+            continue;
+        }
+        e = strchr(argv[i], 'a') ? cudaMallocAsync(&buf[n], size[n], 0) : cudaMalloc(&buf[n], size[n]);
         if (e != cudaSuccess) {
             printf("error %s\n", cudaGetErrorName(e));
             return 1;

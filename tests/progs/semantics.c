@@ -46,9 +46,15 @@ int main(void)
     show("  cudaGetLastError", cudaGetLastError());
     show("cudaMallocAsync(&q, 0)", cudaMallocAsync(&q, 0, s));
     show("cudaFreeAsync(NULL)", cudaFreeAsync(NULL, s));
-    size_t f = 0, t = 0;
+    size_t f = 0, t = 0, f2 = 0;
     show("cudaMemGetInfo", cudaMemGetInfo(&f, &t));
     printf("%-44s %s\n", "  free <= total", f <= t && t > 0 ? "yes" : "NO");
+    show("cudaMalloc(&p, 64 MiB)", cudaMalloc(&p, 64u << 20));
+    cudaMemGetInfo(&f2, &t);
+    printf("%-44s %s\n", "  free dropped by at least 64 MiB", f2 + (64u << 20) <= f ? "yes" : "NO");
+    show("  cudaFree(p)", cudaFree(p));
+    cudaMemGetInfo(&f2, &t);
+    printf("%-44s %s\n", "  free back to where it was", f2 == f ? "yes" : "NO");
     show("cudaStreamDestroy", cudaStreamDestroy(s));
     show("cudaDeviceSynchronize", cudaDeviceSynchronize());
     free(host);

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
@@ -43,6 +44,27 @@ static void unlink_all(void)
 {
     if (getpid() != g_main_pid) return;
     for (int i = 0; i < g_nnames; i++) shm_unlink(g_names[i]);
+}
+
+/* the watchdog (alarm) or a runner's timeout: remove our registries, then die of the signal */
+static void on_fatal(int sig)
+{
+    unlink_all();
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+/* fork whose child dies with its parent: a failed or killed test leaves no process behind */
+static pid_t xfork(void)
+{
+    pid_t parent = getpid();
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent) _exit(99);
+    }
+    return pid;
 }
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
@@ -157,7 +179,7 @@ static pid_t fork_checked(int *fd)
     int p[2];
     if (pipe(p) != 0) return -1;
     fflush(NULL);
-    pid_t pid = fork();
+    pid_t pid = xfork();
     if (pid == 0) {
         close(p[0]);
         check__passed = check__failed = 0;
@@ -561,7 +583,7 @@ static void test_bind_huge_size(void)
     vmm__reg r;
     if (open_reg(&r, name, VMM__REG_CREATE, 64)) return;
     fflush(NULL);
-    pid_t c = fork();
+    pid_t c = xfork();
     if (c == 0) {
         vmm__reg_forget_after_fork(&r);
         if (vmm__reg_attach(&r, NULL)) _exit(100);
@@ -748,7 +770,7 @@ static void test_kill_mid_publish(void)
     int pfd[2];
     if (pipe(pfd) != 0) return;
     fflush(NULL);
-    pid_t c = fork();
+    pid_t c = xfork();
     if (c == 0) {
         close(pfd[0]);
         vmm__reg_forget_after_fork(&r);
@@ -889,7 +911,7 @@ static void test_kill_random(void)
         int pfd[2];
         if (pipe(pfd) != 0) break;
         fflush(NULL);
-        pid_t c = fork();
+        pid_t c = xfork();
         if (c == 0) {
             close(pfd[0]);
             churn(&r, CB, pfd[1]);
@@ -942,8 +964,8 @@ static void test_kill_random(void)
             CHECK(vmm__reg_find(&r, me, BASE_ADDR + (uint64_t)i * TWO_MIB + 1, &out, &fs) == 0 && fs == ps[i],
                   "iteration %d: parent record %d after gc", it, i);
     }
-    printf("stat: SIGKILL at random points: %u kills, %u records and %u chunks reclaimed, index torn %u times "
-           "(rebuilt by gc %u), %u records seen mid-write, slowest read pass %.3f s\n",
+    printf("stat: SIGKILL at random points: %u kills, %u records and %u chunks reclaimed, index left mid-change %u "
+           "times (rebuilt by gc %u), %u records left mid-write, slowest read pass %.3f s\n",
            kills, rec_total, chunk_total, torn_index, rebuilt, odd_seen, worst);
     vmm__reg_close(&r);
     shm_unlink(name);
@@ -967,7 +989,7 @@ static void test_kill_index_writer(void)
     }
     for (int variant = 0; variant < 3; variant++) {
         fflush(NULL);
-        pid_t c = fork();
+        pid_t c = xfork();
         if (c == 0) {
             /* its own handle: a lock of its own, which the kernel drops when it dies */
             vmm__reg w;
@@ -1018,7 +1040,7 @@ static void test_kill_index_writer(void)
 static pid_t fork_sleeper(void)
 {
     fflush(NULL);
-    pid_t c = fork();
+    pid_t c = xfork();
     if (c == 0) {
         for (;;) pause();
     }
@@ -1031,7 +1053,7 @@ static pid_t fork_publisher(vmm__reg *r, uint64_t addr, uint32_t *slots, uint32_
     int pfd[2];
     if (pipe(pfd) != 0) return -1;
     fflush(NULL);
-    pid_t c = fork();
+    pid_t c = xfork();
     if (c == 0) {
         close(pfd[0]);
         vmm__reg_forget_after_fork(r);
@@ -1153,7 +1175,7 @@ static void test_pid_reuse(void)
                 break;
             }
             close(fd);
-            pid_t c = fork();
+            pid_t c = xfork();
             if (c == 0) {
                 for (;;) pause();
             }
@@ -1511,6 +1533,30 @@ static void test_second_uid(void)
         shm_unlink(name);
     }
 
+    /* 2b. a 0600 registry another uid planted under our name: root's shim must not publish into
+     * it (its planter would read root's allocations), but root may still open it to reclaim */
+    name = new_name();
+    c = fork_checked(&fd);
+    if (c == 0) {
+        become(u, g);
+        vmm__reg x;
+        CHECK(open_reg(&x, name, VMM__REG_CREATE, 64) == 0, "planting a registry");
+        vmm__reg_close(&x);
+        child_done(fd);
+    }
+    child_merge(c, fd, "planter");
+    {
+        char err[256] = "";
+        int rc = vmm__reg_open(&r, name, VMM__REG_CREATE, 64, NULL, err, sizeof err);
+        CHECK(rc == -EACCES && strstr(err, "owned by uid") && strstr(err, name), "root publisher accepted a planted registry: %d %s",
+              rc, err);
+        if (rc == 0) vmm__reg_close(&r);
+        rc = vmm__reg_open(&r, name, geteuid() == 0 ? VMM__REG_WRITE : VMM__REG_READ, 64, NULL, err, sizeof err);
+        CHECK(rc == 0, "root cannot open another user's registry to reclaim it: %s", err);
+        if (rc == 0) vmm__reg_close(&r);
+    }
+    shm_unlink(name);
+
     /* 3. a group registry (0660) of uid u: a third uid in the group may read; may write only when
      * it asked for the group; outside the group it is denied */
     name = new_name();
@@ -1747,6 +1793,8 @@ int main(void)
     g_main_pid = getpid();
     g_rng ^= (uint64_t)getpid() * 0x2545f4914f6cdd1dull ^ (uint64_t)time(NULL);
     atexit(unlink_all);
+    signal(SIGALRM, on_fatal);
+    signal(SIGTERM, on_fatal);
     alarm(170); /* a hang fails the run instead of stalling it */
     struct {
         const char *name;

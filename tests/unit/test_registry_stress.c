@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -35,6 +36,15 @@ typedef struct {
 } shared_t;
 
 static shared_t *sh;
+static char g_name[64];
+static pid_t g_main_pid;
+
+static void on_fatal(int sig)
+{
+    if (getpid() == g_main_pid) shm_unlink(g_name);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
 
 static uint64_t wbase(int w) { return 0x100000000000ull + ((uint64_t)w << 40); }
 static uint64_t perm_addr(int w, int j) { return wbase(w) + (uint64_t)j * TWO_MIB; }
@@ -45,6 +55,19 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* fork whose child dies with its parent: a failed or killed test leaves no process behind */
+static pid_t xfork(void)
+{
+    pid_t parent = getpid();
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent) _exit(99);
+    }
+    return pid;
 }
 
 static uint64_t rng;
@@ -286,9 +309,12 @@ int main(void)
     const char *env = getenv("VMMSHIM_STRESS_SECONDS");
     double secs = env && *env ? atof(env) : 10.0;
     if (secs <= 0) secs = 10.0;
+    g_main_pid = getpid();
+    signal(SIGALRM, on_fatal);
+    signal(SIGTERM, on_fatal);
     alarm((unsigned)secs + 45);
-    char name[64];
-    snprintf(name, sizeof name, "/vmmshim-t-%d-stress", (int)getpid());
+    char *name = g_name;
+    snprintf(g_name, sizeof g_name, "/vmmshim-t-%d-stress", (int)getpid());
     sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (sh == MAP_FAILED) {
         CHECK(0, "mmap: %s", strerror(errno));
@@ -304,7 +330,7 @@ int main(void)
     pid_t wp[NW], rp[NR];
     fflush(NULL);
     for (int w = 0; w < NW; w++) {
-        wp[w] = fork();
+        wp[w] = xfork();
         if (wp[w] == 0) writer(&r, w);
         sh->wpid[w] = (uint32_t)wp[w];
     }
@@ -317,7 +343,7 @@ int main(void)
     }
     CHECK(ready, "writers did not start");
     for (int k = 0; k < NR; k++) {
-        rp[k] = fork();
+        rp[k] = xfork();
         if (rp[k] == 0) reader(&r, k);
     }
     __atomic_store_n(&sh->go, 1, __ATOMIC_RELEASE);

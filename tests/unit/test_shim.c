@@ -233,6 +233,44 @@ static void test_publish_and_import(void)
     vmm_close(reg);
 }
 
+typedef struct { uint64_t addr; int found, kinds; uint32_t api; } capture_seen;
+
+static int look_for(void *ctx, const vmm_alloc_info *a)
+{
+    capture_seen *c = ctx;
+    if (a->address == c->addr) {
+        c->found = 1;
+        c->kinds = (int)a->handle_kinds;
+        c->api = a->api;
+    }
+    return 0;
+}
+
+/* cudaMallocAsync on a stream being captured goes to the real pool; the registry still shows
+ * it, flagged as not exportable, and the free retracts it. */
+static void test_capture(void)
+{
+    owner o;
+    CHECK(owner_start(&o, NULL, "1c 2") == 0, "owner did not start");
+    if (o.n != 2) return;
+    vmm_registry *reg = NULL;
+    if (vmm_open(registry, &reg) != VMM_OK) return;
+    capture_seen c = {.addr = o.addr[0]};
+    vmm_foreach_alloc(reg, look_for, &c);
+    CHECK(c.found && c.kinds == 0 && c.api == VMM_FROM_CUDA_MALLOC_ASYNC, "captured allocation: found %d kinds %d api %u",
+          c.found, c.kinds, c.api);
+    vmm_alloc_info a;
+    CHECK(vmm_find(reg, (uint32_t)o.pid, o.addr[1], &a) == VMM_OK && (a.handle_kinds & VMM_KIND_BROKER),
+          "the uncaptured allocation is exportable");
+    char reply[64];
+    owner_cmd(&o, "free", reply, sizeof reply);
+    c.found = 0;
+    vmm_foreach_alloc(reg, look_for, &c);
+    CHECK(!c.found, "the captured allocation's record outlived its free");
+    owner_end(&o);
+    vmm_close(reg);
+}
+
 static void test_owner_killed(void)
 {
     owner o;
@@ -283,6 +321,7 @@ int main(void)
     test_async_order();
     test_fallback_and_strict();
     test_publish_and_import();
+    test_capture();
     test_owner_killed();
     shm_unlink(registry);
     CHECK_DONE();

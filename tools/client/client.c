@@ -10,6 +10,7 @@
  * pages of the shared segment that no writer has backed (a read fault on a tmpfs hole would
  * allocate it): the sparse process table is scanned with pread, not through the mapping. */
 #include "vmmshim.h"
+#include "client_internal.h"
 
 #include "registry/registry.h"
 
@@ -81,11 +82,7 @@ __attribute__((format(printf, 2, 3))) static vmm_status set_error(vmm_status st,
     return st;
 }
 
-/* For the library's other files (import.c): the same setter, hidden (not in vmmclient.map).
- * Declare it there as
- *   vmm_status vmm__client_error(vmm_status st, const char *fmt, ...)
- *       __attribute__((format(printf, 2, 3)));                                              */
-__attribute__((format(printf, 2, 3))) vmm_status vmm__client_error(vmm_status st, const char *fmt, ...);
+/* For the library's other files (client_internal.h): the same setter, hidden (not in the map). */
 vmm_status vmm__client_error(vmm_status st, const char *fmt, ...)
 {
     va_list ap;

@@ -27,6 +27,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "client_internal.h"
+
 #define VMM_PUBLIC __attribute__((visibility("default")))
 #define CONNECT_TIMEOUT_MS 2000
 /* The broker serves connections one at a time and gives each at most 1 s. */
@@ -35,25 +37,7 @@
 /* ------------------------------------------------------------------------------------------ */
 /* Errors                                                                                      */
 
-/* client.c owns the thread-local reason buffer (static there); vmm_last_error() returns that
- * writable, thread-local array (512 bytes).  Until client.c offers an internal setter, write the
- * reason through it, staying well inside its size.  Same rules: one printable line. */
-#define IMPORT_ERR_MAX 256
-
-__attribute__((format(printf, 2, 3))) static vmm_status set_err(vmm_status st, const char *fmt, ...)
-{
-    char buf[IMPORT_ERR_MAX];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    if (n < 0) snprintf(buf, sizeof buf, "%s", vmm_strerror(st));
-    for (char *p = buf; *p; p++)
-        if ((unsigned char)*p < 0x20 || *p == 0x7f) *p = ' ';
-    char *dst = (char *)vmm_last_error();
-    memcpy(dst, buf, strlen(buf) + 1);
-    return st;
-}
+#define set_err vmm__client_error
 
 #define NEED(cond, what)                                                                          \
     do {                                                                                          \
