@@ -2,6 +2,7 @@
  * runtime: semantics equal to native, threads, stream order, publishing, companion import,
  * fallback, strict mode, and an owner killed while a companion holds its memory. */
 #include <errno.h>
+#include <link.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -308,12 +309,26 @@ static void test_owner_killed(void)
     vmm_close(reg);
 }
 
+/* Under ASan the sanitizer runtime must come first in the initial library list, before the
+ * (instrumented) shim: preload whichever libasan this test binary itself runs with. */
+static int find_asan(struct dl_phdr_info *info, size_t size, void *data)
+{
+    (void)size;
+    if (strstr(info->dlpi_name, "libasan.so")) {
+        snprintf(data, 300, "%s", info->dlpi_name);
+        return 1;
+    }
+    return 0;
+}
+
 int main(void)
 {
     const char *b = getenv("VMMSHIM_TEST_BUILD");
     snprintf(build, sizeof build, "%s", b ? b : "build");
     snprintf(shim, sizeof shim, "%s/libvmmshim.so", build);
-    snprintf(preload, sizeof preload, "LD_PRELOAD=%s", shim);
+    char asan[300] = "";
+    dl_iterate_phdr(find_asan, asan);
+    snprintf(preload, sizeof preload, "LD_PRELOAD=%s%s%s", asan, *asan ? " " : "", shim);
     snprintf(registry, sizeof registry, "/vmmshim-tshim-%d", (int)getpid());
     setenv("VMMSHIM_REGISTRY", registry, 1);
     test_semantics();
