@@ -51,7 +51,10 @@ check "import-test reads the owner's bytes" "grep -q checksum '$W/it'"
 echo quit >&"${OWN2[1]}"; wait $OWN2_PID 2>/dev/null
 
 echo "== out of memory: 64 MiB blocks until failure"
-"$W/oom" > "$W/oom.native" 2>&1; env $SHIM "$W/oom" > "$W/oom.shim" 2>&1
+"$W/oom" > "$W/oom.native" 2>&1; env $SHIM "$W/oom" > "$W/oom.shim" 2>&1; rc=$?
+if [ $rc -ge 128 ] && command -v cuda-gdb >/dev/null; then   # a crash: show where
+  cuda-gdb -q -batch -ex "set environment LD_PRELOAD $B/libvmmshim.so" -ex run -ex bt "$W/oom" 2>&1 | tail -25
+fi
 cat "$W/oom.native" "$W/oom.shim"
 n1=$(sed -n 's/^oom: \([0-9]*\) blocks.*/\1/p' "$W/oom.native"); n2=$(sed -n 's/^oom: \([0-9]*\) blocks.*/\1/p' "$W/oom.shim")
 echo "shim reached $n2 of native $n1 blocks"
