@@ -1,7 +1,7 @@
 /* An owner for companion tests: allocates buffers of the sizes given (MiB; suffix 'a' = async,
  * 'c' = async on a stream being captured, left unfilled),
  * fills buffer i with bytes (i*31 + k) & 0xff, prints "ready <pid> <address> <size>" per
- * buffer, then waits for a line on stdin: "verify" checks that a companion wrote 0xC3 into the
+ * buffer (with the FNV-1a checksum of its bytes), then waits for a line on stdin: "verify" checks that a companion wrote 0xC3 into the
  * first 4096 bytes of buffer 0; "free" frees everything; "quit" exits. */
 #include <cuda_runtime_api.h>
 #include <stdint.h>
@@ -14,6 +14,7 @@ int main(int argc, char **argv)
 {
     void *buf[16];
     size_t size[16];
+    unsigned long long fnv[16] = {0}; /* FNV-1a of each buffer's bytes, for companions to compare */
     int n = 0;
     for (int i = 1; i < argc && n < 16; i++, n++) {
         size[n] = (size_t)(atof(argv[i]) * 1048576.0);
@@ -37,12 +38,17 @@ int main(int argc, char **argv)
             return 1;
         }
         unsigned char *h = malloc(size[n]);
-        for (size_t k = 0; k < size[n]; k++) h[k] = (unsigned char)((size_t)n * 31 + k);
+        fnv[n] = 0xcbf29ce484222325ull;
+        for (size_t k = 0; k < size[n]; k++) {
+            h[k] = (unsigned char)((size_t)n * 31 + k);
+            fnv[n] = (fnv[n] ^ h[k]) * 0x100000001b3ull;
+        }
         cudaMemcpy(buf[n], h, size[n], cudaMemcpyHostToDevice);
         free(h);
     }
     cudaDeviceSynchronize();
-    for (int i = 0; i < n; i++) printf("ready %d 0x%llx %zu\n", (int)getpid(), (unsigned long long)(uintptr_t)buf[i], size[i]);
+    for (int i = 0; i < n; i++)
+        printf("ready %d 0x%llx %zu fnv %016llx\n", (int)getpid(), (unsigned long long)(uintptr_t)buf[i], size[i], fnv[i]);
     fflush(stdout);
     char line[64];
     while (fgets(line, sizeof line, stdin)) {

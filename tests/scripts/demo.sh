@@ -18,9 +18,11 @@ else
 fi
 echo "\$ LD_PRELOAD=$B/libvmmshim.so $prog 3 64 1a    # cudaMalloc 3 MiB, 64 MiB; cudaMallocAsync 1 MiB"
 coproc OWNER { LD_PRELOAD=$B/libvmmshim.so "$prog" 3 64 1a; }
-addrs=()
-for i in 1 2 3; do read -r _ pid addr size <&"${OWNER[0]}" || { echo "demo: the sample program failed"; exit 1; }; addrs+=("$addr"); done
+addrs=(); sums=()
+for i in 1 2 3; do read -r _ pid addr size _ sum <&"${OWNER[0]}" || { echo "demo: the sample program failed"; exit 1; }; addrs+=("$addr"); sums+=("$sum"); done
 echo "\$ vmmctl list --pid $pid"; "$B/vmmctl" list --pid "$pid"
-echo "\$ vmmctl import-test $pid ${addrs[1]}"; "$B/vmmctl" import-test "$pid" "${addrs[1]}"; rc=$?
+echo "\$ vmmctl import-test $pid ${addrs[1]}"; out=$("$B/vmmctl" import-test "$pid" "${addrs[1]}"); rc=$?; echo "$out"
+if [ $rc = 0 ] && [[ $out == *"fnv ${sums[1]}"* ]]; then echo "demo: the companion read the same bytes the program wrote (fnv ${sums[1]})"
+else echo "demo: FAILED: the program wrote fnv ${sums[1]}"; rc=1; fi
 echo quit >&"${OWNER[1]}"; wait "$OWNER_PID" 2>/dev/null
 exit $rc

@@ -126,6 +126,7 @@ typedef struct owner {
     pid_t pid;
     FILE *in, *out;
     uint64_t addr[4], size[4];
+    char fnv[4][20];
     int n;
 } owner;
 
@@ -162,7 +163,7 @@ static int owner_start(owner *o, const char *const extra_env[], const char *size
     while (o->n < want && fgets(line, sizeof line, o->out)) {
         int pid;
         unsigned long long a, s;
-        if (sscanf(line, "ready %d %llx %llu", &pid, &a, &s) == 3) {
+        if (sscanf(line, "ready %d %llx %llu fnv %19s", &pid, &a, &s, o->fnv[o->n]) == 4) {
             o->addr[o->n] = a;
             o->size[o->n++] = s;
         }
@@ -222,6 +223,20 @@ static void test_publish_and_import(void)
         CHECK(strncmp(owner_cmd(&o, "verify", reply, sizeof reply), "verify ok", 9) == 0, "owner saw: %s", reply);
         CHECK(vmm_import_release(imp) == VMM_OK, "release: %s", vmm_last_error());
     }
+    /* vmmctl as a companion: show, and import-test reading what the owner wrote */
+    char ctl[600], out[4096], err[4096], pid_s[16], addr_s[32];
+    snprintf(ctl, sizeof ctl, "%s/vmmctl", build);
+    snprintf(pid_s, sizeof pid_s, "%d", (int)o.pid);
+    snprintf(addr_s, sizeof addr_s, "0x%llx", (unsigned long long)(o.addr[1] + 4096));
+    char *show[] = {ctl, "--registry", registry, "show", pid_s, addr_s, NULL};
+    CHECK(run(show, NULL, out, sizeof out, err, sizeof err) == 0 && strstr(out, "cudaMallocAsync") && strstr(out, "offset 4096"),
+          "vmmctl show:\n%s%s", out, err);
+    snprintf(addr_s, sizeof addr_s, "0x%llx", (unsigned long long)o.addr[1]);
+    char *it[] = {ctl, "--registry", registry, "import-test", pid_s, addr_s, NULL};
+    int rc = run(it, NULL, out, sizeof out, err, sizeof err);
+    char want[40];
+    snprintf(want, sizeof want, "fnv %s", o.fnv[1]);
+    CHECK(rc == 0 && strstr(out, want), "vmmctl import-test: want %s, got rc %d:\n%s%s", want, rc, out, err);
     char reply[128];
     owner_cmd(&o, "free", reply, sizeof reply);
     CHECK(strncmp(reply, "freed", 5) == 0, "free: %s", reply);

@@ -630,11 +630,18 @@ static int cmd_import_test(int argc, char **argv)
     if (rc) return rc;
     uint64_t off = addr - a.address, len = len_arg ? len_arg : a.requested_size - off;
     if (off + len > a.mapped_size) usage_error("import-test: LEN runs past the allocation");
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    /* The first import also starts CUDA in this process; time a second one on its own. */
+    struct timespec t0, t1, t2;
     vmm_imported *imp;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     vmm_status st = vmm_import(reg, &a, &imp);
     clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (st == VMM_OK) {
+        vmm_import_release(imp);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        st = vmm_import(reg, &a, &imp);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t2);
     if (st != VMM_OK) {
         vmm_close(reg);
         return api_error(st);
@@ -659,9 +666,11 @@ static int cmd_import_test(int argc, char **argv)
         fprintf(stderr, "vmmctl: error: could not copy the imported bytes (CUDA error %d)\n", copy_rc);
         return EXIT_PROBLEMS;
     }
-    double us = (double)(t1.tv_sec - t0.tv_sec) * 1e6 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e3;
-    printf("imported pid %u 0x%llx (%llu bytes mapped) in %.0f us; %llu bytes from 0x%llx: fnv %016llx checksum ok\n", a.pid,
-           (unsigned long long)a.address, (unsigned long long)a.mapped_size, us, (unsigned long long)len,
+    double cold = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
+    double warm = (double)(t2.tv_sec - t1.tv_sec) * 1e6 + (double)(t2.tv_nsec - t1.tv_nsec) / 1e3;
+    printf("imported pid %u 0x%llx (%llu bytes mapped) in %.0f us (first import, with CUDA start-up: %.1f ms); "
+           "%llu bytes from 0x%llx: fnv %016llx\n",
+           a.pid, (unsigned long long)a.address, (unsigned long long)a.mapped_size, warm, cold, (unsigned long long)len,
            (unsigned long long)addr, (unsigned long long)fnv);
     return EXIT_OK;
 }
