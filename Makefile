@@ -60,9 +60,10 @@ $(CORE_A): $(call obj,$(CORE_SRC))
 
 # The shim.  libcuda/libcudart are never linked (found at run time).  Debian's libunwind.a is not
 # PIC, so libunwind.so.8 ships beside the shim and is dlopen'ed privately (backing.c says why).
-$(SHIM_SO): $(call obj,$(SHIM_SRC)) $(CORE_A) shim/vmmshim.map
+# The client library goes in too: emulated legacy IPC imports through it (its symbols stay local).
+$(SHIM_SO): $(call obj,$(SHIM_SRC)) $(CLIENT_A) $(CORE_A) shim/vmmshim.map
 	$(CC) -shared $(LDFLAGS) -Wl,--version-script=shim/vmmshim.map -Wl,-z,defs -o $@ \
-	  $(call obj,$(SHIM_SRC)) $(CORE_A) $(LDLIBS)
+	  $(call obj,$(SHIM_SRC)) $(CLIENT_A) $(CORE_A) $(LDLIBS)
 	cp -L $$($(CC) -print-file-name=libunwind.so.8) $(BUILD)/libunwind.so.8
 	@if readelf -d $@ | grep -E 'NEEDED.*lib(cuda|cudart)' ; then echo "vmmshim: error: $@ must not link libcuda or libcudart"; rm -f $@; exit 1; fi
 

@@ -47,6 +47,7 @@ typedef struct chunk {
 
 typedef struct device_state {
     int checked, usable, fabric;
+    uint64_t accessors; /* other devices granted access to this device's chunks (peer access) */
     CUcontext primary;
     size_t granularity;
     uint8_t uuid[16];
@@ -121,7 +122,7 @@ static void load_unwinder(void)
         h = dlopen(dir, RTLD_NOW | RTLD_LOCAL);
     }
     if (!h) h = dlopen("libunwind.so.8", RTLD_NOW | RTLD_LOCAL);
-    void *fn = h ? dlsym(h, "unw_backtrace") : NULL;
+    void *fn = h ? vmm__real_dlsym(h, "unw_backtrace") : NULL;
     memcpy(&unwind_backtrace, &fn, sizeof fn);
     if (!unwind_backtrace) vmm__log(VMM__LOG_WARNING, "VMMSHIM_FRAMES needs libunwind.so.8 beside the shim; frames are not recorded");
 }
@@ -238,16 +239,18 @@ static int fabric_self_test(int dev)
     return ok;
 }
 
-/* The device the runtime would use: the current context's, else bind the primary context of
- * device 0 ... as cudaMalloc on a fresh thread does for its current device. */
-static int current_device(CUcontext *ctx_out)
+/* The device an allocation lands on: the current context's.  Runtime calls on a thread with no
+ * context bind the primary context of the runtime's current device, as cudaMalloc does; driver
+ * calls (bind_primary 0) leave that case to the real driver, which reports it. */
+static int current_device(CUcontext *ctx_out, int bind_primary)
 {
     CUcontext ctx = NULL;
     CUdevice dev = 0;
     if (cu.CtxGetCurrent(&ctx) == CUDA_ERROR_NOT_INITIALIZED) {
-        if (cu.Init(0) != CUDA_SUCCESS) return -1;
+        if (!bind_primary || cu.Init(0) != CUDA_SUCCESS) return -1;
         cu.CtxGetCurrent(&ctx);
     }
+    if (!ctx && !bind_primary) return -1; /* the driver API answers that itself */
     if (!ctx) {
         int (*get_device)(int *);
         void *sym = vmm__real_runtime("cudaGetDevice", NULL);
@@ -327,8 +330,14 @@ static CUresult create_chunk(int dev, CUcontext ctx, uint64_t mapped, chunk **ou
     rc = cu.MemAddressReserve(&va, mapped, align, 0, 0);
     if (rc != CUDA_SUCCESS) goto release;
     if ((rc = cu.MemMap(va, mapped, 0, h, 0)) != CUDA_SUCCESS) goto unreserve;
-    CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = dev}, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-    if ((rc = cu.MemSetAccess(va, mapped, &acc, 1)) != CUDA_SUCCESS) goto unmap;
+    CUmemAccessDesc acc[MAX_DEVICES];
+    size_t n_acc = 0;
+    uint64_t accessors = __atomic_load_n(&d->accessors, __ATOMIC_ACQUIRE) | (1ull << dev);
+    for (int i = 0; i < MAX_DEVICES; i++)
+        if (accessors & (1ull << i))
+            acc[n_acc++] = (CUmemAccessDesc){.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = i},
+                                             .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    if ((rc = cu.MemSetAccess(va, mapped, acc, n_acc)) != CUDA_SUCCESS) goto unmap;
     chunk *c = calloc(1, sizeof *c);
     if (!c) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
@@ -548,7 +557,8 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     if (!ensure_init()) return S.failed && vmm__opt_bool(VMM__OPT_STRICT) ? VMM__REFUSED : VMM__PASS;
     if (!ptr || size == 0) return VMM__PASS; /* the runtime's own answer for these */
     CUcontext ctx;
-    int dev = current_device(&ctx);
+    int runtime_api = api == VMM_API_CUDA_MALLOC || api == VMM_API_CUDA_MALLOC_ASYNC;
+    int dev = current_device(&ctx, runtime_api);
     if (dev < 0 || !device_usable(dev)) return vmm__opt_bool(VMM__OPT_STRICT) && dev >= 0 ? VMM__REFUSED : VMM__PASS;
     device_state *d = &S.dev[dev];
     if (size > UINT64_MAX - d->granularity) return VMM__NOMEM;
@@ -686,7 +696,7 @@ void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream
     c->exported_fd = -1;
     c->slot = NO_SLOT;
     CUcontext ctx;
-    int dev = current_device(&ctx);
+    int dev = current_device(&ctx, 0);
     c->dev = dev < 0 ? 0 : dev;
     if (vmm__reg_bind_unindexed(&S.reg, c->va, size, &c->slot) != 0) c->slot = NO_SLOT;
     publish(c, api, stream, VMM_REG_F_NOT_EXPORTABLE);
@@ -722,4 +732,50 @@ int vmm__stream_capturing(CUstream stream)
     if (!ensure_init()) return 0;
     CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
     return cu.StreamIsCapturing(stream, &st) == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out)
+{
+    if (!S.ready || !ptr) return 0;
+    pthread_mutex_lock(&S.lock);
+    chunk *c = NULL;
+    HASH_FIND(hh, S.by_va, &ptr, sizeof ptr, c);
+    if (!c) c = find_containing_locked(ptr);
+    int found = c && c->state == CH_LIVE && ptr < c->va + c->requested + (c->requested == 0);
+    if (found) {
+        out->base = c->va;
+        out->requested = c->requested;
+        out->mapped = c->mapped;
+        out->dev = c->dev;
+        out->slot = c->slot;
+        out->generation = c->generation;
+        memcpy(out->alloc_id, c->alloc_id, 16);
+    }
+    pthread_mutex_unlock(&S.lock);
+    return found;
+}
+
+struct vmm__reg *vmm__registry(void)
+{
+    return ensure_init() && S.registry_ok ? &S.reg : NULL;
+}
+
+/* Peer access is granted per mapping with cuMemSetAccess: enabling it in the driver does not
+ * cover VMM memory.  accessor may then use owner's chunks, now and in future. */
+void vmm__peer_access(int accessor, int owner, int enable)
+{
+    if (!ensure_init() || accessor < 0 || owner < 0 || accessor >= MAX_DEVICES || owner >= MAX_DEVICES || accessor == owner) return;
+    pthread_mutex_lock(&S.lock);
+    device_state *d = &S.dev[owner];
+    if (enable) __atomic_or_fetch(&d->accessors, 1ull << accessor, __ATOMIC_RELEASE);
+    else __atomic_and_fetch(&d->accessors, ~(1ull << accessor), __ATOMIC_RELEASE);
+    CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = accessor},
+                           .flags = enable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE};
+    unsigned failed = 0;
+    for (chunk *c = S.by_va; c; c = c->hh.next)
+        if (c->dev == owner && c->state != CH_PASSTHROUGH && cu.MemSetAccess(c->va, c->mapped, &acc, 1) != CUDA_SUCCESS)
+            failed++;
+    pthread_mutex_unlock(&S.lock);
+    if (failed) vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be %s", accessor, owner, failed,
+                         enable ? "granted" : "revoked");
 }

@@ -24,6 +24,20 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream);
 void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream);
 /* Bytes held in the cache of the current device (counted as free by cudaMemGetInfo). */
 size_t vmm__cached_bytes_current(void);
+/* A live shim allocation as the rest of the shim sees it. */
+typedef struct vmm__alloc_ref {
+    uint64_t base, requested, mapped;
+    int dev;
+    uint32_t slot;
+    uint64_t generation;
+    uint8_t alloc_id[16];
+} vmm__alloc_ref;
+/* The live shim allocation containing ptr (any interior address): 1 and *out filled, else 0. */
+int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out);
+/* The registry the shim publishes in, with this process attached; NULL when the shim is not active. */
+struct vmm__reg *vmm__registry(void);
+/* Device `accessor` gains (or loses) access to device `owner`'s shim memory, existing and future. */
+void vmm__peer_access(int accessor, int owner, int enable);
 /* True when stream is being captured into a graph. */
 int vmm__stream_capturing(CUstream stream);
 #endif

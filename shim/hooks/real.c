@@ -34,12 +34,12 @@ static int find_cudart(struct dl_phdr_info *info, size_t size, void *data)
 
 void *vmm__real_runtime(const char *name, const void *self)
 {
-    void *fn = dlsym(RTLD_NEXT, name);
+    void *fn = vmm__real_dlsym(RTLD_NEXT, name);
     if (!fn) {
         void *h = NULL;
         dl_iterate_phdr(find_cudart, &h);
         if (h) {
-            fn = dlsym(h, name);
+            fn = vmm__real_dlsym(h, name);
             dlclose(h); /* NOLOAD handle: drops only the reference it took */
         }
     }
@@ -67,5 +67,5 @@ void *vmm__real_libcuda(char *why, unsigned long why_len)
 void *vmm__real_driver(const char *name)
 {
     void *h = vmm__real_libcuda(NULL, 0);
-    return h ? dlsym(h, name) : NULL;
+    return h ? vmm__real_dlsym(h, name) : NULL;
 }

@@ -4,6 +4,11 @@
 #include <cuda.h>
 #include <stdbool.h>
 
+/* glibc's dlsym (the shim exports its own: resolve.c). */
+void *vmm__real_dlsym(void *handle, const char *name);
+/* The shim's wrapper for a real driver function pointer it wraps, else fn itself. */
+void *vmm__wrap_driver_fn(void *fn);
+
 /* A runtime function by name: the next definition after the shim, else the one in whichever
  * libcudart the process loaded privately (Python extensions load it RTLD_LOCAL).  Aborts with a
  * message if it resolves to the shim itself.  NULL if no runtime is loaded. */

@@ -1,0 +1,263 @@
+/* The interposed CUDA driver surface: the exact ABI names a program links against, and the
+ * wrappers the resolvers (resolve.c) hand out for them.  Forwarding only, as override.c: each asks
+ * shim/backing whether the call is the shim's, else calls the real driver function. */
+#define __CUDA_API_VERSION_INTERNAL 1 /* cuda.h then renames nothing: we define exact ABI names */
+#include <cuda.h>
+#include <string.h>
+
+#include "backing/backing.h"
+#include "hooks/real.h"
+#include "registry/layout.h"
+
+#define VMM_HOOK __attribute__((visibility("default")))
+
+/* The real driver function of the same exact name, resolved once. */
+#define REAL_DRV(name)                                                                                \
+    static __typeof__(&name) real_;                                                                   \
+    if (!real_) {                                                                                     \
+        void *found_ = vmm__real_driver(#name);                                                       \
+        memcpy(&real_, &found_, sizeof found_);                                                       \
+    }                                                                                                 \
+    if (!real_) return CUDA_ERROR_NOT_INITIALIZED
+
+#define PASS_THROUGH(call)                                                                            \
+    do {                                                                                              \
+        vmm__enter();                                                                                 \
+        CUresult rc_ = call;                                                                          \
+        vmm__leave();                                                                                 \
+        return rc_;                                                                                   \
+    } while (0)
+
+static CUstream per_thread(CUstream s) { return s ? s : CU_STREAM_PER_THREAD; }
+
+static CUresult alloc(CUresult (*real)(CUdeviceptr *, size_t), CUdeviceptr *dptr, size_t size)
+{
+    void *p = NULL;
+    if (!vmm__in_shim() && dptr) switch (vmm__alloc(size, VMM_API_CU_MEM_ALLOC, 0, NULL, &p)) {
+        case VMM__DONE: *dptr = (CUdeviceptr)(uintptr_t)p; return CUDA_SUCCESS;
+        case VMM__REFUSED: return CUDA_ERROR_NOT_SUPPORTED;
+        case VMM__NOMEM: { /* the real allocator decides, so an OOM stays native */
+            vmm__enter();
+            CUresult rc = real(dptr, size);
+            vmm__leave();
+            if (rc == CUDA_SUCCESS) vmm__note_passthrough((void *)(uintptr_t)*dptr, size, VMM_API_CU_MEM_ALLOC, NULL);
+            return rc;
+        }
+        default: break;
+        }
+    PASS_THROUGH(real(dptr, size));
+}
+
+VMM_HOOK CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
+{
+    REAL_DRV(cuMemAlloc_v2);
+    return alloc(real_, dptr, size);
+}
+
+/* A double free or interior pointer of shim memory: the driver's own error for a pointer that
+ * is no allocation, without letting it near the shim's mapping (a host address never is). */
+static CUresult invalid_free(CUresult (*real)(CUdeviceptr))
+{
+    char not_device_memory;
+    PASS_THROUGH(real((CUdeviceptr)(uintptr_t)&not_device_memory));
+}
+
+VMM_HOOK CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    REAL_DRV(cuMemFree_v2);
+    if (!vmm__in_shim()) switch (vmm__free((void *)(uintptr_t)dptr, 0, NULL)) {
+        case VMM__DONE: return CUDA_SUCCESS;
+        case VMM__INVALID: return invalid_free(real_);
+        default: break;
+        }
+    PASS_THROUGH(real_(dptr));
+}
+
+static CUresult alloc_async(CUresult (*real)(CUdeviceptr *, size_t, CUstream), CUdeviceptr *dptr, size_t size, CUstream stream,
+                            CUstream cu_stream)
+{
+    void *p = NULL;
+    if (vmm__in_shim() || !dptr) return real(dptr, size, stream);
+    if (!vmm__stream_capturing(cu_stream)) switch (vmm__alloc(size, VMM_API_CU_MEM_ALLOC_ASYNC, 1, cu_stream, &p)) {
+        case VMM__DONE: *dptr = (CUdeviceptr)(uintptr_t)p; return CUDA_SUCCESS;
+        case VMM__REFUSED: return CUDA_ERROR_NOT_SUPPORTED;
+        case VMM__NOMEM: break;
+        default: PASS_THROUGH(real(dptr, size, stream));
+        }
+    /* captured into a graph, or the device is full: the real pool's memory, noted not exportable */
+    vmm__enter();
+    CUresult rc = real(dptr, size, stream);
+    vmm__leave();
+    if (rc == CUDA_SUCCESS) vmm__note_passthrough((void *)(uintptr_t)*dptr, size, VMM_API_CU_MEM_ALLOC_ASYNC, cu_stream);
+    return rc;
+}
+
+VMM_HOOK CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream stream)
+{
+    REAL_DRV(cuMemAllocAsync);
+    return alloc_async(real_, dptr, size, stream, stream);
+}
+
+VMM_HOOK CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream stream)
+{
+    REAL_DRV(cuMemAllocAsync_ptsz);
+    return alloc_async(real_, dptr, size, stream, per_thread(stream));
+}
+
+static CUresult free_async(CUresult (*real)(CUdeviceptr, CUstream), CUdeviceptr dptr, CUstream stream, CUstream cu_stream)
+{
+    char not_device_memory;
+    if (!vmm__in_shim()) switch (vmm__free((void *)(uintptr_t)dptr, 1, cu_stream)) {
+        case VMM__DONE: return CUDA_SUCCESS;
+        case VMM__INVALID: dptr = (CUdeviceptr)(uintptr_t)&not_device_memory; break;
+        default: break;
+        }
+    PASS_THROUGH(real(dptr, stream));
+}
+
+VMM_HOOK CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream)
+{
+    REAL_DRV(cuMemFreeAsync);
+    return free_async(real_, dptr, stream, stream);
+}
+
+VMM_HOOK CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream)
+{
+    REAL_DRV(cuMemFreeAsync_ptsz);
+    return free_async(real_, dptr, stream, per_thread(stream));
+}
+
+/* The pitch is the driver's own: ask it with a one-row allocation, then back pitch x height. */
+VMM_HOOK CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height, unsigned elem)
+{
+    REAL_DRV(cuMemAllocPitch_v2);
+    if (vmm__in_shim() || !dptr || !pitch || width == 0 || height == 0) return real_(dptr, pitch, width, height, elem);
+    CUdeviceptr probe = 0;
+    size_t p = 0;
+    vmm__enter();
+    CUresult rc = real_(&probe, &p, width, 1, elem);
+    if (rc == CUDA_SUCCESS) {
+        static __typeof__(&cuMemFree_v2) real_free;
+        if (!real_free) {
+            void *f = vmm__real_driver("cuMemFree_v2");
+            memcpy(&real_free, &f, sizeof f);
+        }
+        if (real_free) real_free(probe);
+    }
+    vmm__leave();
+    if (rc != CUDA_SUCCESS || p == 0 || height > SIZE_MAX / p) PASS_THROUGH(real_(dptr, pitch, width, height, elem));
+    void *ptr = NULL;
+    switch (vmm__alloc(p * height, VMM_API_CU_MEM_ALLOC_PITCH, 0, NULL, &ptr)) {
+    case VMM__DONE:
+        *dptr = (CUdeviceptr)(uintptr_t)ptr;
+        *pitch = p;
+        return CUDA_SUCCESS;
+    case VMM__REFUSED: return CUDA_ERROR_NOT_SUPPORTED;
+    default: PASS_THROUGH(real_(dptr, pitch, width, height, elem));
+    }
+}
+
+VMM_HOOK CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
+{
+    REAL_DRV(cuMemGetInfo_v2);
+    if (vmm__in_shim()) return real_(free_bytes, total);
+    vmm__enter();
+    CUresult rc = real_(free_bytes, total);
+    vmm__leave();
+    if (rc == CUDA_SUCCESS && free_bytes) *free_bytes += vmm__cached_bytes_current(); /* the cache is ours to give back */
+    return rc;
+}
+
+/* ---- queries: a shim allocation answers with its requested base and size ---- */
+
+VMM_HOOK CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr dptr)
+{
+    REAL_DRV(cuMemGetAddressRange_v2);
+    vmm__alloc_ref a;
+    if (vmm__in_shim() || !vmm__lookup(dptr, &a)) PASS_THROUGH(real_(base, size, dptr));
+    if (base) *base = a.base;
+    if (size) *size = a.requested;
+    return CUDA_SUCCESS;
+}
+
+/* Patch the attributes whose answer differs for VMM memory; the rest come from the driver. */
+static void patch_attribute(CUpointer_attribute attr, void *data, const vmm__alloc_ref *a)
+{
+    switch (attr) {
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(CUdeviceptr *)data = a->base; break;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = a->requested; break;
+    case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: *(int *)data = 1; break; /* the shim emulates it */
+    default: break;
+    }
+}
+
+VMM_HOOK CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attr, CUdeviceptr ptr)
+{
+    REAL_DRV(cuPointerGetAttribute);
+    vmm__enter();
+    CUresult rc = real_(data, attr, ptr);
+    vmm__leave();
+    vmm__alloc_ref a;
+    if (rc == CUDA_SUCCESS && data && !vmm__in_shim() && vmm__lookup(ptr, &a)) patch_attribute(attr, data, &a);
+    return rc;
+}
+
+VMM_HOOK CUresult cuPointerGetAttributes(unsigned n, CUpointer_attribute *attrs, void **data, CUdeviceptr ptr)
+{
+    REAL_DRV(cuPointerGetAttributes);
+    vmm__enter();
+    CUresult rc = real_(n, attrs, data, ptr);
+    vmm__leave();
+    vmm__alloc_ref a;
+    if (rc == CUDA_SUCCESS && attrs && data && !vmm__in_shim() && vmm__lookup(ptr, &a))
+        for (unsigned i = 0; i < n; i++)
+            if (data[i]) patch_attribute(attrs[i], data[i], &a);
+    return rc;
+}
+
+/* ---- peer access: VMM mappings need their own cuMemSetAccess grant ---- */
+
+static int ctx_device(CUcontext ctx)
+{
+    static __typeof__(&cuCtxPushCurrent_v2) push;
+    static __typeof__(&cuCtxPopCurrent_v2) pop;
+    static __typeof__(&cuCtxGetDevice) get;
+    if (!push) {
+        void *a = vmm__real_driver("cuCtxPushCurrent_v2"), *b = vmm__real_driver("cuCtxPopCurrent_v2"),
+             *c = vmm__real_driver("cuCtxGetDevice");
+        memcpy(&pop, &b, sizeof b);
+        memcpy(&get, &c, sizeof c);
+        memcpy(&push, &a, sizeof a);
+    }
+    CUdevice dev = -1;
+    CUcontext popped;
+    if (!push || !pop || !get) return -1;
+    if (ctx) {
+        if (push(ctx) != CUDA_SUCCESS) return -1;
+        get(&dev);
+        pop(&popped);
+    } else if (get(&dev) != CUDA_SUCCESS) {
+        return -1;
+    }
+    return dev;
+}
+
+VMM_HOOK CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags)
+{
+    REAL_DRV(cuCtxEnablePeerAccess);
+    vmm__enter();
+    CUresult rc = real_(peer, flags);
+    if (rc == CUDA_SUCCESS || rc == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) vmm__peer_access(ctx_device(NULL), ctx_device(peer), 1);
+    vmm__leave();
+    return rc;
+}
+
+VMM_HOOK CUresult cuCtxDisablePeerAccess(CUcontext peer)
+{
+    REAL_DRV(cuCtxDisablePeerAccess);
+    vmm__enter();
+    CUresult rc = real_(peer);
+    if (rc == CUDA_SUCCESS) vmm__peer_access(ctx_device(NULL), ctx_device(peer), 0);
+    vmm__leave();
+    return rc;
+}

@@ -1,0 +1,220 @@
+/* The resolvers through which programs reach the driver without linking it: dlsym (a static
+ * runtime dlopen()s libcuda.so.1 and asks for cuGetProcAddress_v2), the driver's own
+ * cuGetProcAddress, and the runtime's cudaGetDriverEntryPoint*.  Real-first: the real resolver
+ * answers with the caller's exact arguments, and only a successful answer whose function pointer
+ * IS one of the driver functions the shim wraps is swapped for the wrapper.  Names are never
+ * guessed from (cudnn*, other cu* names and missing symbols come back untouched). */
+#define __CUDA_API_VERSION_INTERNAL 1
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "hooks/real.h"
+
+#define VMM_HOOK __attribute__((visibility("default")))
+/* dlsym is called by sanitizer runtimes while they start, before their shadow memory exists:
+ * what runs on that path must not be instrumented in the sanitizer builds. */
+#define VMM_EARLY __attribute__((no_sanitize_address))
+
+/* ---- the real dlsym, bootstrapped without going through our own ---- */
+
+typedef void *(*dlsym_fn)(void *, const char *);
+static dlsym_fn real_dlsym_ptr;
+
+VMM_EARLY static void find_real_dlsym(void)
+{
+    void *p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    memcpy(&real_dlsym_ptr, &p, sizeof p);
+}
+
+VMM_EARLY void *vmm__real_dlsym(void *handle, const char *name)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, find_real_dlsym);
+    if (!real_dlsym_ptr) {
+        static const char msg[] = "vmmshim: error: cannot find the real dlsym; aborting\n";
+        (void)!write(2, msg, sizeof msg - 1);
+        abort();
+    }
+    return real_dlsym_ptr(handle, name);
+}
+
+/* ---- which driver functions are wrapped: exact ABI names, matched by pointer identity ---- */
+
+#define WRAPPED(X)                                                                                    \
+    X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemFreeAsync)     \
+    X(cuMemFreeAsync_ptsz) X(cuMemAllocPitch_v2) X(cuMemGetInfo_v2) X(cuMemGetAddressRange_v2)        \
+    X(cuPointerGetAttribute) X(cuPointerGetAttributes) X(cuCtxEnablePeerAccess)                       \
+    X(cuCtxDisablePeerAccess) X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)  \
+    X(cuGetProcAddress) X(cuGetProcAddress_v2)
+
+typedef struct wrap_entry {
+    const char *name;
+    void *wrapper, *real;
+} wrap_entry;
+
+#define ENTRY(fn) {#fn, NULL, NULL},
+static wrap_entry table[] = {WRAPPED(ENTRY)};
+#undef ENTRY
+#define N_WRAPPED (sizeof table / sizeof table[0])
+static int table_ready;
+static pthread_once_t table_once = PTHREAD_ONCE_INIT;
+
+static void build_table(void)
+{
+    size_t i = 0;
+    /* the wrappers are this library's own definitions of the same names */
+#define FILL(fn)                                                                                      \
+    {                                                                                                 \
+        __typeof__(&fn) w_ = fn;                                                                      \
+        memcpy(&table[i].wrapper, &w_, sizeof w_);                                                    \
+        table[i].real = vmm__real_driver(#fn);                                                        \
+        i++;                                                                                          \
+    }
+    WRAPPED(FILL)
+#undef FILL
+    __atomic_store_n(&table_ready, 1, __ATOMIC_RELEASE);
+}
+
+/* The wrapper for a real driver function pointer, or the pointer itself. */
+VMM_EARLY void *vmm__wrap_driver_fn(void *fn)
+{
+    if (!fn) return fn;
+    if (!__atomic_load_n(&table_ready, __ATOMIC_ACQUIRE)) {
+        /* only once the process has loaded the driver: never load it on someone's behalf */
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (!h) return fn;
+        dlclose(h);
+        pthread_once(&table_once, build_table);
+    }
+    for (size_t i = 0; i < N_WRAPPED; i++)
+        if (table[i].real == fn) return table[i].wrapper;
+    return fn;
+}
+
+/* ---- dlsym ---- */
+
+/* RTLD_NEXT means "after the caller's object"; forwarded from here it would mean "after the shim",
+ * so search the objects loaded after the caller ourselves. */
+static int loader_done; /* set once this library's constructors run: dlopen is safe from then on */
+__attribute__((constructor)) static void mark_loaded(void) { __atomic_store_n(&loader_done, 1, __ATOMIC_RELEASE); }
+
+VMM_EARLY static void *next_after(const void *caller, const char *name)
+{
+    Dl_info info;
+    struct link_map *lm = NULL;
+    /* Before the loader has finished (a sanitizer runtime resolving its interceptors), dlopen may
+     * not be called; the callers then are the preloads ahead of the shim, for whom "after the
+     * shim" is the same search but for the shim's own exports. */
+    if (!__atomic_load_n(&loader_done, __ATOMIC_ACQUIRE) || !dladdr1(caller, &info, (void **)&lm, RTLD_DL_LINKMAP) || !lm)
+        return vmm__real_dlsym(RTLD_NEXT, name);
+    for (struct link_map *l = lm->l_next; l; l = l->l_next) {
+        void *h = dlopen(l->l_name, RTLD_LAZY | RTLD_NOLOAD);
+        if (!h) continue;
+        void *p = vmm__real_dlsym(h, name);
+        dlclose(h);
+        if (p) return p;
+    }
+    return NULL;
+}
+
+VMM_HOOK VMM_EARLY void *dlsym(void *handle, const char *name)
+{
+    void *p = handle == RTLD_NEXT ? next_after(__builtin_return_address(0), name) : vmm__real_dlsym(handle, name);
+    /* cheap filter first: every wrapped name starts with "cu" */
+    if (p && name[0] == 'c' && name[1] == 'u') p = vmm__wrap_driver_fn(p);
+    return p;
+}
+
+/* ---- the driver's resolver ---- */
+
+#define REAL_DRV(name)                                                                                \
+    static __typeof__(&name) real_;                                                                   \
+    if (!real_) {                                                                                     \
+        void *found_ = vmm__real_driver(#name);                                                       \
+        memcpy(&real_, &found_, sizeof found_);                                                       \
+    }                                                                                                 \
+    if (!real_) return CUDA_ERROR_NOT_INITIALIZED
+
+VMM_HOOK CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_version, cuuint64_t flags)
+{
+    REAL_DRV(cuGetProcAddress);
+    CUresult rc = real_(symbol, pfn, cuda_version, flags);
+    if (rc == CUDA_SUCCESS && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    return rc;
+}
+
+VMM_HOOK CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version, cuuint64_t flags,
+                                      CUdriverProcAddressQueryResult *status)
+{
+    REAL_DRV(cuGetProcAddress_v2);
+    CUresult rc = real_(symbol, pfn, cuda_version, flags, status);
+    if (rc == CUDA_SUCCESS && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    return rc;
+}
+
+/* ---- the runtime's resolvers (they reach the driver's resolver internally; wrap what they return) ----
+ * cudaGetDriverEntryPoint is deprecated, but programs still call it: interposing it is the point. */
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+typedef cudaError_t (*entry_fn)(const char *, void **, unsigned long long, enum cudaDriverEntryPointQueryResult *);
+typedef cudaError_t (*entry_ver_fn)(const char *, void **, unsigned int, unsigned long long,
+                                    enum cudaDriverEntryPointQueryResult *);
+cudaError_t cudaGetDriverEntryPoint_ptsz(const char *, void **, unsigned long long, enum cudaDriverEntryPointQueryResult *);
+cudaError_t cudaGetDriverEntryPointByVersion_ptsz(const char *, void **, unsigned int, unsigned long long,
+                                                  enum cudaDriverEntryPointQueryResult *);
+
+#define REAL_RT(name, type)                                                                           \
+    static type real_;                                                                                \
+    if (!real_) {                                                                                     \
+        type self_ = name;                                                                            \
+        void *self_obj, *found_;                                                                      \
+        memcpy(&self_obj, &self_, sizeof self_obj);                                                   \
+        found_ = vmm__real_runtime(#name, self_obj);                                                  \
+        memcpy(&real_, &found_, sizeof found_);                                                       \
+    }                                                                                                 \
+    if (!real_) return cudaErrorInitializationError
+
+VMM_HOOK cudaError_t cudaGetDriverEntryPoint(const char *symbol, void **pfn, unsigned long long flags,
+                                             enum cudaDriverEntryPointQueryResult *status)
+{
+    REAL_RT(cudaGetDriverEntryPoint, entry_fn);
+    cudaError_t rc = real_(symbol, pfn, flags, status);
+    if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    return rc;
+}
+
+VMM_HOOK cudaError_t cudaGetDriverEntryPoint_ptsz(const char *symbol, void **pfn, unsigned long long flags,
+                                                  enum cudaDriverEntryPointQueryResult *status)
+{
+    REAL_RT(cudaGetDriverEntryPoint_ptsz, entry_fn);
+    cudaError_t rc = real_(symbol, pfn, flags, status);
+    if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    return rc;
+}
+
+VMM_HOOK cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **pfn, unsigned int version,
+                                                      unsigned long long flags, enum cudaDriverEntryPointQueryResult *status)
+{
+    REAL_RT(cudaGetDriverEntryPointByVersion, entry_ver_fn);
+    cudaError_t rc = real_(symbol, pfn, version, flags, status);
+    if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    return rc;
+}
+
+VMM_HOOK cudaError_t cudaGetDriverEntryPointByVersion_ptsz(const char *symbol, void **pfn, unsigned int version,
+                                                           unsigned long long flags,
+                                                           enum cudaDriverEntryPointQueryResult *status)
+{
+    REAL_RT(cudaGetDriverEntryPointByVersion_ptsz, entry_ver_fn);
+    cudaError_t rc = real_(symbol, pfn, version, flags, status);
+    if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    return rc;
+}
