@@ -203,3 +203,30 @@ API cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) { return ret(map(
 API cudaError_t cudaEventSynchronize(cudaEvent_t e) { return ret(map(cuEventSynchronize((CUevent)e))); }
 API cudaError_t cudaEventQuery(cudaEvent_t e) { return ret(map(cuEventQuery((CUevent)e))); }
 API cudaError_t cudaEventDestroy(cudaEvent_t e) { return ret(map(cuEventDestroy((CUevent)e))); }
+
+/* Legacy IPC over the driver's cuIpc* (the emulated driver opens none: NOT_SUPPORTED). */
+API cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *devPtr)
+{
+    if (!handle) return ret(cudaErrorInvalidValue);
+    ENSURE();
+    CUipcMemHandle h;
+    cudaError_t e = map(cuIpcGetMemHandle(&h, (CUdeviceptr)(uintptr_t)devPtr));
+    if (e == cudaSuccess) memcpy(handle->reserved, h.reserved, sizeof handle->reserved);
+    return ret(e);
+}
+API cudaError_t cudaIpcOpenMemHandle(void **devPtr, cudaIpcMemHandle_t handle, unsigned int flags)
+{
+    if (!devPtr) return ret(cudaErrorInvalidValue);
+    ENSURE();
+    CUipcMemHandle h;
+    memcpy(h.reserved, handle.reserved, sizeof h.reserved);
+    CUdeviceptr d = 0;
+    cudaError_t e = map(cuIpcOpenMemHandle(&d, h, flags));
+    if (e == cudaSuccess) *devPtr = (void *)(uintptr_t)d;
+    return ret(e);
+}
+API cudaError_t cudaIpcCloseMemHandle(void *devPtr)
+{
+    ENSURE();
+    return ret(map(cuIpcCloseMemHandle((CUdeviceptr)(uintptr_t)devPtr)));
+}
