@@ -67,7 +67,8 @@ typedef struct fc_range {
     size_t map_len;  /* cuMemAlloc: bytes actually mapped */
     fc_handle *h;    /* mappings */
     size_t offset;   /* mappings */
-    int prot;        /* mappings: current mprotect */
+    int prot;        /* mappings: current mprotect (the union of access[]: this process is every device) */
+    unsigned char access[FC_MAX_DEV]; /* mappings: CU_MEM_ACCESS_FLAGS_* per device (cuMemSetAccess) */
     int dev;
     size_t charged;  /* cuMemAlloc */
     unsigned long long buffer_id;
@@ -1089,27 +1090,32 @@ FC_API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
     FC_ENTER("cuMemSetAccess");
     uintptr_t p = (uintptr_t)ptr;
     if (!p || !size || !desc || !count || p % FC_GRAN || size % FC_GRAN) return CUDA_ERROR_INVALID_VALUE;
-    int prot = PROT_NONE;
     for (size_t i = 0; i < count; i++) {
         if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE) return CUDA_ERROR_INVALID_VALUE;
         if (!dev_ok(desc[i].location.id)) return CUDA_ERROR_INVALID_DEVICE;
-        switch (desc[i].flags) {
-        case CU_MEM_ACCESS_FLAGS_PROT_NONE: break;
-        case CU_MEM_ACCESS_FLAGS_PROT_READ: prot |= PROT_READ; break;
-        case CU_MEM_ACCESS_FLAGS_PROT_READWRITE: prot |= PROT_READ | PROT_WRITE; break;
-        default: return CUDA_ERROR_INVALID_VALUE;
-        }
+        if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE && desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+            desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            return CUDA_ERROR_INVALID_VALUE;
     }
     LOCK();
     if (!fully_mapped(p, size)) {
         UNLOCK();
         return CUDA_ERROR_INVALID_VALUE;
     }
+    /* Each listed device gets its flags; the others keep theirs.  The pages get the union. */
     CUresult r = CUDA_SUCCESS;
-    if (mprotect((void *)p, size, prot) != 0) r = CUDA_ERROR_INVALID_VALUE;
     fc_range *m, *tmp;
     HASH_ITER(hh, g_maps, m, tmp) {
-        if (m->base >= p && m->base < p + size) m->prot = prot;
+        if (m->base >= p + size || m->base + m->size <= p) continue;
+        for (size_t i = 0; i < count; i++) m->access[desc[i].location.id] = (unsigned char)desc[i].flags;
+        int prot = PROT_NONE;
+        for (int d = 0; d < FC_MAX_DEV; d++)
+            prot |= m->access[d] == CU_MEM_ACCESS_FLAGS_PROT_READWRITE ? PROT_READ | PROT_WRITE
+                    : m->access[d] == CU_MEM_ACCESS_FLAGS_PROT_READ    ? PROT_READ
+                                                                       : PROT_NONE;
+        uintptr_t lo = m->base > p ? m->base : p, hi = m->base + m->size < p + size ? m->base + m->size : p + size;
+        if (mprotect((void *)lo, hi - lo, prot) != 0) r = CUDA_ERROR_INVALID_VALUE;
+        m->prot = prot;
     }
     UNLOCK();
     return r;
@@ -1118,16 +1124,15 @@ FC_API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
 FC_API CUresult cuMemGetAccess(unsigned long long *flags, const CUmemLocation *location, CUdeviceptr ptr)
 {
     FC_ENTER("cuMemGetAccess");
-    if (!flags || !location) return CUDA_ERROR_INVALID_VALUE;
+    if (!flags || !location || location->type != CU_MEM_LOCATION_TYPE_DEVICE) return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(location->id)) return CUDA_ERROR_INVALID_DEVICE;
     LOCK();
     fc_range *m = range_containing(g_maps, (uintptr_t)ptr, 0);
     if (!m) {
         UNLOCK();
         return CUDA_ERROR_INVALID_VALUE;
     }
-    *flags = (m->prot & PROT_WRITE) ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-             : (m->prot & PROT_READ) ? CU_MEM_ACCESS_FLAGS_PROT_READ
-                                      : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    *flags = m->access[location->id];
     UNLOCK();
     return CUDA_SUCCESS;
 }
@@ -1939,107 +1944,120 @@ struct fc_sym {
     fc_fn fn, ptsz;
 };
 
-#define S(name, min, fn) {name, min, (fc_fn)fn, NULL}
-#define P(name, min, fn, ptsz) {name, min, (fc_fn)fn, (fc_fn)ptsz}
-/* Entries of one name are listed newest first. */
-static const struct fc_sym g_syms[] = {
-    S("cuInit", 2000, cuInit),
-    S("cuDriverGetVersion", 2020, cuDriverGetVersion),
-    S("cuGetErrorName", 6000, cuGetErrorName),
-    S("cuGetErrorString", 6000, cuGetErrorString),
-    S("cuGetProcAddress", 12000, cuGetProcAddress_v2),
-    S("cuGetProcAddress", 11030, cuGetProcAddress),
-    S("cuDeviceGetCount", 2000, cuDeviceGetCount),
-    S("cuDeviceGet", 2000, cuDeviceGet),
-    S("cuDeviceGetName", 2000, cuDeviceGetName),
-    S("cuDeviceGetUuid", 11040, cuDeviceGetUuid_v2),
-    S("cuDeviceGetUuid", 9020, cuDeviceGetUuid),
-    S("cuDeviceTotalMem", 3020, cuDeviceTotalMem_v2),
-    S("cuDeviceTotalMem", 2000, cuDeviceTotalMem),
-    S("cuDeviceGetAttribute", 2000, cuDeviceGetAttribute),
-    S("cuDeviceCanAccessPeer", 4000, cuDeviceCanAccessPeer),
-    S("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain),
-    S("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2),
-    S("cuDevicePrimaryCtxRelease", 7000, cuDevicePrimaryCtxRelease),
-    S("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState),
-    S("cuCtxGetCurrent", 4000, cuCtxGetCurrent),
-    S("cuCtxSetCurrent", 4000, cuCtxSetCurrent),
-    S("cuCtxPushCurrent", 4000, cuCtxPushCurrent_v2),
-    S("cuCtxPushCurrent", 2000, cuCtxPushCurrent),
-    S("cuCtxPopCurrent", 4000, cuCtxPopCurrent_v2),
-    S("cuCtxPopCurrent", 2000, cuCtxPopCurrent),
-    S("cuCtxGetDevice", 2000, cuCtxGetDevice),
-    S("cuCtxSynchronize", 2000, cuCtxSynchronize),
-    S("cuCtxEnablePeerAccess", 4000, cuCtxEnablePeerAccess),
-    S("cuCtxDisablePeerAccess", 4000, cuCtxDisablePeerAccess),
-    S("cuMemGetAllocationGranularity", 10020, cuMemGetAllocationGranularity),
-    S("cuMemAddressReserve", 10020, cuMemAddressReserve),
-    S("cuMemAddressFree", 10020, cuMemAddressFree),
-    S("cuMemCreate", 10020, cuMemCreate),
-    S("cuMemRelease", 10020, cuMemRelease),
-    S("cuMemMap", 10020, cuMemMap),
-    S("cuMemUnmap", 10020, cuMemUnmap),
-    S("cuMemSetAccess", 10020, cuMemSetAccess),
-    S("cuMemGetAccess", 10020, cuMemGetAccess),
-    S("cuMemExportToShareableHandle", 10020, cuMemExportToShareableHandle),
-    S("cuMemImportFromShareableHandle", 10020, cuMemImportFromShareableHandle),
-    S("cuMemGetAllocationPropertiesFromHandle", 10020, cuMemGetAllocationPropertiesFromHandle),
-    S("cuMemRetainAllocationHandle", 11000, cuMemRetainAllocationHandle),
-    S("cuMemAlloc", 3020, cuMemAlloc_v2),
-    S("cuMemAlloc", 2000, cuMemAlloc),
-    S("cuMemAllocPitch", 3020, cuMemAllocPitch_v2),
-    S("cuMemAllocPitch", 2000, cuMemAllocPitch),
-    S("cuMemAllocManaged", 6000, cuMemAllocManaged),
-    S("cuMemFree", 3020, cuMemFree_v2),
-    S("cuMemFree", 2000, cuMemFree),
-    P("cuMemAllocAsync", 11020, cuMemAllocAsync, cuMemAllocAsync_ptsz),
-    P("cuMemFreeAsync", 11020, cuMemFreeAsync, cuMemFreeAsync_ptsz),
-    S("cuMemGetInfo", 3020, cuMemGetInfo_v2),
-    S("cuMemGetInfo", 2000, cuMemGetInfo),
-    S("cuMemGetAddressRange", 3020, cuMemGetAddressRange_v2),
-    S("cuMemGetAddressRange", 2000, cuMemGetAddressRange),
-    S("cuPointerGetAttribute", 4000, cuPointerGetAttribute),
-    S("cuPointerGetAttributes", 7000, cuPointerGetAttributes),
-    P("cuMemcpy", 4000, cuMemcpy, cuMemcpy_ptds),
-    P("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds),
-    S("cuMemcpyHtoD", 2000, cuMemcpyHtoD),
-    P("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds),
-    S("cuMemcpyDtoH", 2000, cuMemcpyDtoH),
-    P("cuMemcpyDtoD", 3020, cuMemcpyDtoD_v2, cuMemcpyDtoD_v2_ptds),
-    S("cuMemcpyDtoD", 2000, cuMemcpyDtoD),
-    P("cuMemcpyAsync", 4000, cuMemcpyAsync, cuMemcpyAsync_ptsz),
-    P("cuMemcpyHtoDAsync", 3020, cuMemcpyHtoDAsync_v2, cuMemcpyHtoDAsync_v2_ptsz),
-    P("cuMemcpyDtoHAsync", 3020, cuMemcpyDtoHAsync_v2, cuMemcpyDtoHAsync_v2_ptsz),
-    P("cuMemcpyDtoDAsync", 3020, cuMemcpyDtoDAsync_v2, cuMemcpyDtoDAsync_v2_ptsz),
-    P("cuMemsetD8", 3020, cuMemsetD8_v2, cuMemsetD8_v2_ptds),
-    S("cuMemsetD8", 2000, cuMemsetD8),
-    P("cuMemsetD32", 3020, cuMemsetD32_v2, cuMemsetD32_v2_ptds),
-    S("cuMemsetD32", 2000, cuMemsetD32),
-    P("cuMemsetD8Async", 3020, cuMemsetD8Async, cuMemsetD8Async_ptsz),
-    P("cuMemsetD32Async", 3020, cuMemsetD32Async, cuMemsetD32Async_ptsz),
-    S("cuStreamCreate", 2000, cuStreamCreate),
-    S("cuStreamCreateWithPriority", 5050, cuStreamCreateWithPriority),
-    S("cuStreamDestroy", 4000, cuStreamDestroy_v2),
-    S("cuStreamDestroy", 2000, cuStreamDestroy),
-    P("cuStreamSynchronize", 2000, cuStreamSynchronize, cuStreamSynchronize_ptsz),
-    P("cuStreamQuery", 2000, cuStreamQuery, cuStreamQuery_ptsz),
-    P("cuStreamWaitEvent", 3020, cuStreamWaitEvent, cuStreamWaitEvent_ptsz),
-    P("cuStreamBeginCapture", 10010, cuStreamBeginCapture_v2, cuStreamBeginCapture_v2_ptsz),
-    P("cuStreamBeginCapture", 10000, cuStreamBeginCapture, cuStreamBeginCapture_ptsz),
-    P("cuStreamEndCapture", 10000, cuStreamEndCapture, cuStreamEndCapture_ptsz),
-    P("cuStreamIsCapturing", 10000, cuStreamIsCapturing, cuStreamIsCapturing_ptsz),
-    S("cuEventCreate", 2000, cuEventCreate),
-    P("cuEventRecord", 2000, cuEventRecord, cuEventRecord_ptsz),
-    P("cuEventRecordWithFlags", 11010, cuEventRecordWithFlags, cuEventRecordWithFlags_ptsz),
-    S("cuEventQuery", 2000, cuEventQuery),
-    S("cuEventSynchronize", 2000, cuEventSynchronize),
-    S("cuEventDestroy", 4000, cuEventDestroy_v2),
-    S("cuEventDestroy", 2000, cuEventDestroy),
-    S("cuIpcGetMemHandle", 4010, cuIpcGetMemHandle),
-    S("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2),
-    S("cuIpcOpenMemHandle", 4010, cuIpcOpenMemHandle),
-    S("cuIpcCloseMemHandle", 4010, cuIpcCloseMemHandle),
-};
+/* The table, as an X-macro so that every entry point also gets a hidden alias: the addresses
+ * handed out are this library's own, bound at link time like NVIDIA's driver does (a plain
+ * address of an exported function would be resolved through the dynamic linker, so an
+ * LD_PRELOADed library defining the same name would silently replace the answer).
+ * Entries of one name are listed newest first. */
+#define FC_SYM_TABLE(S, P) \
+    S("cuInit", 2000, cuInit)                                                                   \
+    S("cuDriverGetVersion", 2020, cuDriverGetVersion)                                           \
+    S("cuGetErrorName", 6000, cuGetErrorName)                                                   \
+    S("cuGetErrorString", 6000, cuGetErrorString)                                               \
+    S("cuGetProcAddress", 12000, cuGetProcAddress_v2)                                           \
+    S("cuGetProcAddress", 11030, cuGetProcAddress)                                              \
+    S("cuDeviceGetCount", 2000, cuDeviceGetCount)                                               \
+    S("cuDeviceGet", 2000, cuDeviceGet)                                                         \
+    S("cuDeviceGetName", 2000, cuDeviceGetName)                                                 \
+    S("cuDeviceGetUuid", 11040, cuDeviceGetUuid_v2)                                             \
+    S("cuDeviceGetUuid", 9020, cuDeviceGetUuid)                                                 \
+    S("cuDeviceTotalMem", 3020, cuDeviceTotalMem_v2)                                            \
+    S("cuDeviceTotalMem", 2000, cuDeviceTotalMem)                                               \
+    S("cuDeviceGetAttribute", 2000, cuDeviceGetAttribute)                                       \
+    S("cuDeviceCanAccessPeer", 4000, cuDeviceCanAccessPeer)                                     \
+    S("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain)                               \
+    S("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2)                         \
+    S("cuDevicePrimaryCtxRelease", 7000, cuDevicePrimaryCtxRelease)                             \
+    S("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState)                           \
+    S("cuCtxGetCurrent", 4000, cuCtxGetCurrent)                                                 \
+    S("cuCtxSetCurrent", 4000, cuCtxSetCurrent)                                                 \
+    S("cuCtxPushCurrent", 4000, cuCtxPushCurrent_v2)                                            \
+    S("cuCtxPushCurrent", 2000, cuCtxPushCurrent)                                               \
+    S("cuCtxPopCurrent", 4000, cuCtxPopCurrent_v2)                                              \
+    S("cuCtxPopCurrent", 2000, cuCtxPopCurrent)                                                 \
+    S("cuCtxGetDevice", 2000, cuCtxGetDevice)                                                   \
+    S("cuCtxSynchronize", 2000, cuCtxSynchronize)                                               \
+    S("cuCtxEnablePeerAccess", 4000, cuCtxEnablePeerAccess)                                     \
+    S("cuCtxDisablePeerAccess", 4000, cuCtxDisablePeerAccess)                                   \
+    S("cuMemGetAllocationGranularity", 10020, cuMemGetAllocationGranularity)                    \
+    S("cuMemAddressReserve", 10020, cuMemAddressReserve)                                        \
+    S("cuMemAddressFree", 10020, cuMemAddressFree)                                              \
+    S("cuMemCreate", 10020, cuMemCreate)                                                        \
+    S("cuMemRelease", 10020, cuMemRelease)                                                      \
+    S("cuMemMap", 10020, cuMemMap)                                                              \
+    S("cuMemUnmap", 10020, cuMemUnmap)                                                          \
+    S("cuMemSetAccess", 10020, cuMemSetAccess)                                                  \
+    S("cuMemGetAccess", 10020, cuMemGetAccess)                                                  \
+    S("cuMemExportToShareableHandle", 10020, cuMemExportToShareableHandle)                      \
+    S("cuMemImportFromShareableHandle", 10020, cuMemImportFromShareableHandle)                  \
+    S("cuMemGetAllocationPropertiesFromHandle", 10020, cuMemGetAllocationPropertiesFromHandle)  \
+    S("cuMemRetainAllocationHandle", 11000, cuMemRetainAllocationHandle)                        \
+    S("cuMemAlloc", 3020, cuMemAlloc_v2)                                                        \
+    S("cuMemAlloc", 2000, cuMemAlloc)                                                           \
+    S("cuMemAllocPitch", 3020, cuMemAllocPitch_v2)                                              \
+    S("cuMemAllocPitch", 2000, cuMemAllocPitch)                                                 \
+    S("cuMemAllocManaged", 6000, cuMemAllocManaged)                                             \
+    S("cuMemFree", 3020, cuMemFree_v2)                                                          \
+    S("cuMemFree", 2000, cuMemFree)                                                             \
+    P("cuMemAllocAsync", 11020, cuMemAllocAsync, cuMemAllocAsync_ptsz)                          \
+    P("cuMemFreeAsync", 11020, cuMemFreeAsync, cuMemFreeAsync_ptsz)                             \
+    S("cuMemGetInfo", 3020, cuMemGetInfo_v2)                                                    \
+    S("cuMemGetInfo", 2000, cuMemGetInfo)                                                       \
+    S("cuMemGetAddressRange", 3020, cuMemGetAddressRange_v2)                                    \
+    S("cuMemGetAddressRange", 2000, cuMemGetAddressRange)                                       \
+    S("cuPointerGetAttribute", 4000, cuPointerGetAttribute)                                     \
+    S("cuPointerGetAttributes", 7000, cuPointerGetAttributes)                                   \
+    P("cuMemcpy", 4000, cuMemcpy, cuMemcpy_ptds)                                                \
+    P("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds)                              \
+    S("cuMemcpyHtoD", 2000, cuMemcpyHtoD)                                                       \
+    P("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds)                              \
+    S("cuMemcpyDtoH", 2000, cuMemcpyDtoH)                                                       \
+    P("cuMemcpyDtoD", 3020, cuMemcpyDtoD_v2, cuMemcpyDtoD_v2_ptds)                              \
+    S("cuMemcpyDtoD", 2000, cuMemcpyDtoD)                                                       \
+    P("cuMemcpyAsync", 4000, cuMemcpyAsync, cuMemcpyAsync_ptsz)                                 \
+    P("cuMemcpyHtoDAsync", 3020, cuMemcpyHtoDAsync_v2, cuMemcpyHtoDAsync_v2_ptsz)               \
+    P("cuMemcpyDtoHAsync", 3020, cuMemcpyDtoHAsync_v2, cuMemcpyDtoHAsync_v2_ptsz)               \
+    P("cuMemcpyDtoDAsync", 3020, cuMemcpyDtoDAsync_v2, cuMemcpyDtoDAsync_v2_ptsz)               \
+    P("cuMemsetD8", 3020, cuMemsetD8_v2, cuMemsetD8_v2_ptds)                                    \
+    S("cuMemsetD8", 2000, cuMemsetD8)                                                           \
+    P("cuMemsetD32", 3020, cuMemsetD32_v2, cuMemsetD32_v2_ptds)                                 \
+    S("cuMemsetD32", 2000, cuMemsetD32)                                                         \
+    P("cuMemsetD8Async", 3020, cuMemsetD8Async, cuMemsetD8Async_ptsz)                           \
+    P("cuMemsetD32Async", 3020, cuMemsetD32Async, cuMemsetD32Async_ptsz)                        \
+    S("cuStreamCreate", 2000, cuStreamCreate)                                                   \
+    S("cuStreamCreateWithPriority", 5050, cuStreamCreateWithPriority)                           \
+    S("cuStreamDestroy", 4000, cuStreamDestroy_v2)                                              \
+    S("cuStreamDestroy", 2000, cuStreamDestroy)                                                 \
+    P("cuStreamSynchronize", 2000, cuStreamSynchronize, cuStreamSynchronize_ptsz)               \
+    P("cuStreamQuery", 2000, cuStreamQuery, cuStreamQuery_ptsz)                                 \
+    P("cuStreamWaitEvent", 3020, cuStreamWaitEvent, cuStreamWaitEvent_ptsz)                     \
+    P("cuStreamBeginCapture", 10010, cuStreamBeginCapture_v2, cuStreamBeginCapture_v2_ptsz)     \
+    P("cuStreamBeginCapture", 10000, cuStreamBeginCapture, cuStreamBeginCapture_ptsz)           \
+    P("cuStreamEndCapture", 10000, cuStreamEndCapture, cuStreamEndCapture_ptsz)                 \
+    P("cuStreamIsCapturing", 10000, cuStreamIsCapturing, cuStreamIsCapturing_ptsz)              \
+    S("cuEventCreate", 2000, cuEventCreate)                                                     \
+    P("cuEventRecord", 2000, cuEventRecord, cuEventRecord_ptsz)                                 \
+    P("cuEventRecordWithFlags", 11010, cuEventRecordWithFlags, cuEventRecordWithFlags_ptsz)     \
+    S("cuEventQuery", 2000, cuEventQuery)                                                       \
+    S("cuEventSynchronize", 2000, cuEventSynchronize)                                           \
+    S("cuEventDestroy", 4000, cuEventDestroy_v2)                                                \
+    S("cuEventDestroy", 2000, cuEventDestroy)                                                   \
+    S("cuIpcGetMemHandle", 4010, cuIpcGetMemHandle)                                             \
+    S("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2)                                       \
+    S("cuIpcOpenMemHandle", 4010, cuIpcOpenMemHandle)                                           \
+    S("cuIpcCloseMemHandle", 4010, cuIpcCloseMemHandle)
+
+#define FC_LOCAL_ALIAS(fn) extern __typeof__(fn) fc_local_##fn __attribute__((alias(#fn), visibility("hidden")));
+#define ALIAS_S(name, min, fn) FC_LOCAL_ALIAS(fn)
+#define ALIAS_P(name, min, fn, ptsz) FC_LOCAL_ALIAS(fn) FC_LOCAL_ALIAS(ptsz)
+FC_SYM_TABLE(ALIAS_S, ALIAS_P)
+#undef ALIAS_S
+#undef ALIAS_P
+#undef FC_LOCAL_ALIAS
+
+#define S(name, min, fn) {name, min, (fc_fn)fc_local_##fn, NULL},
+#define P(name, min, fn, ptsz) {name, min, (fc_fn)fc_local_##fn, (fc_fn)fc_local_##ptsz},
+static const struct fc_sym g_syms[] = {FC_SYM_TABLE(S, P)};
 #undef S
 #undef P
 
