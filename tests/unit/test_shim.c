@@ -87,6 +87,18 @@ static void test_threads(void)
     printf("stat: 16 threads x %s allocate/free under the shim: %s", iters, out);
 }
 
+static void test_rtld_next(void)
+{
+    char prog[600], out[4096], err[4096];
+    snprintf(prog, sizeof prog, "%s/progs/rtld_next", build);
+    char *argv[] = {prog, NULL};
+    const char *env[] = {preload, NULL};
+    int rc = run(argv, env, out, sizeof out, err, sizeof err);
+    CHECK(rc == 0 && strstr(out, "RTLD_NEXT getpid is libc's: yes"), "rc %d: %s%s", rc, out, err);
+    CHECK(strstr(out, "RTLD_NEXT cudaMalloc comes from: the shim") != NULL, "%s", out); /* as glibc's own dlsym says */
+    CHECK(strstr(out, "RTLD_NEXT of a missing name: NULL") != NULL, "%s", out);
+}
+
 static void test_async_order(void)
 {
     char prog[600], out[4096], err[4096];
@@ -349,6 +361,7 @@ int main(void)
     test_semantics();
     test_threads();
     test_async_order();
+    test_rtld_next();
     test_fallback_and_strict();
     test_publish_and_import();
     test_capture();
