@@ -40,7 +40,7 @@ FAKERT_SO:= $(BUILD)/fakecuda/libcudart.so.13
 PROGS    := $(patsubst tests/progs/%.c,$(BUILD)/progs/%,$(PROG_SRC))
 TESTS    := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC) $(HELPER_SRC))
 
-.PHONY: all deps test check test-gpu demo install clean
+.PHONY: all deps test check test-gpu test-matrix demo install clean
 all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(PROGS)
 
 # Debian packages the build needs; installed when root, otherwise the exact command is printed.
@@ -109,6 +109,11 @@ check:
 # uthash or libunwind): the real-GPU checks, the PyTorch runs and the benchmark table.
 test-gpu:
 	@BUILD=$(BUILD) tests/gpu/run.sh
+
+# On the GPU machine as test-gpu: real programs and frameworks (static runtime, driver API, legacy
+# IPC, PyTorch, JAX, CuPy, cuBLAS) natively and under the shim, one table (tests/gpu/matrix.sh).
+test-matrix:
+	@BUILD=$(BUILD) tests/gpu/matrix.sh
 
 # The main job: a sample CUDA program under the shim, then vmmctl as a companion.
 demo: all

@@ -755,6 +755,18 @@ int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out)
     return found;
 }
 
+int vmm__owned(uint64_t ptr)
+{
+    if (!S.ready || !ptr) return 0;
+    pthread_mutex_lock(&S.lock);
+    chunk *c = NULL;
+    HASH_FIND(hh, S.by_va, &ptr, sizeof ptr, c);
+    if (!c) c = find_containing_locked(ptr);
+    int owned = c && c->state != CH_PASSTHROUGH;
+    pthread_mutex_unlock(&S.lock);
+    return owned;
+}
+
 struct vmm__reg *vmm__registry(void)
 {
     return ensure_init() && S.registry_ok ? &S.reg : NULL;

@@ -34,6 +34,8 @@ typedef struct vmm__alloc_ref {
 } vmm__alloc_ref;
 /* The live shim allocation containing ptr (any interior address): 1 and *out filled, else 0. */
 int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out);
+/* Inside any chunk the shim holds, live or cached (or past an allocation's requested end). */
+int vmm__owned(uint64_t ptr);
 /* The registry the shim publishes in, with this process attached; NULL when the shim is not active. */
 struct vmm__reg *vmm__registry(void);
 /* Device `accessor` gains (or loses) access to device `owner`'s shim memory, existing and future. */

@@ -170,11 +170,20 @@ VMM_HOOK CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
 
 /* ---- queries: a shim allocation answers with its requested base and size ---- */
 
+/* A pointer into shim memory that is no live allocation (freed and cached, or past the requested
+ * end) is, to the program, no allocation at all: the driver answers for a host address instead. */
+static CUdeviceptr as_seen_by_program(CUdeviceptr p, const char *host)
+{
+    return vmm__owned(p) ? (CUdeviceptr)(uintptr_t)host : p;
+}
+
 VMM_HOOK CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr dptr)
 {
     REAL_DRV(cuMemGetAddressRange_v2);
     vmm__alloc_ref a;
-    if (vmm__in_shim() || !vmm__lookup(dptr, &a)) PASS_THROUGH(real_(base, size, dptr));
+    char host;
+    if (vmm__in_shim()) return real_(base, size, dptr);
+    if (!vmm__lookup(dptr, &a)) PASS_THROUGH(real_(base, size, as_seen_by_program(dptr, &host)));
     if (base) *base = a.base;
     if (size) *size = a.requested;
     return CUDA_SUCCESS;
@@ -194,22 +203,28 @@ static void patch_attribute(CUpointer_attribute attr, void *data, const vmm__all
 VMM_HOOK CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attr, CUdeviceptr ptr)
 {
     REAL_DRV(cuPointerGetAttribute);
-    vmm__enter();
-    CUresult rc = real_(data, attr, ptr);
-    vmm__leave();
     vmm__alloc_ref a;
-    if (rc == CUDA_SUCCESS && data && !vmm__in_shim() && vmm__lookup(ptr, &a)) patch_attribute(attr, data, &a);
+    char host;
+    if (vmm__in_shim()) return real_(data, attr, ptr);
+    int live = vmm__lookup(ptr, &a);
+    vmm__enter();
+    CUresult rc = real_(data, attr, live ? ptr : as_seen_by_program(ptr, &host));
+    vmm__leave();
+    if (rc == CUDA_SUCCESS && data && live) patch_attribute(attr, data, &a);
     return rc;
 }
 
 VMM_HOOK CUresult cuPointerGetAttributes(unsigned n, CUpointer_attribute *attrs, void **data, CUdeviceptr ptr)
 {
     REAL_DRV(cuPointerGetAttributes);
-    vmm__enter();
-    CUresult rc = real_(n, attrs, data, ptr);
-    vmm__leave();
     vmm__alloc_ref a;
-    if (rc == CUDA_SUCCESS && attrs && data && !vmm__in_shim() && vmm__lookup(ptr, &a))
+    char host;
+    if (vmm__in_shim()) return real_(n, attrs, data, ptr);
+    int live = vmm__lookup(ptr, &a);
+    vmm__enter();
+    CUresult rc = real_(n, attrs, data, live ? ptr : as_seen_by_program(ptr, &host));
+    vmm__leave();
+    if (rc == CUDA_SUCCESS && attrs && data && live)
         for (unsigned i = 0; i < n; i++)
             if (data[i]) patch_attribute(attrs[i], data[i], &a);
     return rc;

@@ -100,6 +100,8 @@ static int semantics(void)
     say("    still holds its bytes", yes(memcmp(back, host, 4096) == 0));
     show("  cuMemFree(p)", cuMemFree(p));
     show("  cuMemFree(p) again (double free)", cuMemFree(p));
+    show("  cuMemGetAddressRange(freed p)", cuMemGetAddressRange(&base, &size, p));
+    show("  cuPointerGetAttribute(RANGE_SIZE, freed p)", cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p));
     show("cuMemFree(0)", cuMemFree(0));
 
     show("cuMemAlloc(&p, 1 TiB)", cuMemAlloc(&p, 1ull << 40));
