@@ -11,14 +11,6 @@
 
 #define VMM_HOOK __attribute__((visibility("default")))
 
-/* The real driver function of the same exact name, resolved once. */
-#define REAL_DRV(name)                                                                                \
-    static __typeof__(&name) real_;                                                                   \
-    if (!real_) {                                                                                     \
-        void *found_ = vmm__real_driver(#name);                                                       \
-        memcpy(&real_, &found_, sizeof found_);                                                       \
-    }                                                                                                 \
-    if (!real_) return CUDA_ERROR_NOT_INITIALIZED
 
 #define PASS_THROUGH(call)                                                                            \
     do {                                                                                              \
@@ -50,7 +42,7 @@ static CUresult alloc(CUresult (*real)(CUdeviceptr *, size_t), CUdeviceptr *dptr
 
 VMM_HOOK CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
 {
-    REAL_DRV(cuMemAlloc_v2);
+    VMM_REAL_DRIVER(cuMemAlloc_v2, CUDA_ERROR_NOT_INITIALIZED);
     return alloc(real_, dptr, size);
 }
 
@@ -64,7 +56,7 @@ static CUresult invalid_free(CUresult (*real)(CUdeviceptr))
 
 VMM_HOOK CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
-    REAL_DRV(cuMemFree_v2);
+    VMM_REAL_DRIVER(cuMemFree_v2, CUDA_ERROR_NOT_INITIALIZED);
     if (!vmm__in_shim()) switch (vmm__free((void *)(uintptr_t)dptr, 0, NULL)) {
         case VMM__DONE: return CUDA_SUCCESS;
         case VMM__INVALID: return invalid_free(real_);
@@ -94,13 +86,13 @@ static CUresult alloc_async(CUresult (*real)(CUdeviceptr *, size_t, CUstream), C
 
 VMM_HOOK CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream stream)
 {
-    REAL_DRV(cuMemAllocAsync);
+    VMM_REAL_DRIVER(cuMemAllocAsync, CUDA_ERROR_NOT_INITIALIZED);
     return alloc_async(real_, dptr, size, stream, stream);
 }
 
 VMM_HOOK CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream stream)
 {
-    REAL_DRV(cuMemAllocAsync_ptsz);
+    VMM_REAL_DRIVER(cuMemAllocAsync_ptsz, CUDA_ERROR_NOT_INITIALIZED);
     return alloc_async(real_, dptr, size, stream, per_thread(stream));
 }
 
@@ -117,20 +109,20 @@ static CUresult free_async(CUresult (*real)(CUdeviceptr, CUstream), CUdeviceptr 
 
 VMM_HOOK CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream)
 {
-    REAL_DRV(cuMemFreeAsync);
+    VMM_REAL_DRIVER(cuMemFreeAsync, CUDA_ERROR_NOT_INITIALIZED);
     return free_async(real_, dptr, stream, stream);
 }
 
 VMM_HOOK CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream)
 {
-    REAL_DRV(cuMemFreeAsync_ptsz);
+    VMM_REAL_DRIVER(cuMemFreeAsync_ptsz, CUDA_ERROR_NOT_INITIALIZED);
     return free_async(real_, dptr, stream, per_thread(stream));
 }
 
 /* The pitch is the driver's own: ask it with a one-row allocation, then back pitch x height. */
 VMM_HOOK CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height, unsigned elem)
 {
-    REAL_DRV(cuMemAllocPitch_v2);
+    VMM_REAL_DRIVER(cuMemAllocPitch_v2, CUDA_ERROR_NOT_INITIALIZED);
     if (vmm__in_shim() || !dptr || !pitch || width == 0 || height == 0) return real_(dptr, pitch, width, height, elem);
     CUdeviceptr probe = 0;
     size_t p = 0;
@@ -159,7 +151,7 @@ VMM_HOOK CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t wi
 
 VMM_HOOK CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
 {
-    REAL_DRV(cuMemGetInfo_v2);
+    VMM_REAL_DRIVER(cuMemGetInfo_v2, CUDA_ERROR_NOT_INITIALIZED);
     if (vmm__in_shim()) return real_(free_bytes, total);
     vmm__enter();
     CUresult rc = real_(free_bytes, total);
@@ -179,7 +171,7 @@ static CUdeviceptr as_seen_by_program(CUdeviceptr p, const char *host)
 
 VMM_HOOK CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr dptr)
 {
-    REAL_DRV(cuMemGetAddressRange_v2);
+    VMM_REAL_DRIVER(cuMemGetAddressRange_v2, CUDA_ERROR_NOT_INITIALIZED);
     vmm__alloc_ref a;
     char host;
     if (vmm__in_shim()) return real_(base, size, dptr);
@@ -202,7 +194,7 @@ static void patch_attribute(CUpointer_attribute attr, void *data, const vmm__all
 
 VMM_HOOK CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attr, CUdeviceptr ptr)
 {
-    REAL_DRV(cuPointerGetAttribute);
+    VMM_REAL_DRIVER(cuPointerGetAttribute, CUDA_ERROR_NOT_INITIALIZED);
     vmm__alloc_ref a;
     char host;
     if (vmm__in_shim()) return real_(data, attr, ptr);
@@ -216,7 +208,7 @@ VMM_HOOK CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attr, CU
 
 VMM_HOOK CUresult cuPointerGetAttributes(unsigned n, CUpointer_attribute *attrs, void **data, CUdeviceptr ptr)
 {
-    REAL_DRV(cuPointerGetAttributes);
+    VMM_REAL_DRIVER(cuPointerGetAttributes, CUDA_ERROR_NOT_INITIALIZED);
     vmm__alloc_ref a;
     char host;
     if (vmm__in_shim()) return real_(n, attrs, data, ptr);
@@ -259,7 +251,7 @@ static int ctx_device(CUcontext ctx)
 
 VMM_HOOK CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags)
 {
-    REAL_DRV(cuCtxEnablePeerAccess);
+    VMM_REAL_DRIVER(cuCtxEnablePeerAccess, CUDA_ERROR_NOT_INITIALIZED);
     vmm__enter();
     CUresult rc = real_(peer, flags);
     if (rc == CUDA_SUCCESS || rc == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) vmm__peer_access(ctx_device(NULL), ctx_device(peer), 1);
@@ -269,7 +261,7 @@ VMM_HOOK CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags)
 
 VMM_HOOK CUresult cuCtxDisablePeerAccess(CUcontext peer)
 {
-    REAL_DRV(cuCtxDisablePeerAccess);
+    VMM_REAL_DRIVER(cuCtxDisablePeerAccess, CUDA_ERROR_NOT_INITIALIZED);
     vmm__enter();
     CUresult rc = real_(peer);
     if (rc == CUDA_SUCCESS) vmm__peer_access(ctx_device(NULL), ctx_device(peer), 0);

@@ -14,34 +14,9 @@
 
 _Static_assert(sizeof(cudaIpcMemHandle_t) == 64 && sizeof(CUipcMemHandle) == 64, "IPC handles are 64 bytes");
 
-typedef cudaError_t (*rt_get_fn)(cudaIpcMemHandle_t *, void *);
-typedef cudaError_t (*rt_open_fn)(void **, cudaIpcMemHandle_t, unsigned int);
-typedef cudaError_t (*rt_close_fn)(void *);
-typedef CUresult (*drv_get_fn)(CUipcMemHandle *, CUdeviceptr);
-typedef CUresult (*drv_open_fn)(CUdeviceptr *, CUipcMemHandle, unsigned int);
-typedef CUresult (*drv_close_fn)(CUdeviceptr);
 typedef CUresult (*drv_ctx_fn)(CUcontext *);
 
-/* As in override.c: resolve once; memcpy moves pointers between function and object types. */
-#define REAL(name, type)                                                                              \
-    static type real_;                                                                                \
-    if (!real_) {                                                                                     \
-        type self_ = name;                                                                            \
-        void *self_obj, *found;                                                                       \
-        memcpy(&self_obj, &self_, sizeof self_obj);                                                   \
-        found = vmm__real_runtime(#name, self_obj);                                                   \
-        memcpy(&real_, &found, sizeof found);                                                         \
-    }                                                                                                 \
-    if (!real_) return cudaErrorInitializationError
 
-/* The driver's own definition (libcuda.so.1 opened by the resolver), by its exported ABI name. */
-#define REAL_DRIVER(abi_name, type)                                                                   \
-    static type real_;                                                                                \
-    if (!real_) {                                                                                     \
-        void *found = vmm__real_driver(abi_name);                                                     \
-        memcpy(&real_, &found, sizeof found);                                                         \
-    }                                                                                                 \
-    if (!real_) return CUDA_ERROR_NOT_INITIALIZED
 
 /* Only the flags the real functions accept are emulated; others get the real function's answer. */
 static int flags_known(unsigned int flags) { return (flags & ~(unsigned)CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) == 0; }
@@ -50,7 +25,7 @@ static int flags_known(unsigned int flags) { return (flags & ~(unsigned)CU_IPC_M
 
 VMM_HOOK cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *devPtr)
 {
-    REAL(cudaIpcGetMemHandle, rt_get_fn);
+    VMM_REAL_RUNTIME(cudaIpcGetMemHandle, cudaErrorInitializationError);
     if (vmm__in_shim()) return real_(handle, devPtr);
     unsigned char bytes[64];
     if (handle && vmm__ipc_get_handle((uint64_t)(uintptr_t)devPtr, bytes) == VMM__DONE) {
@@ -65,7 +40,7 @@ VMM_HOOK cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *devPt
 
 VMM_HOOK cudaError_t cudaIpcOpenMemHandle(void **devPtr, cudaIpcMemHandle_t handle, unsigned int flags)
 {
-    REAL(cudaIpcOpenMemHandle, rt_open_fn);
+    VMM_REAL_RUNTIME(cudaIpcOpenMemHandle, cudaErrorInitializationError);
     if (vmm__in_shim()) return real_(devPtr, handle, flags);
     cudaError_t rc;
     if (devPtr && flags_known(flags)) {
@@ -92,7 +67,7 @@ VMM_HOOK cudaError_t cudaIpcOpenMemHandle(void **devPtr, cudaIpcMemHandle_t hand
 
 VMM_HOOK cudaError_t cudaIpcCloseMemHandle(void *devPtr)
 {
-    REAL(cudaIpcCloseMemHandle, rt_close_fn);
+    VMM_REAL_RUNTIME(cudaIpcCloseMemHandle, cudaErrorInitializationError);
     if (vmm__in_shim()) return real_(devPtr);
     if (vmm__ipc_close((uint64_t)(uintptr_t)devPtr) == VMM__DONE) return cudaSuccess;
     vmm__enter();
@@ -105,7 +80,7 @@ VMM_HOOK cudaError_t cudaIpcCloseMemHandle(void *devPtr)
 
 VMM_HOOK CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
 {
-    REAL_DRIVER("cuIpcGetMemHandle", drv_get_fn);
+    VMM_REAL_DRIVER(cuIpcGetMemHandle, CUDA_ERROR_NOT_INITIALIZED);
     if (vmm__in_shim()) return real_(pHandle, dptr);
     unsigned char bytes[64];
     if (pHandle && vmm__ipc_get_handle((uint64_t)dptr, bytes) == VMM__DONE) {
@@ -136,7 +111,7 @@ static int has_context(void)
 /* cuda.h names this cuIpcOpenMemHandle (a macro for the _v2 ABI name). */
 VMM_HOOK CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags)
 {
-    REAL_DRIVER("cuIpcOpenMemHandle_v2", drv_open_fn);
+    VMM_REAL_DRIVER(cuIpcOpenMemHandle_v2, CUDA_ERROR_NOT_INITIALIZED);
     if (vmm__in_shim()) return real_(pdptr, handle, Flags);
     if (pdptr && flags_known(Flags) && has_context()) {
         uint64_t p = 0;
@@ -156,7 +131,7 @@ VMM_HOOK CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handl
 
 VMM_HOOK CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
 {
-    REAL_DRIVER("cuIpcCloseMemHandle", drv_close_fn);
+    VMM_REAL_DRIVER(cuIpcCloseMemHandle, CUDA_ERROR_NOT_INITIALIZED);
     if (vmm__in_shim()) return real_(dptr);
     if (vmm__ipc_close((uint64_t)dptr) == VMM__DONE) return CUDA_SUCCESS;
     vmm__enter();

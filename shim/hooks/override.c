@@ -18,20 +18,7 @@ typedef cudaError_t (*malloc_fn)(void **, size_t);
 typedef cudaError_t (*free_fn)(void *);
 typedef cudaError_t (*malloc_async_fn)(void **, size_t, cudaStream_t);
 typedef cudaError_t (*free_async_fn)(void *, cudaStream_t);
-typedef cudaError_t (*mem_get_info_fn)(size_t *, size_t *);
 
-/* Resolve the real function once per hook; the resolver aborts if it finds the hook itself.
- * memcpy moves pointers between function and object types, which ISO C does not convert. */
-#define REAL(name, type)                                                                              \
-    static type real_;                                                                                \
-    if (!real_) {                                                                                     \
-        type self_ = name;                                                                            \
-        void *self_obj, *found;                                                                       \
-        memcpy(&self_obj, &self_, sizeof self_obj);                                                   \
-        found = vmm__real_runtime(#name, self_obj);                                                   \
-        memcpy(&real_, &found, sizeof found);                                                         \
-    }                                                                                                 \
-    if (!real_) return cudaErrorInitializationError
 
 /* The per-thread default stream variants mean stream 0 as that thread's stream. */
 static CUstream per_thread(cudaStream_t s) { return s ? (CUstream)s : CU_STREAM_PER_THREAD; }
@@ -52,7 +39,7 @@ static cudaError_t call_real_malloc(malloc_fn real, void **ptr, size_t size)
 
 VMM_HOOK cudaError_t cudaMalloc(void **ptr, size_t size)
 {
-    REAL(cudaMalloc, malloc_fn);
+    VMM_REAL_RUNTIME(cudaMalloc, cudaErrorInitializationError);
     if (vmm__in_shim()) return real_(ptr, size);
     switch (vmm__alloc(size, VMM_API_CUDA_MALLOC, 0, NULL, ptr)) {
     case VMM__DONE: return cudaSuccess;
@@ -77,7 +64,7 @@ static cudaError_t runtime_invalid_free(free_fn real)
 
 VMM_HOOK cudaError_t cudaFree(void *ptr)
 {
-    REAL(cudaFree, free_fn);
+    VMM_REAL_RUNTIME(cudaFree, cudaErrorInitializationError);
     if (!vmm__in_shim()) switch (vmm__free(ptr, 0, NULL)) {
         case VMM__DONE: return cudaSuccess;
         case VMM__INVALID: return runtime_invalid_free(real_);
@@ -129,31 +116,31 @@ static cudaError_t free_async(free_async_fn real, void *ptr, cudaStream_t stream
 
 VMM_HOOK cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t stream)
 {
-    REAL(cudaMallocAsync, malloc_async_fn);
+    VMM_REAL_RUNTIME(cudaMallocAsync, cudaErrorInitializationError);
     return malloc_async(real_, ptr, size, stream, (CUstream)stream);
 }
 
 VMM_HOOK cudaError_t cudaMallocAsync_ptsz(void **ptr, size_t size, cudaStream_t stream)
 {
-    REAL(cudaMallocAsync_ptsz, malloc_async_fn);
+    VMM_REAL_RUNTIME(cudaMallocAsync_ptsz, cudaErrorInitializationError);
     return malloc_async(real_, ptr, size, stream, per_thread(stream));
 }
 
 VMM_HOOK cudaError_t cudaFreeAsync(void *ptr, cudaStream_t stream)
 {
-    REAL(cudaFreeAsync, free_async_fn);
+    VMM_REAL_RUNTIME(cudaFreeAsync, cudaErrorInitializationError);
     return free_async(real_, ptr, stream, (CUstream)stream);
 }
 
 VMM_HOOK cudaError_t cudaFreeAsync_ptsz(void *ptr, cudaStream_t stream)
 {
-    REAL(cudaFreeAsync_ptsz, free_async_fn);
+    VMM_REAL_RUNTIME(cudaFreeAsync_ptsz, cudaErrorInitializationError);
     return free_async(real_, ptr, stream, per_thread(stream));
 }
 
 VMM_HOOK cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total)
 {
-    REAL(cudaMemGetInfo, mem_get_info_fn);
+    VMM_REAL_RUNTIME(cudaMemGetInfo, cudaErrorInitializationError);
     vmm__enter();
     cudaError_t rc = real_(free_bytes, total);
     vmm__leave();

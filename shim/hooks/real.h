@@ -3,6 +3,7 @@
 #define VMM_HOOKS_REAL_H
 #include <cuda.h>
 #include <stdbool.h>
+#include <string.h>
 
 /* glibc's dlsym (the shim exports its own: resolve.c). */
 void *vmm__real_dlsym(void *handle, const char *name);
@@ -16,6 +17,29 @@ void *vmm__real_runtime(const char *name, const void *self);
 /* libcuda.so.1, opened once; NULL (with a reason in why) when absent. */
 void *vmm__real_libcuda(char *why, unsigned long why_len);
 void *vmm__real_driver(const char *name);
+
+/* Inside a hook: `real_`, the real function of the hook's own name, resolved once (a runtime
+ * name through vmm__real_runtime, a driver ABI name in libcuda.so.1); the hook returns `none`
+ * when there is none.  memcpy moves pointers between function and object types, which ISO C
+ * does not convert. */
+#define VMM_REAL_RUNTIME(name, none)                                                                  \
+    static __typeof__(&name) real_;                                                                   \
+    if (!real_) {                                                                                     \
+        __typeof__(&name) self_ = name;                                                               \
+        void *self_obj_, *found_;                                                                     \
+        memcpy(&self_obj_, &self_, sizeof self_obj_);                                                 \
+        found_ = vmm__real_runtime(#name, self_obj_);                                                 \
+        memcpy(&real_, &found_, sizeof found_);                                                       \
+    }                                                                                                 \
+    if (!real_) return none
+
+#define VMM_REAL_DRIVER(name, none)                                                                   \
+    static __typeof__(&name) real_;                                                                   \
+    if (!real_) {                                                                                     \
+        void *found_ = vmm__real_driver(#name);                                                       \
+        memcpy(&real_, &found_, sizeof found_);                                                       \
+    }                                                                                                 \
+    if (!real_) return none
 
 /* Calls the shim makes into CUDA pass through the shim's own hooks; this guard tells them. */
 bool vmm__in_shim(void);

@@ -135,17 +135,10 @@ VMM_HOOK VMM_EARLY void *dlsym(void *handle, const char *name)
 
 /* ---- the driver's resolver ---- */
 
-#define REAL_DRV(name)                                                                                \
-    static __typeof__(&name) real_;                                                                   \
-    if (!real_) {                                                                                     \
-        void *found_ = vmm__real_driver(#name);                                                       \
-        memcpy(&real_, &found_, sizeof found_);                                                       \
-    }                                                                                                 \
-    if (!real_) return CUDA_ERROR_NOT_INITIALIZED
 
 VMM_HOOK CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_version, cuuint64_t flags)
 {
-    REAL_DRV(cuGetProcAddress);
+    VMM_REAL_DRIVER(cuGetProcAddress, CUDA_ERROR_NOT_INITIALIZED);
     CUresult rc = real_(symbol, pfn, cuda_version, flags);
     if (rc == CUDA_SUCCESS && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
     return rc;
@@ -154,7 +147,7 @@ VMM_HOOK CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_vers
 VMM_HOOK CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version, cuuint64_t flags,
                                       CUdriverProcAddressQueryResult *status)
 {
-    REAL_DRV(cuGetProcAddress_v2);
+    VMM_REAL_DRIVER(cuGetProcAddress_v2, CUDA_ERROR_NOT_INITIALIZED);
     CUresult rc = real_(symbol, pfn, cuda_version, flags, status);
     if (rc == CUDA_SUCCESS && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
     return rc;
@@ -164,28 +157,15 @@ VMM_HOOK CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_v
  * cudaGetDriverEntryPoint is deprecated, but programs still call it: interposing it is the point. */
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
-typedef cudaError_t (*entry_fn)(const char *, void **, unsigned long long, enum cudaDriverEntryPointQueryResult *);
-typedef cudaError_t (*entry_ver_fn)(const char *, void **, unsigned int, unsigned long long,
-                                    enum cudaDriverEntryPointQueryResult *);
 cudaError_t cudaGetDriverEntryPoint_ptsz(const char *, void **, unsigned long long, enum cudaDriverEntryPointQueryResult *);
 cudaError_t cudaGetDriverEntryPointByVersion_ptsz(const char *, void **, unsigned int, unsigned long long,
                                                   enum cudaDriverEntryPointQueryResult *);
 
-#define REAL_RT(name, type)                                                                           \
-    static type real_;                                                                                \
-    if (!real_) {                                                                                     \
-        type self_ = name;                                                                            \
-        void *self_obj, *found_;                                                                      \
-        memcpy(&self_obj, &self_, sizeof self_obj);                                                   \
-        found_ = vmm__real_runtime(#name, self_obj);                                                  \
-        memcpy(&real_, &found_, sizeof found_);                                                       \
-    }                                                                                                 \
-    if (!real_) return cudaErrorInitializationError
 
 VMM_HOOK cudaError_t cudaGetDriverEntryPoint(const char *symbol, void **pfn, unsigned long long flags,
                                              enum cudaDriverEntryPointQueryResult *status)
 {
-    REAL_RT(cudaGetDriverEntryPoint, entry_fn);
+    VMM_REAL_RUNTIME(cudaGetDriverEntryPoint, cudaErrorInitializationError);
     cudaError_t rc = real_(symbol, pfn, flags, status);
     if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
     return rc;
@@ -194,7 +174,7 @@ VMM_HOOK cudaError_t cudaGetDriverEntryPoint(const char *symbol, void **pfn, uns
 VMM_HOOK cudaError_t cudaGetDriverEntryPoint_ptsz(const char *symbol, void **pfn, unsigned long long flags,
                                                   enum cudaDriverEntryPointQueryResult *status)
 {
-    REAL_RT(cudaGetDriverEntryPoint_ptsz, entry_fn);
+    VMM_REAL_RUNTIME(cudaGetDriverEntryPoint_ptsz, cudaErrorInitializationError);
     cudaError_t rc = real_(symbol, pfn, flags, status);
     if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
     return rc;
@@ -203,7 +183,7 @@ VMM_HOOK cudaError_t cudaGetDriverEntryPoint_ptsz(const char *symbol, void **pfn
 VMM_HOOK cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **pfn, unsigned int version,
                                                       unsigned long long flags, enum cudaDriverEntryPointQueryResult *status)
 {
-    REAL_RT(cudaGetDriverEntryPointByVersion, entry_ver_fn);
+    VMM_REAL_RUNTIME(cudaGetDriverEntryPointByVersion, cudaErrorInitializationError);
     cudaError_t rc = real_(symbol, pfn, version, flags, status);
     if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
     return rc;
@@ -213,7 +193,7 @@ VMM_HOOK cudaError_t cudaGetDriverEntryPointByVersion_ptsz(const char *symbol, v
                                                            unsigned long long flags,
                                                            enum cudaDriverEntryPointQueryResult *status)
 {
-    REAL_RT(cudaGetDriverEntryPointByVersion_ptsz, entry_ver_fn);
+    VMM_REAL_RUNTIME(cudaGetDriverEntryPointByVersion_ptsz, cudaErrorInitializationError);
     cudaError_t rc = real_(symbol, pfn, version, flags, status);
     if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
     return rc;

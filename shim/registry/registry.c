@@ -593,23 +593,19 @@ static bool owns_slot(const vmm__reg *r, uint32_t slot)
            (__atomic_load_n(chunk_at(r, slot / VMM_REG_CHUNK_RECORDS), __ATOMIC_RELAXED)) == chunk_tag(r);
 }
 
-int vmm__reg_bind(vmm__reg *r, uint64_t address, uint64_t mapped_size, uint32_t *slot)
+/* A free record slot of this process (claiming a chunk when none is left). */
+static int take_slot(vmm__reg *r, uint32_t *slot)
 {
-    if (!r->attached) return -EINVAL;
-    if (mapped_size > (1ull << VMM_REG_MAX_ALIGN_SHIFT)) return -EINVAL;
-    uint64_t align = pow2_ceil(mapped_size < (1ull << VMM_REG_MIN_ALIGN_SHIFT) ? (1ull << VMM_REG_MIN_ALIGN_SHIFT) : mapped_size);
-    if (mapped_size == 0 || address == 0 || (address & (align - 1)) || align > (1ull << VMM_REG_MAX_ALIGN_SHIFT))
-        return -EINVAL;
     pthread_mutex_lock(&r->lock);
     int rc = r->n_free ? 0 : claim_chunk(r);
-    if (rc) {
-        pthread_mutex_unlock(&r->lock);
-        return rc;
-    }
-    uint32_t s = r->free_slots[--r->n_free];
+    if (rc == 0) *slot = r->free_slots[--r->n_free];
     pthread_mutex_unlock(&r->lock);
+    return rc;
+}
+
+static void write_bound(vmm__reg *r, uint32_t s, uint64_t address, uint64_t size, uint32_t flags)
+{
     vmm_reg_alloc *a = rec_at(r, s);
-    index_lock(r);
     seq_begin(&a->seq);
     __atomic_store_n(&a->generation, __atomic_load_n(&a->generation, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
     __atomic_store_n(&a->proc_index, r->proc_index, __ATOMIC_RELAXED);
@@ -617,11 +613,26 @@ int vmm__reg_bind(vmm__reg *r, uint64_t address, uint64_t mapped_size, uint32_t 
     __atomic_store_n(&a->start_time, r->start_time, __ATOMIC_RELAXED);
     __atomic_store_n(&a->pidns, r->pidns, __ATOMIC_RELAXED);
     __atomic_store_n(&a->address, address, __ATOMIC_RELAXED);
-    __atomic_store_n(&a->mapped_size, mapped_size, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->mapped_size, size, __ATOMIC_RELAXED);
     __atomic_store_n(&a->exported_fd, -1, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->flags, flags, __ATOMIC_RELAXED);
     __atomic_store_n(&a->state, VMM_REG_BOUND, __ATOMIC_RELAXED);
     seq_end(&a->seq);
-    /* insert (pid, address) -> slot */
+}
+
+int vmm__reg_bind(vmm__reg *r, uint64_t address, uint64_t mapped_size, uint32_t *slot)
+{
+    if (!r->attached) return -EINVAL;
+    if (mapped_size > (1ull << VMM_REG_MAX_ALIGN_SHIFT)) return -EINVAL;
+    uint64_t align = pow2_ceil(mapped_size < (1ull << VMM_REG_MIN_ALIGN_SHIFT) ? (1ull << VMM_REG_MIN_ALIGN_SHIFT) : mapped_size);
+    if (mapped_size == 0 || address == 0 || (address & (align - 1)) || align > (1ull << VMM_REG_MAX_ALIGN_SHIFT))
+        return -EINVAL;
+    uint32_t s;
+    int rc = take_slot(r, &s); /* outside the index lock: detach takes the two the other way round */
+    if (rc) return rc;
+    index_lock(r);
+    /* bound under the index lock, so an index rebuild never sees it half inserted */
+    write_bound(r, s, address, mapped_size, 0);
     uint32_t *ix = index_at(r);
     uint64_t mask = r->hdr->index_slots - 1;
     for (uint64_t i = vmm_reg_hash(r->pid, address) & mask, n = 0; n <= mask; i = (i + 1) & mask, n++) {
@@ -982,27 +993,7 @@ uint64_t vmm__reg_footprint(const vmm__reg *r)
 int vmm__reg_bind_unindexed(vmm__reg *r, uint64_t address, uint64_t size, uint32_t *slot)
 {
     if (!r->attached || address == 0) return -EINVAL;
-    pthread_mutex_lock(&r->lock);
-    int rc = r->n_free ? 0 : claim_chunk(r);
-    if (rc) {
-        pthread_mutex_unlock(&r->lock);
-        return rc;
-    }
-    uint32_t s = r->free_slots[--r->n_free];
-    pthread_mutex_unlock(&r->lock);
-    vmm_reg_alloc *a = rec_at(r, s);
-    seq_begin(&a->seq);
-    __atomic_store_n(&a->generation, __atomic_load_n(&a->generation, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
-    __atomic_store_n(&a->proc_index, r->proc_index, __ATOMIC_RELAXED);
-    __atomic_store_n(&a->pid, r->pid, __ATOMIC_RELAXED);
-    __atomic_store_n(&a->start_time, r->start_time, __ATOMIC_RELAXED);
-    __atomic_store_n(&a->pidns, r->pidns, __ATOMIC_RELAXED);
-    __atomic_store_n(&a->address, address, __ATOMIC_RELAXED);
-    __atomic_store_n(&a->mapped_size, size, __ATOMIC_RELAXED);
-    __atomic_store_n(&a->exported_fd, -1, __ATOMIC_RELAXED);
-    __atomic_store_n(&a->flags, VMM_REG_F_NOT_EXPORTABLE, __ATOMIC_RELAXED);
-    __atomic_store_n(&a->state, VMM_REG_BOUND, __ATOMIC_RELAXED);
-    seq_end(&a->seq);
-    *slot = s;
-    return 0;
+    int rc = take_slot(r, slot);
+    if (rc == 0) write_bound(r, *slot, address, size, VMM_REG_F_NOT_EXPORTABLE);
+    return rc;
 }

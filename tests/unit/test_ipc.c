@@ -18,45 +18,15 @@
 
 #include "backing/ipc.h"
 #include "check.h"
+#include "spawn.h"
 #include "registry/registry.h"
 #include "vmmshim.h"
 
 static char build[512], shim[600], registry[64], preload[700], prog[600], self_exe[600];
 
-/* Run argv with extra environment (NULL-terminated "K=V" list); capture stdout and stderr.
- * A run that hangs is killed by SIGALRM after 60 s. */
 static int run(char *const argv[], const char *const env[], char *out, size_t outlen, char *err, size_t errlen)
 {
-    int po[2], pe[2];
-    if (pipe(po) || pipe(pe)) return -1;
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(po[1], 1);
-        dup2(pe[1], 2);
-        close(po[0]);
-        close(pe[0]);
-        for (int i = 0; env && env[i]; i++) putenv((char *)env[i]);
-        alarm(60);
-        execv(argv[0], argv);
-        _exit(127);
-    }
-    close(po[1]);
-    close(pe[1]);
-    size_t no = 0, ne = 0;
-    for (int open_fds = 2; open_fds;) {
-        open_fds = 0;
-        ssize_t n = read(po[0], out + no, outlen - 1 - no);
-        if (n > 0) no += (size_t)n, open_fds++;
-        ssize_t m = read(pe[0], err + ne, errlen - 1 - ne);
-        if (m > 0) ne += (size_t)m, open_fds++;
-    }
-    out[no] = 0;
-    err[ne] = 0;
-    close(po[0]);
-    close(pe[0]);
-    int st;
-    waitpid(pid, &st, 0);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    return spawn_capture(argv, env, out, outlen, err, errlen, 60);
 }
 
 /* The result printed for observation `what` ("<prefix><what>   <result>"), or "(missing)". */
@@ -375,17 +345,6 @@ static int driver_helper(const char *hex)
     return 0;
 }
 
-/* Under ASan the sanitizer runtime must come first in the initial library list, before the
- * (instrumented) shim: preload whichever libasan this test binary itself runs with. */
-static int find_asan(struct dl_phdr_info *info, size_t size, void *data)
-{
-    (void)size;
-    if (strstr(info->dlpi_name, "libasan.so")) {
-        snprintf(data, 300, "%s", info->dlpi_name);
-        return 1;
-    }
-    return 0;
-}
 
 int main(int argc, char **argv)
 {
@@ -396,9 +355,7 @@ int main(int argc, char **argv)
     snprintf(prog, sizeof prog, "%s/progs/ipc_pair", build);
     ssize_t n = readlink("/proc/self/exe", self_exe, sizeof self_exe - 1);
     self_exe[n > 0 ? n : 0] = 0;
-    char asan[300] = "";
-    dl_iterate_phdr(find_asan, asan);
-    snprintf(preload, sizeof preload, "LD_PRELOAD=%s%s%s", asan, *asan ? " " : "", shim);
+    spawn_preload(preload, sizeof preload, shim);
     snprintf(registry, sizeof registry, "/vmmshim-tipc-%d", (int)getpid());
     setenv("VMMSHIM_REGISTRY", registry, 1);
     test_pair();
