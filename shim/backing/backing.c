@@ -738,9 +738,7 @@ int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out)
 {
     if (!S.ready || !ptr) return 0;
     pthread_mutex_lock(&S.lock);
-    chunk *c = NULL;
-    HASH_FIND(hh, S.by_va, &ptr, sizeof ptr, c);
-    if (!c) c = find_containing_locked(ptr);
+    chunk *c = find_containing_locked(ptr);
     int found = c && c->state == CH_LIVE && ptr < c->va + c->requested + (c->requested == 0);
     if (found) {
         out->base = c->va;
@@ -759,9 +757,7 @@ int vmm__owned(uint64_t ptr)
 {
     if (!S.ready || !ptr) return 0;
     pthread_mutex_lock(&S.lock);
-    chunk *c = NULL;
-    HASH_FIND(hh, S.by_va, &ptr, sizeof ptr, c);
-    if (!c) c = find_containing_locked(ptr);
+    chunk *c = find_containing_locked(ptr);
     int owned = c && c->state != CH_PASSTHROUGH;
     pthread_mutex_unlock(&S.lock);
     return owned;
