@@ -510,7 +510,7 @@ static void publish(chunk *c, uint32_t api, CUstream stream, uint32_t flags)
     d.flags = flags;
     d.exported_fd = -1;
     if (!(flags & VMM_REG_F_NOT_EXPORTABLE)) {
-        d.handle_kinds = S.broker_started > 0 ? VMM_HANDLE_BROKER : 0;
+        d.handle_kinds = __atomic_load_n(&S.broker_started, __ATOMIC_ACQUIRE) > 0 ? VMM_HANDLE_BROKER : 0;
         if (S.export_pidfd) {
             int fd = -1;
             if (cu.MemExportToShareableHandle(&fd, c->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) == CUDA_SUCCESS) {
@@ -563,7 +563,7 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     device_state *d = &S.dev[dev];
     if (size > UINT64_MAX - d->granularity) return VMM__NOMEM;
     uint64_t mapped = (size + d->granularity - 1) / d->granularity * d->granularity;
-    if (!S.broker_started) start_broker();
+    start_broker(); /* one atomic load once it has started */
 
     pthread_mutex_lock(&S.lock);
     chunk *c = cache_take_locked(d, mapped, stream_ordered, stream);

@@ -9,6 +9,7 @@
 #include "core/version.h"
 
 #include "check.h"
+#include "logcap.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -19,36 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static int cap_fd = -1;
-static char cap_buf[256 * 1024];
 static char tmpdir[64];
-
-/* Captures everything the log writes from here until cap_text(). */
-static void cap_begin(void)
-{
-    if (ftruncate(cap_fd, 0) != 0 || lseek(cap_fd, 0, SEEK_SET) != 0) abort();
-    vmm__log_set_fd_for_test(cap_fd); /* also forgets the rate cap, so no case is throttled */
-}
-
-static const char *cap_text(void)
-{
-    off_t n = lseek(cap_fd, 0, SEEK_CUR);
-    if (n < 0 || (size_t)n >= sizeof cap_buf || pread(cap_fd, cap_buf, (size_t)n, 0) != n) abort();
-    cap_buf[n] = 0;
-    return cap_buf;
-}
-
-static int count_lines(const char *s)
-{
-    int n = 0;
-    for (; *s; s++) n += *s == '\n';
-    return n;
-}
-
-static void clear_env(void)
-{
-    for (int id = 0; id < VMM__OPT_COUNT; id++) unsetenv(vmm__opt_name((vmm__opt_id)id));
-}
 
 static int reload(void)
 {
