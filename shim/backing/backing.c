@@ -787,3 +787,15 @@ void vmm__peer_access(int accessor, int owner, int enable)
     if (failed) vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be %s", accessor, owner, failed,
                          enable ? "granted" : "revoked");
 }
+
+/* ---- the default memory pool's view (stubs until the pool lands) ---- */
+int vmm__pool_usage_get(int dev, vmm__pool_usage *out)
+{
+    (void)dev;
+    memset(out, 0, sizeof *out);
+    return 0;
+}
+void vmm__pool_usage_reset_high(int dev, int which) { (void)dev, (void)which; }
+void vmm__pool_trim(int dev, uint64_t keep) { (void)dev, (void)keep; }
+void vmm__pool_set_release_threshold(int dev, uint64_t bytes) { (void)dev, (void)bytes; }
+void vmm__pool_current_is_default(int dev, int is_default) { (void)dev, (void)is_default; }

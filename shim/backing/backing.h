@@ -40,6 +40,27 @@ int vmm__owned(uint64_t ptr);
 struct vmm__reg *vmm__registry(void);
 /* Device `accessor` gains (or loses) access to device `owner`'s shim memory, existing and future. */
 void vmm__peer_access(int accessor, int owner, int enable);
+/* ---- the device's default memory pool as the program sees it (the cudaMemPool* hooks) ----
+ * cudaMallocAsync draws from the device's current pool; under the shim the memory comes from the
+ * shim's pool instead, so the calls that configure and read the default pool must reach it too. */
+typedef struct vmm__pool_usage {
+    uint64_t reserved, reserved_high; /* bytes of the shim's chunks on the device */
+    uint64_t used, used_high;         /* bytes of live blocks in them */
+} vmm__pool_usage;
+/* 1 and *out filled when the shim backs allocations on dev; 0 when it does not. */
+int vmm__pool_usage_get(int dev, vmm__pool_usage *out);
+/* Reset a high-water mark to its current value (cudaMemPoolAttrReservedMemHigh / UsedMemHigh). */
+enum { VMM__HIGH_RESERVED = 0, VMM__HIGH_USED = 1 };
+void vmm__pool_usage_reset_high(int dev, int which);
+/* Release empty chunks of dev until at most `keep` bytes are reserved, or none is left to release
+ * (cudaMemPoolTrimTo). */
+void vmm__pool_trim(int dev, uint64_t keep);
+/* cudaMemPoolAttrReleaseThreshold of dev's default pool: empty chunks up to this many bytes (or
+ * VMMSHIM_CACHE_SIZE, whichever is larger) stay cached. */
+void vmm__pool_set_release_threshold(int dev, uint64_t bytes);
+/* The program made another pool current on dev (cudaDeviceSetMemPool): while is_default is 0,
+ * stream-ordered allocations on dev pass through to that pool untouched. */
+void vmm__pool_current_is_default(int dev, int is_default);
 /* True when stream is being captured into a graph. */
 int vmm__stream_capturing(CUstream stream);
 #endif
