@@ -39,22 +39,37 @@
  * its field 22 (starttime, clock ticks since boot) equals start_time.  Never judge by pid alone:
  * pids are reused.  A reader in another pid namespace cannot judge and must say "unknown".
  *
- * RECORDS never move while bound.  Records come in chunks of chunk_records consecutive slots; the
+ * RECORDS never move while bound.  Records come in record chunks of chunk_records slots; the
  * chunk table holds each chunk's owner as (proc_generation << 32 | (proc_index + 1)), 0 = free,
  * bit 63 set while a reclaimer clears it.  A process writes only its own chunks' records.
  *
- * FINDING (pid, address): every record's address is aligned to the next power of two >= its
- * mapped_size (at least 2 MiB), so for k = 21 .. 47 compute base = address & ~((1<<k)-1) and look
- * (pid, base) up in the index: linear probing over index_slots u32 entries (0 = empty, else
- * record index + 1) starting at vmm_reg_hash(pid, base) & (index_slots - 1), until an empty
- * entry.  Check each candidate record (seq protocol): state LIVE, pid, base <= address <
- * base + mapped_size.  Index writers are serialised by an OFD lock and bracket every change by
- * incrementing index_seq (odd while changing): a reader whose search found nothing retries if
- * index_seq was odd or changed meanwhile.
+ * ALLOCATIONS AND CHUNKS: one record per live allocation.  An allocation lives inside a chunk (one
+ * exportable CUDA VMM handle, mapped at chunk address - chunk_offset in the owner, mapped_size
+ * bytes); small allocations share chunks.  To import one, obtain the chunk's handle (handle_kinds),
+ * map mapped_size bytes, and use base + chunk_offset.  chunk_id names the chunk within its owner and
+ * is never reused, so (owner, chunk_id) keys a cache of imported chunks.  extent is the bytes of the
+ * chunk the allocation occupies (>= requested_size): the allocation covers [address, address+extent).
  *
- * LOCKS: only open-file-description locks (fcntl F_OFD_SETLKW), which the kernel drops when their
- * holder dies: byte VMM_REG_LOCK_INIT while creating the segment, byte VMM_REG_LOCK_INDEX while
- * changing the index, byte VMM_REG_LOCK_GC while reclaiming dead owners.  Readers take none.
+ * FINDING (pid, address) without scanning: a record's level is g = max(8, ceil(log2(extent)));
+ * its key is (address rounded down to 2^g) | g, and the index holds one entry per bound record,
+ * under vmm_reg_hash(pid, key).  Since extent <= 2^g, the allocation covering A, if any, starts in
+ * the 2^g-block of A or the one before.  So for g = 8 .. 47 and for B in {A & ~(2^g-1), that - 2^g}:
+ * look up key B | g: linear probing over index_slots u32 entries from vmm_reg_hash(pid, B | g) &
+ * (index_slots - 1) until an EMPTY entry; skip TOMB entries; any other entry is record index + 1.
+ * Check each candidate record (seq protocol): pid, level g, address rounded down to 2^g == B,
+ * state LIVE, address <= A < address + extent.  Entries never move while readers look: a removed
+ * entry becomes TOMB, and TOMBs turn back into EMPTY only at the end of a run (just before an EMPTY
+ * entry), which cuts no other entry's run.  Only a rebuild (vmm_gc) moves entries: it brackets the
+ * work by incrementing index_seq (odd while rebuilding), and a reader whose search found nothing
+ * retries if index_seq was odd or changed meanwhile.
+ *
+ * LOCKS: readers take none.  Index writers exclude each other with index_lock, a word in the
+ * header: 0 = free, else (holder's proc generation << 32) | (holder's proc index + 1), taken by CAS
+ * and held for a few index stores.  A waiter may take it over when the holder's proc slot has moved
+ * on or its owner is dead (liveness, below), or after 2 s when liveness is unknown.  Segment
+ * creation and reclamation use open-file-description locks (fcntl F_OFD_SETLKW), which the kernel
+ * drops when their holder dies: byte VMM_REG_LOCK_INIT while creating the segment, byte
+ * VMM_REG_LOCK_GC while reclaiming dead owners.
  */
 #ifndef VMM_REGISTRY_LAYOUT_H
 #define VMM_REGISTRY_LAYOUT_H
@@ -62,13 +77,14 @@
 #include <stdint.h>
 
 #define VMM_REG_MAGIC 0x4745525348534d56ull /* "VMMSHREG" little-endian */
-#define VMM_REG_VERSION 1u
-#define VMM_REG_COMPAT_VERSION 1u
+#define VMM_REG_VERSION 2u
+#define VMM_REG_COMPAT_VERSION 2u /* 2: one record per pooled allocation, index by level */
 #define VMM_REG_CHUNK_RECORDS 64u
-#define VMM_REG_MIN_ALIGN_SHIFT 21u /* 2 MiB */
-#define VMM_REG_MAX_ALIGN_SHIFT 47u
+#define VMM_REG_MIN_LEVEL 8u  /* 256 bytes */
+#define VMM_REG_MAX_LEVEL 47u /* 128 TiB */
+#define VMM_REG_IX_EMPTY 0u
+#define VMM_REG_IX_TOMB 0xffffffffu
 #define VMM_REG_LOCK_INIT 0
-#define VMM_REG_LOCK_INDEX 1
 #define VMM_REG_LOCK_GC 2
 #define VMM_REG_CHUNK_RECLAIMING (1ull << 63)
 
@@ -83,7 +99,10 @@ enum {
 };
 
 /* vmm_reg_alloc.flags */
-enum { VMM_REG_F_NOT_EXPORTABLE = 1u << 0 /* passed through (e.g. during stream capture) */ };
+enum {
+    VMM_REG_F_NOT_EXPORTABLE = 1u << 0, /* passed through (e.g. during stream capture) */
+    VMM_REG_F_SHARED_CHUNK = 1u << 1    /* its chunk may hold other allocations of the same owner */
+};
 
 /* vmm_reg_alloc.api: the call that made the allocation */
 enum {
@@ -116,13 +135,14 @@ typedef struct vmm_reg_header {
     uint64_t total_size;       /*  96 */
     uint64_t created_ns;       /* 104 CLOCK_REALTIME */
     uint64_t chunks_hwm;       /* 112 chunks ever handed out by bump allocation (atomic) */
-    uint64_t index_seq;        /* 120 odd while the index changes */
+    uint64_t index_seq;        /* 120 odd while the index is rebuilt */
     uint64_t stat_publishes;   /* 128 total publishes (atomic) */
     uint64_t stat_retracts;    /* 136 total retracts (atomic) */
     uint64_t stat_reclaimed;   /* 144 records reclaimed from dead owners (atomic) */
     uint32_t creator_pid;      /* 152 */
     uint32_t creator_uid;      /* 156 */
-    uint8_t reserved[352];     /* 160 */
+    uint64_t index_lock;       /* 160 index writers' lock word (LOCKS below) */
+    uint8_t reserved[344];     /* 168 */
 } vmm_reg_header;              /* 512 */
 
 typedef struct vmm_reg_proc {
@@ -138,7 +158,7 @@ typedef struct vmm_reg_proc {
     char cmdline[256];         /* 160 NUL-separated argv, truncated */
     uint64_t n_allocs;         /* 416 live counters, atomic, outside the seq protocol */
     uint64_t bytes_requested;  /* 424 */
-    uint64_t bytes_mapped;     /* 432 */
+    uint64_t bytes_mapped;     /* 432 sum of the live allocations' extents */
     uint8_t reserved[72];      /* 440 */
 } vmm_reg_proc;                /* 512 */
 
@@ -154,9 +174,9 @@ typedef struct vmm_reg_alloc {
     uint32_t device;           /*  56 ordinal in the owner */
     uint32_t api;              /*  60 VMM_API_* */
     uint8_t device_uuid[16];   /*  64 */
-    uint64_t address;          /*  80 owner's virtual address (index key with pid) */
+    uint64_t address;          /*  80 owner's virtual address of the allocation */
     uint64_t requested_size;   /*  88 */
-    uint64_t mapped_size;      /*  96 multiple of 2 MiB */
+    uint64_t mapped_size;      /*  96 the chunk's mapped size: what an importer maps */
     uint64_t stream;           /* 104 for async allocations, the owner's stream handle */
     uint64_t created_ns;       /* 112 CLOCK_REALTIME */
     uint32_t handle_kinds;     /* 120 VMM_HANDLE_* */
@@ -166,7 +186,10 @@ typedef struct vmm_reg_alloc {
     char tag[32];              /* 136 user tag, NUL-terminated */
     uint64_t frames[8];        /* 168 call-site return addresses in the owner */
     uint8_t fabric[64];        /* 232 CUmemFabricHandle when VMM_HANDLE_FABRIC */
-    uint8_t reserved[88];      /* 296 */
+    uint64_t chunk_id;         /* 296 the chunk within its owner, never reused (0 = none) */
+    uint64_t chunk_offset;     /* 304 address - the chunk's base */
+    uint64_t extent;           /* 312 bytes of the chunk the allocation occupies (the index's key) */
+    uint8_t reserved[64];      /* 320 */
 } vmm_reg_alloc;               /* 384 */
 
 #define VMM_ASSERT_OFF(T, f, o) _Static_assert(offsetof(T, f) == (o), #T "." #f " offset")
@@ -196,7 +219,8 @@ VMM_ASSERT_OFF(vmm_reg_header, stat_retracts, 136);
 VMM_ASSERT_OFF(vmm_reg_header, stat_reclaimed, 144);
 VMM_ASSERT_OFF(vmm_reg_header, creator_pid, 152);
 VMM_ASSERT_OFF(vmm_reg_header, creator_uid, 156);
-VMM_ASSERT_OFF(vmm_reg_header, reserved, 160);
+VMM_ASSERT_OFF(vmm_reg_header, index_lock, 160);
+VMM_ASSERT_OFF(vmm_reg_header, reserved, 168);
 
 _Static_assert(sizeof(vmm_reg_proc) == 512, "proc record size");
 VMM_ASSERT_OFF(vmm_reg_proc, claim, 0);
@@ -238,7 +262,25 @@ VMM_ASSERT_OFF(vmm_reg_alloc, n_frames, 132);
 VMM_ASSERT_OFF(vmm_reg_alloc, tag, 136);
 VMM_ASSERT_OFF(vmm_reg_alloc, frames, 168);
 VMM_ASSERT_OFF(vmm_reg_alloc, fabric, 232);
-VMM_ASSERT_OFF(vmm_reg_alloc, reserved, 296);
+VMM_ASSERT_OFF(vmm_reg_alloc, chunk_id, 296);
+VMM_ASSERT_OFF(vmm_reg_alloc, chunk_offset, 304);
+VMM_ASSERT_OFF(vmm_reg_alloc, extent, 312);
+VMM_ASSERT_OFF(vmm_reg_alloc, reserved, 320);
+
+/* A record's level in the index: the smallest g >= 8 with extent <= 2^g. */
+static inline unsigned vmm_reg_level(uint64_t extent)
+{
+    unsigned g = VMM_REG_MIN_LEVEL;
+    while (g < 63 && (1ull << g) < extent) g++;
+    return g;
+}
+
+/* A record's index key. */
+static inline uint64_t vmm_reg_key(uint64_t address, uint64_t extent)
+{
+    unsigned g = vmm_reg_level(extent);
+    return (address & ~((1ull << g) - 1)) | g;
+}
 
 /* The index hash: a 64-bit mix of pid and address (splitmix64 finaliser). */
 static inline uint64_t vmm_reg_hash(uint32_t pid, uint64_t address)

@@ -491,7 +491,8 @@ void vmm__reg_forget_after_fork(vmm__reg *r)
 
 static void index_lock(vmm__reg *r);
 static void index_unlock(vmm__reg *r);
-static void index_remove_locked(vmm__reg *r, uint64_t slot, uint32_t pid, uint64_t address);
+static void index_insert_locked(vmm__reg *r, uint32_t slot, uint32_t pid, uint64_t key);
+static void index_remove_locked(vmm__reg *r, uint64_t slot, uint32_t pid, uint64_t key);
 
 /* Reset a record to UNBOUND; its generation moves on so stale references stay stale. */
 static void record_clear(vmm_reg_alloc *a)
@@ -518,7 +519,8 @@ static unsigned chunk_release(vmm__reg *r, uint64_t c)
         if (state == VMM_REG_UNBOUND && !(__atomic_load_n(&a->seq, __ATOMIC_RELAXED) & 1u)) continue;
         if (state != VMM_REG_UNBOUND)
             index_remove_locked(r, s, __atomic_load_n(&a->pid, __ATOMIC_RELAXED),
-                                __atomic_load_n(&a->address, __ATOMIC_RELAXED));
+                                vmm_reg_key(__atomic_load_n(&a->address, __ATOMIC_RELAXED),
+                                            __atomic_load_n(&a->extent, __ATOMIC_RELAXED)));
         if (state == VMM_REG_LIVE) n++;
         record_clear(a);
     }
@@ -603,7 +605,7 @@ static int take_slot(vmm__reg *r, uint32_t *slot)
     return rc;
 }
 
-static void write_bound(vmm__reg *r, uint32_t s, uint64_t address, uint64_t size, uint32_t flags)
+static void write_bound(vmm__reg *r, uint32_t s, uint64_t address, uint64_t extent, uint32_t flags)
 {
     vmm_reg_alloc *a = rec_at(r, s);
     seq_begin(&a->seq);
@@ -613,37 +615,34 @@ static void write_bound(vmm__reg *r, uint32_t s, uint64_t address, uint64_t size
     __atomic_store_n(&a->start_time, r->start_time, __ATOMIC_RELAXED);
     __atomic_store_n(&a->pidns, r->pidns, __ATOMIC_RELAXED);
     __atomic_store_n(&a->address, address, __ATOMIC_RELAXED);
-    __atomic_store_n(&a->mapped_size, size, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->mapped_size, extent, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->extent, extent, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->chunk_id, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->chunk_offset, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&a->exported_fd, -1, __ATOMIC_RELAXED);
     __atomic_store_n(&a->flags, flags, __ATOMIC_RELAXED);
     __atomic_store_n(&a->state, VMM_REG_BOUND, __ATOMIC_RELAXED);
     seq_end(&a->seq);
 }
 
-int vmm__reg_bind(vmm__reg *r, uint64_t address, uint64_t mapped_size, uint32_t *slot)
+static int bind_flags(vmm__reg *r, uint64_t address, uint64_t extent, uint32_t flags, uint32_t *slot)
 {
     if (!r->attached) return -EINVAL;
-    if (mapped_size > (1ull << VMM_REG_MAX_ALIGN_SHIFT)) return -EINVAL;
-    uint64_t align = pow2_ceil(mapped_size < (1ull << VMM_REG_MIN_ALIGN_SHIFT) ? (1ull << VMM_REG_MIN_ALIGN_SHIFT) : mapped_size);
-    if (mapped_size == 0 || address == 0 || (address & (align - 1)) || align > (1ull << VMM_REG_MAX_ALIGN_SHIFT))
-        return -EINVAL;
+    if (address == 0 || extent == 0 || extent > (1ull << VMM_REG_MAX_LEVEL) || address > UINT64_MAX - extent) return -EINVAL;
     uint32_t s;
     int rc = take_slot(r, &s); /* outside the index lock: detach takes the two the other way round */
     if (rc) return rc;
+    write_bound(r, s, address, extent, flags); /* complete before its index entry can lead a reader to it */
     index_lock(r);
-    /* bound under the index lock, so an index rebuild never sees it half inserted */
-    write_bound(r, s, address, mapped_size, 0);
-    uint32_t *ix = index_at(r);
-    uint64_t mask = r->hdr->index_slots - 1;
-    for (uint64_t i = vmm_reg_hash(r->pid, address) & mask, n = 0; n <= mask; i = (i + 1) & mask, n++) {
-        if (__atomic_load_n(&ix[i], __ATOMIC_RELAXED) == 0) {
-            __atomic_store_n(&ix[i], s + 1, __ATOMIC_RELEASE);
-            break;
-        }
-    }
+    index_insert_locked(r, s, r->pid, vmm_reg_key(address, extent));
     index_unlock(r);
     *slot = s;
     return 0;
+}
+
+int vmm__reg_bind(vmm__reg *r, uint64_t address, uint64_t extent, uint32_t *slot)
+{
+    return bind_flags(r, address, extent, 0, slot);
 }
 
 int vmm__reg_publish(vmm__reg *r, uint32_t slot, const vmm_reg_alloc *d, vmm_reg_alloc *published)
@@ -670,7 +669,8 @@ int vmm__reg_publish(vmm__reg *r, uint32_t slot, const vmm_reg_alloc *d, vmm_reg
     v.start_time = r->start_time;
     v.pidns = r->pidns;
     v.address = __atomic_load_n(&a->address, __ATOMIC_RELAXED);
-    v.mapped_size = __atomic_load_n(&a->mapped_size, __ATOMIC_RELAXED);
+    v.extent = __atomic_load_n(&a->extent, __ATOMIC_RELAXED);
+    if (!v.mapped_size) v.mapped_size = v.extent; /* an allocation that is its own chunk */
     if (!v.created_ns) v.created_ns = now_realtime_ns();
     if (!(v.handle_kinds & VMM_HANDLE_PIDFD)) v.exported_fd = -1;
     v.tag[sizeof v.tag - 1] = 0;
@@ -682,7 +682,7 @@ int vmm__reg_publish(vmm__reg *r, uint32_t slot, const vmm_reg_alloc *d, vmm_reg
     vmm_reg_proc *p = proc_at(r, r->proc_index);
     __atomic_add_fetch(&p->n_allocs, 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&p->bytes_requested, v.requested_size, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&p->bytes_mapped, v.mapped_size, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&p->bytes_mapped, v.extent, __ATOMIC_RELAXED);
     __atomic_add_fetch(&r->hdr->stat_publishes, 1, __ATOMIC_RELAXED);
     if (published) {
         v.seq = 0;
@@ -697,7 +697,7 @@ int vmm__reg_retract(vmm__reg *r, uint32_t slot)
     vmm_reg_alloc *a = rec_at(r, slot);
     if (__atomic_load_n(&a->state, __ATOMIC_RELAXED) != VMM_REG_LIVE) return -EINVAL;
     uint64_t req = __atomic_load_n(&a->requested_size, __ATOMIC_RELAXED);
-    uint64_t mapped = __atomic_load_n(&a->mapped_size, __ATOMIC_RELAXED);
+    uint64_t mapped = __atomic_load_n(&a->extent, __ATOMIC_RELAXED);
     seq_begin(&a->seq);
     __atomic_store_n(&a->generation, __atomic_load_n(&a->generation, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
     __atomic_store_n(&a->state, VMM_REG_BOUND, __ATOMIC_RELAXED);
@@ -720,80 +720,111 @@ int vmm__reg_unbind(vmm__reg *r, uint32_t slot)
     if (state == VMM_REG_UNBOUND) return -EINVAL;
     if (state == VMM_REG_LIVE) vmm__reg_retract(r, slot);
     index_lock(r);
-    index_remove_locked(r, slot, r->pid, __atomic_load_n(&a->address, __ATOMIC_RELAXED));
-    record_clear(a);
+    index_remove_locked(r, slot, r->pid,
+                        vmm_reg_key(__atomic_load_n(&a->address, __ATOMIC_RELAXED), __atomic_load_n(&a->extent, __ATOMIC_RELAXED)));
     index_unlock(r);
+    record_clear(a); /* after its entry is gone: a reader that still reaches it sees it change */
     pthread_mutex_lock(&r->lock);
     r->free_slots[r->n_free++] = slot; /* cap_free covers every slot of our chunks */
     pthread_mutex_unlock(&r->lock);
     return 0;
 }
 
-/* ---- the index: writers serialised by an OFD lock, readers lock-free ---- */
+/* ---- the index: writers serialised by a lock word, readers lock-free ---- */
 
+/* Only gc rebuilds (to sweep tombstones and entries a dead writer left): readers see index_seq odd. */
 static void index_rebuild_locked(vmm__reg *r)
 {
     uint32_t *ix = index_at(r);
     uint64_t mask = r->hdr->index_slots - 1;
-    for (uint64_t i = 0; i <= mask; i++) __atomic_store_n(&ix[i], 0, __ATOMIC_RELAXED);
+    uint64_t seq = __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) | 1u; /* odd already if a rebuild died */
+    __atomic_store_n(&r->hdr->index_seq, seq, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    for (uint64_t i = 0; i <= mask; i++) __atomic_store_n(&ix[i], VMM_REG_IX_EMPTY, __ATOMIC_RELAXED);
     uint64_t hwm = __atomic_load_n(&r->hdr->chunks_hwm, __ATOMIC_RELAXED);
     if (hwm > r->hdr->chunk_count) hwm = r->hdr->chunk_count;
     for (uint64_t s = 0; s < hwm * VMM_REG_CHUNK_RECORDS; s++) {
         vmm_reg_alloc *a = rec_at(r, s);
-        if (__atomic_load_n(&a->state, __ATOMIC_RELAXED) == VMM_REG_UNBOUND ||
-            (__atomic_load_n(&a->flags, __ATOMIC_RELAXED) & VMM_REG_F_NOT_EXPORTABLE))
-            continue;
-        uint64_t i = vmm_reg_hash(__atomic_load_n(&a->pid, __ATOMIC_RELAXED), __atomic_load_n(&a->address, __ATOMIC_RELAXED)) & mask;
-        while (__atomic_load_n(&ix[i], __ATOMIC_RELAXED)) i = (i + 1) & mask;
-        __atomic_store_n(&ix[i], (uint32_t)s + 1, __ATOMIC_RELAXED);
+        if (__atomic_load_n(&a->state, __ATOMIC_RELAXED) == VMM_REG_UNBOUND) continue;
+        index_insert_locked(r, (uint32_t)s, __atomic_load_n(&a->pid, __ATOMIC_RELAXED),
+                            vmm_reg_key(__atomic_load_n(&a->address, __ATOMIC_RELAXED), __atomic_load_n(&a->extent, __ATOMIC_RELAXED)));
     }
+    __atomic_store_n(&r->hdr->index_seq, seq + 1, __ATOMIC_RELEASE);
+}
+
+static double monotonic_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+/* May a waiter take the index lock from holder `w`?  Yes when the holder's proc slot has moved on
+ * or its owner is dead; when liveness cannot be judged (another pid namespace), after 2 s, far
+ * beyond the few stores a holder makes. */
+static bool index_holder_gone(const vmm__reg *r, uint64_t w, double waited)
+{
+    uint32_t idx = (uint32_t)w - 1, gen = (uint32_t)(w >> 32);
+    if (idx >= r->hdr->proc_capacity) return true; /* not a holder we know: a corrupt word */
+    uint64_t claim = __atomic_load_n(&proc_at(r, idx)->claim, __ATOMIC_ACQUIRE);
+    if ((uint32_t)claim == 0 || (uint32_t)(claim >> 32) != gen) return true;
+    vmm_reg_proc p;
+    int live = vmm__reg_read_proc(r, idx, &p) == 0 && p.start_time ? vmm__reg_liveness(p.pid, p.start_time, p.pidns) : VMM__UNKNOWN;
+    return live == VMM__DEAD || (live == VMM__UNKNOWN && waited > 2.0);
 }
 
 static void index_lock(vmm__reg *r)
 {
-    pthread_mutex_lock(&index_mutex);
-    (void)ofd_lock(r->fd, VMM_REG_LOCK_INDEX, F_WRLCK);
-    uint64_t s = __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED);
-    bool torn = s & 1u; /* the last index writer died mid-change */
-    __atomic_store_n(&r->hdr->index_seq, torn ? s : s + 1, __ATOMIC_RELAXED);
-    __atomic_thread_fence(__ATOMIC_RELEASE);
-    if (torn) index_rebuild_locked(r);
+    pthread_mutex_lock(&index_mutex); /* this process's threads queue here, not on the shared word */
+    uint64_t me = chunk_tag(r), w = 0;
+    double since = 0;
+    for (unsigned n = 0; !__atomic_compare_exchange_n(&r->hdr->index_lock, &w, me, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED); n++) {
+        if (n >= 64) sched_yield();
+        if (n % 256 == 255) {
+            double t = monotonic_s();
+            if (since == 0) since = t;
+            if (index_holder_gone(r, w, t - since) &&
+                __atomic_compare_exchange_n(&r->hdr->index_lock, &w, me, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+                break; /* every change leaves the index readable, so taking over needs no repair */
+        }
+        w = 0;
+    }
 }
 
 static void index_unlock(vmm__reg *r)
 {
-    __atomic_store_n(&r->hdr->index_seq, __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
-    ofd_unlock(r->fd, VMM_REG_LOCK_INDEX);
+    __atomic_store_n(&r->hdr->index_lock, 0, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&index_mutex);
 }
 
-static uint64_t entry_home(const vmm__reg *r, uint32_t e, uint64_t mask)
-{
-    vmm_reg_alloc *a = rec_at(r, e - 1);
-    return vmm_reg_hash(__atomic_load_n(&a->pid, __ATOMIC_RELAXED), __atomic_load_n(&a->address, __ATOMIC_RELAXED)) & mask;
-}
-
-/* Linear probing with backward-shift deletion, so the index never fills with tombstones. */
-static void index_remove_locked(vmm__reg *r, uint64_t slot, uint32_t pid, uint64_t address)
+static void index_insert_locked(vmm__reg *r, uint32_t slot, uint32_t pid, uint64_t key)
 {
     uint32_t *ix = index_at(r);
-    uint64_t mask = r->hdr->index_slots - 1, i = vmm_reg_hash(pid, address) & mask, n = 0;
-    for (;; i = (i + 1) & mask, n++) {
+    uint64_t mask = r->hdr->index_slots - 1, i = vmm_reg_hash(pid, key) & mask;
+    for (uint64_t n = 0; n <= mask; n++, i = (i + 1) & mask) {
         uint32_t e = __atomic_load_n(&ix[i], __ATOMIC_RELAXED);
-        if (e == 0 || n > mask) return;
+        if (e == VMM_REG_IX_EMPTY || e == VMM_REG_IX_TOMB) {
+            __atomic_store_n(&ix[i], slot + 1, __ATOMIC_RELEASE);
+            return;
+        }
+    }
+}
+
+/* The entry becomes a tombstone, so no other entry moves under a reader; a run of tombstones just
+ * before an empty entry is the end of every run through it, and turns back into empty entries. */
+static void index_remove_locked(vmm__reg *r, uint64_t slot, uint32_t pid, uint64_t key)
+{
+    uint32_t *ix = index_at(r);
+    uint64_t mask = r->hdr->index_slots - 1, i = vmm_reg_hash(pid, key) & mask;
+    for (uint64_t n = 0;; n++, i = (i + 1) & mask) {
+        uint32_t e = __atomic_load_n(&ix[i], __ATOMIC_RELAXED);
+        if (e == VMM_REG_IX_EMPTY || n > mask) return;
         if (e == slot + 1) break;
     }
-    for (uint64_t j = (i + 1) & mask;; j = (j + 1) & mask) {
-        uint32_t e = __atomic_load_n(&ix[j], __ATOMIC_RELAXED);
-        if (e == 0) break;
-        uint64_t k = entry_home(r, e, mask);
-        /* e may move into the hole at i unless its home lies cyclically in (i, j] */
-        bool stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
-        if (stays) continue;
-        __atomic_store_n(&ix[i], e, __ATOMIC_RELAXED);
-        i = j;
-    }
-    __atomic_store_n(&ix[i], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&ix[i], VMM_REG_IX_TOMB, __ATOMIC_RELEASE);
+    if (__atomic_load_n(&ix[(i + 1) & mask], __ATOMIC_RELAXED) != VMM_REG_IX_EMPTY) return;
+    for (uint64_t n = 0; n <= mask && __atomic_load_n(&ix[i], __ATOMIC_RELAXED) == VMM_REG_IX_TOMB; n++, i = (i - 1) & mask)
+        __atomic_store_n(&ix[i], VMM_REG_IX_EMPTY, __ATOMIC_RELEASE);
 }
 
 /* ---- readers ---- */
@@ -817,20 +848,22 @@ int vmm__reg_read_proc(const vmm__reg *r, uint32_t index, vmm_reg_proc *out)
     return rc;
 }
 
-/* One index search for the exact key (pid, base); 1 = found (in *out), 0 = not there. */
-static int index_search(const vmm__reg *r, uint32_t pid, uint64_t base, vmm_reg_alloc *out, uint64_t *slot)
+/* Search key (pid, key) for the live record covering `address`: 1 = found (in *out), 0 = not there. */
+static int index_search(const vmm__reg *r, uint32_t pid, uint64_t key, uint64_t address, vmm_reg_alloc *out, uint64_t *slot)
 {
     const uint32_t *ix = index_at(r);
     uint64_t mask = r->hdr->index_slots - 1, cap = r->hdr->capacity;
-    uint64_t i = vmm_reg_hash(pid, base) & mask;
+    uint64_t i = vmm_reg_hash(pid, key) & mask;
     for (uint64_t n = 0; n <= mask; n++, i = (i + 1) & mask) {
         uint32_t e = __atomic_load_n(&ix[i], __ATOMIC_ACQUIRE);
-        if (e == 0) return 0;
-        if (e - 1 >= cap) continue; /* corrupt entry: ignore, never dereference */
+        if (e == VMM_REG_IX_EMPTY) return 0;
+        if (e == VMM_REG_IX_TOMB || e - 1 >= cap) continue; /* a corrupt entry is ignored, never dereferenced */
         const vmm_reg_alloc *a = rec_at(r, e - 1);
-        if (__atomic_load_n(&a->pid, __ATOMIC_RELAXED) != pid || __atomic_load_n(&a->address, __ATOMIC_RELAXED) != base)
+        if (__atomic_load_n(&a->pid, __ATOMIC_RELAXED) != pid ||
+            vmm_reg_key(__atomic_load_n(&a->address, __ATOMIC_RELAXED), __atomic_load_n(&a->extent, __ATOMIC_RELAXED)) != key)
             continue;
-        if (seq_read(a, sizeof *a, &a->seq, out) == 0 && out->pid == pid && out->address == base) {
+        if (seq_read(a, sizeof *a, &a->seq, out) == 0 && out->pid == pid && vmm_reg_key(out->address, out->extent) == key &&
+            out->state == VMM_REG_LIVE && out->address <= address && address - out->address < out->extent) {
             *slot = e - 1;
             return 1;
         }
@@ -843,18 +876,14 @@ int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_all
     uint64_t dummy;
     if (!slot) slot = &dummy;
     for (int attempt = 0; attempt < READ_RETRIES; attempt++) {
-        uint64_t s1 = __atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE), prev = UINT64_MAX;
-        /* Search even while the index changes (or its writer died mid-change): what a search
-         * finds is checked against the record itself; only "not found" needs a quiet index. */
+        uint64_t s1 = __atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE);
+        /* Search even while gc rebuilds the index: what a search finds is checked against the
+         * record itself; only "not found" needs a quiet index. */
         if ((s1 & 1u) && attempt > 64) sched_yield();
-        for (unsigned k = VMM_REG_MIN_ALIGN_SHIFT; k <= VMM_REG_MAX_ALIGN_SHIFT; k++) {
-            uint64_t base = address & ~((1ull << k) - 1);
-            if (base == prev) continue;
-            prev = base;
-            if (index_search(r, pid, base, out, slot)) {
-                if (out->state == VMM_REG_LIVE && address < base + out->mapped_size) return 0;
-                return -ENOENT; /* the reservation there holds no live allocation */
-            }
+        for (unsigned g = VMM_REG_MIN_LEVEL; g <= VMM_REG_MAX_LEVEL; g++) {
+            uint64_t block = address & ~((1ull << g) - 1);
+            if (index_search(r, pid, block | g, address, out, slot)) return 0;
+            if (block >= (1ull << g) && index_search(r, pid, (block - (1ull << g)) | g, address, out, slot)) return 0;
         }
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         if (!(s1 & 1u) && __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) == s1) return -ENOENT;
@@ -905,11 +934,12 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
         pthread_mutex_unlock(&gc_mutex);
         return rc;
     }
-    if (__atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE) & 1u) {
-        /* a writer died mid-change and no writer came since: repair now */
-        index_lock(r);
-        index_unlock(r);
-        st->index_rebuilt = 1;
+    /* the index lock names its holder by proc slot: gc holds one for the run */
+    bool attached_here = !r->attached && vmm__reg_attach(r, NULL) == 0;
+    if (!r->attached) {
+        ofd_unlock(r->fd, VMM_REG_LOCK_GC);
+        pthread_mutex_unlock(&gc_mutex);
+        return -ENOSPC;
     }
     uint32_t cap = r->hdr->proc_capacity;
     uint8_t *state = calloc(cap, 1); /* per proc slot: 0 unknown/alive, 1 dead */
@@ -917,6 +947,7 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
     if (!state || !gens) {
         free(state);
         free(gens);
+        if (attached_here) vmm__reg_detach(r);
         ofd_unlock(r->fd, VMM_REG_LOCK_GC);
         pthread_mutex_unlock(&gc_mutex);
         return -ENOMEM;
@@ -924,6 +955,7 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
     for (uint32_t i = 0; i < cap; i++) {
         uint64_t c = __atomic_load_n(&proc_at(r, i)->claim, __ATOMIC_ACQUIRE);
         gens[i] = (uint32_t)(c >> 32);
+        if (attached_here && i == r->proc_index) continue; /* gc itself */
         if ((uint32_t)c == 0) {
             state[i] = 2; /* free slot: any chunk still tagged with it is an orphan */
             continue;
@@ -974,8 +1006,16 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
         __atomic_compare_exchange_n(&p->claim, &c, (uint64_t)gens[i] << 32, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
     }
     __atomic_add_fetch(&r->hdr->stat_reclaimed, st->records_reclaimed, __ATOMIC_RELAXED);
+    if (st->chunks_reclaimed || (__atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE) & 1u)) {
+        /* sweep the tombstones (and whatever a writer that died mid-change left) */
+        index_lock(r);
+        index_rebuild_locked(r);
+        index_unlock(r);
+        st->index_rebuilt = 1;
+    }
     free(state);
     free(gens);
+    if (attached_here) vmm__reg_detach(r);
     ofd_unlock(r->fd, VMM_REG_LOCK_GC);
     pthread_mutex_unlock(&gc_mutex);
     return 0;
@@ -987,13 +1027,9 @@ uint64_t vmm__reg_footprint(const vmm__reg *r)
     return fstat(r->fd, &st) == 0 ? (uint64_t)st.st_blocks * 512ull : 0;
 }
 
-/* Bind without indexing: for allocations the shim only notes (e.g. made during stream capture
- * by the real allocator), whose addresses carry no alignment promise.  They show in listings,
- * flagged not exportable, but are not found by address. */
+/* Bind an allocation the shim only notes (made by the real allocator, e.g. during stream capture):
+ * found by address like any other, flagged not exportable. */
 int vmm__reg_bind_unindexed(vmm__reg *r, uint64_t address, uint64_t size, uint32_t *slot)
 {
-    if (!r->attached || address == 0) return -EINVAL;
-    int rc = take_slot(r, slot);
-    if (rc == 0) write_bound(r, *slot, address, size, VMM_REG_F_NOT_EXPORTABLE);
-    return rc;
+    return bind_flags(r, address, size, VMM_REG_F_NOT_EXPORTABLE, slot);
 }

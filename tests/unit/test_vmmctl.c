@@ -482,7 +482,7 @@ int main(void)
         CHECK(strstr(r.out, "2 processes (1 alive, 1 dead, 0 unknown)") != NULL, "ps with a dead one: %s", r.out);
 
         RUN(&r, no_env, reg_opt, "gc");
-        CHECK(r.status == 0 && strstr(r.out, "reclaimed 2 records from 1 dead process\n"), "gc: %d %s %s", r.status,
+        CHECK(r.status == 0 && strstr(r.out, "reclaimed 2 records from 1 dead process; rebuilt the index\n"), "gc: %d %s %s", r.status,
               r.out, r.err);
         RUN(&r, no_env, reg_opt, "check");
         CHECK(r.status == 0 && strstr(r.out, "ok: no problems found") && strstr(r.out, "1 alive, 0 dead"),

@@ -510,7 +510,7 @@ static int check_proc(void *ctx, uint32_t index, uint64_t claim)
     return 0;
 }
 
-/* True when the index stays odd (a writer died mid-change) and no writer holds its lock. */
+/* True when the index stays odd (gc died mid-rebuild) and no writer holds its lock. */
 static bool index_torn(const vmm__reg *r)
 {
     for (int i = 0; i < 200; i++) {
@@ -518,8 +518,7 @@ static bool index_torn(const vmm__reg *r)
         struct timespec ts = {0, 50000};
         nanosleep(&ts, NULL);
     }
-    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = VMM_REG_LOCK_INDEX, .l_len = 1};
-    if (fcntl(r->fd, F_OFD_GETLK, &fl) == 0 && fl.l_type != F_UNLCK) return false; /* a writer is at it */
+    if (__atomic_load_n(&r->hdr->index_lock, __ATOMIC_ACQUIRE) != 0) return false; /* a writer is at it */
     return (__atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE) & 1u) != 0;
 }
 
