@@ -26,7 +26,8 @@ void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream
 size_t vmm__cached_bytes_current(void);
 /* A live shim allocation as the rest of the shim sees it. */
 typedef struct vmm__alloc_ref {
-    uint64_t base, requested, mapped;
+    uint64_t base, requested, mapped; /* mapped: the chunk's size */
+    uint64_t chunk_offset;            /* base - the chunk's base */
     int dev;
     uint32_t slot;
     uint64_t generation;

@@ -37,6 +37,8 @@ _Static_assert(SAME(VMM_FROM_UNKNOWN, VMM_API_UNKNOWN) && SAME(VMM_FROM_CUDA_MAL
                    SAME(VMM_FROM_CU_MEM_ALLOC_ASYNC, VMM_API_CU_MEM_ALLOC_ASYNC) &&
                    SAME(VMM_FROM_CU_MEM_ALLOC_PITCH, VMM_API_CU_MEM_ALLOC_PITCH) && SAME(VMM_FROM_TEST, VMM_API_TEST),
                "vmm_alloc_info.api mirrors vmm_reg_alloc.api");
+_Static_assert(SAME(VMM_ALLOC_NOT_EXPORTABLE, VMM_REG_F_NOT_EXPORTABLE) && SAME(VMM_ALLOC_SHARED_CHUNK, VMM_REG_F_SHARED_CHUNK),
+               "alloc flags match the registry's");
 _Static_assert(SAME(VMM_KIND_BROKER, VMM_HANDLE_BROKER) && SAME(VMM_KIND_PIDFD, VMM_HANDLE_PIDFD) &&
                    SAME(VMM_KIND_FABRIC, VMM_HANDLE_FABRIC),
                "vmm_alloc_info.handle_kinds mirrors vmm_reg_alloc.handle_kinds");
@@ -298,6 +300,10 @@ static void alloc_info_from(vmm_alloc_info *o, uint64_t slot, const vmm_reg_allo
     o->n_frames = a->n_frames > 8 ? 8 : a->n_frames;
     memcpy(o->frames, a->frames, o->n_frames * sizeof o->frames[0]);
     memcpy(o->tag, a->tag, sizeof o->tag);
+    o->chunk_id = a->chunk_id;
+    o->chunk_offset = a->chunk_offset;
+    o->extent = a->extent;
+    o->flags = a->flags & (VMM_REG_F_NOT_EXPORTABLE | VMM_REG_F_SHARED_CHUNK);
     o->tag[sizeof o->tag - 1] = 0;
 }
 

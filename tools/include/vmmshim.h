@@ -62,7 +62,7 @@ typedef struct vmm_alloc_info {
     uint8_t device_uuid[16];
     uint64_t address;         /* the owner's device pointer */
     uint64_t requested_size;
-    uint64_t mapped_size;     /* multiple of the granularity (2 MiB) */
+    uint64_t mapped_size;     /* its chunk's size (a multiple of 2 MiB): what an importer maps */
     uint64_t stream;          /* owner's stream for stream-ordered allocations, else 0 */
     uint64_t created_ns;      /* CLOCK_REALTIME */
     uint32_t api;             /* VMM_FROM_* */
@@ -71,7 +71,19 @@ typedef struct vmm_alloc_info {
     uint32_t n_frames;
     uint64_t frames[8];       /* call-site return addresses in the owner */
     char tag[32];
+    /* Allocations live in chunks (one exportable handle each); small ones share a chunk with other
+     * allocations of the same owner.  An import maps the whole chunk and adds chunk_offset. */
+    uint64_t chunk_id;        /* the chunk within its owner; never reused */
+    uint64_t chunk_offset;    /* address - the chunk's base in the owner */
+    uint64_t extent;          /* bytes of the chunk it occupies (>= requested_size) */
+    uint32_t flags;           /* VMM_ALLOC_* */
 } vmm_alloc_info;
+
+/* vmm_alloc_info.flags */
+enum {
+    VMM_ALLOC_NOT_EXPORTABLE = 1u << 0, /* made by the real allocator (device full, stream capture) */
+    VMM_ALLOC_SHARED_CHUNK = 1u << 1    /* its chunk may hold other allocations of the same owner */
+};
 
 typedef struct vmm_proc_info {
     uint32_t pid;
