@@ -20,7 +20,7 @@ ifeq ($(SAN),ubsan)
 endif
 
 CORE_SRC   := $(wildcard shim/core/*.c shim/registry/*.c)
-SHIM_SRC   := $(wildcard shim/hooks/*.c shim/backing/*.c shim/broker/*.c)
+SHIM_SRC   := $(wildcard shim/hooks/*.c shim/backing/*.c shim/pool/*.c shim/broker/*.c)
 CLIENT_SRC := $(wildcard tools/client/*.c)
 CTL_SRC    := $(wildcard tools/vmmctl/*.c)
 FAKE_SRC   := $(wildcard tests/fakecuda/*.c)

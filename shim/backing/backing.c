@@ -1,7 +1,9 @@
-/* VMM backing: every allocation is its own cuMemCreate (POSIX-fd exportable) handle mapped into
- * its own reservation, aligned to the next power of two of its size so the registry can find it
- * from any interior address.  Freed chunks go to a bounded per-device cache; stream-ordered frees
- * become reusable once an event shows the stream reached them (or at once on the same stream). */
+/* VMM backing: the mechanism under the pool (shim/pool decides where allocations go).  A chunk
+ * is one cuMemCreate handle (POSIX-fd exportable), mapped into its own reservation aligned to the
+ * next power of two of its size, so the chunk holding any address is found by a few exact
+ * lookups.  Every allocation is published in the registry with its chunk; the broker exports the
+ * chunk's handle.  Stream-ordered frees become reusable once an event shows the stream reached
+ * them (at once on the same stream): the pool asks through the event callbacks here. */
 #include "backing/backing.h"
 
 #include <errno.h>
@@ -22,38 +24,42 @@
 #include "core/log.h"
 #include "core/options.h"
 #include "hooks/real.h"
+#include "pool/pool.h"
 #include "registry/registry.h"
 
 #define MAX_DEVICES 64
 #define NO_SLOT UINT32_MAX
 
-enum { CH_LIVE, CH_FREEING, CH_CACHED, CH_PASSTHROUGH };
-
-typedef struct chunk {
-    uint64_t va; /* key of the table */
-    uint64_t mapped, requested;
+/* A chunk as the mechanism knows it. */
+typedef struct vchunk {
+    uint64_t base, size; /* key of the table: base */
     CUmemGenericAllocationHandle handle;
-    CUcontext ctx;
-    int dev, state, exported_fd;
-    uint32_t slot, api;
-    uint64_t generation, stream;
-    uint8_t alloc_id[16];
-    CUevent free_event; /* pending stream-ordered free; NULL once reusable */
-    CUstream free_stream;
-    struct chunk *lru_prev, *lru_next; /* cache order, per device, newest at head */
-    UT_hash_handle hh;                 /* by va */
-    UT_hash_handle hs;                 /* by registry slot */
-} chunk;
+    int dev, exported_fd, has_fabric;
+    uint64_t id;
+    uint8_t fabric[64];
+    vmm__chunk *pool_chunk;
+    UT_hash_handle hh;
+} vchunk;
+
+/* An allocation the real allocator made, which the shim only notes in the registry. */
+typedef struct note {
+    uint64_t va;
+    uint32_t slot;
+    UT_hash_handle hh;
+} note;
 
 typedef struct device_state {
     int checked, usable, fabric;
+    int index;
     uint64_t accessors; /* other devices granted access to this device's chunks (peer access) */
     CUcontext primary;
     size_t granularity;
     uint8_t uuid[16];
-    chunk *lru_head, *lru_tail;
-    size_t cached_bytes;
-    CUevent *events; /* pool of timing-free events */
+    vmm__pool pool;
+    int pool_ready;
+    int custom_pool;            /* the program made another pool current: stream-ordered calls pass */
+    uint64_t release_threshold; /* the default pool's, as the program set it */
+    CUevent *events;            /* pool of timing-free events */
     size_t n_events, cap_events;
 } device_state;
 
@@ -88,16 +94,20 @@ static struct {
 } cu;
 
 static struct {
-    pthread_mutex_t lock;
+    pthread_mutex_t lock; /* every table and pool below */
     int ready;  /* 1: backing active; 0: pass every call through */
     int failed; /* the start failed (strict mode refuses instead of passing through) */
     int export_pidfd;
     int n_frames;
+    int isolate;
     vmm__reg reg;
     int registry_ok;
     char broker_path[112];
     int broker_started;
-    chunk *by_va, *by_slot;
+    vmm__block *by_addr, *by_slot; /* live allocations */
+    vchunk *chunks;                /* by base */
+    note *notes;                   /* by address */
+    uint64_t next_chunk_id;
     size_t cache_limit;
     char tag[32];
     device_state dev[MAX_DEVICES];
@@ -166,7 +176,9 @@ static void after_fork_child(void)
     /* The child owns none of its parent's memory: forget it all, and start afresh if it ever
      * allocates (CUDA itself is not usable across fork unless the child re-initialises). */
     pthread_mutex_init(&S.lock, NULL);
-    S.by_va = S.by_slot = NULL; /* parent's chunks leak in the child by design */
+    S.by_addr = S.by_slot = NULL; /* parent's chunks leak in the child by design */
+    S.chunks = NULL;
+    S.notes = NULL;
     memset(S.dev, 0, sizeof S.dev);
     if (S.registry_ok) vmm__reg_forget_after_fork(&S.reg);
     S.broker_started = 0;
@@ -195,6 +207,7 @@ static void init(void)
     S.n_frames = (int)vmm__opt_int(VMM__OPT_FRAMES);
     if (S.n_frames > 0) load_unwinder();
     S.cache_limit = (size_t)vmm__opt_size(VMM__OPT_CACHE_SIZE);
+    S.isolate = vmm__opt_bool(VMM__OPT_ISOLATE);
     snprintf(S.tag, sizeof S.tag, "%s", vmm__opt_str(VMM__OPT_TAG));
     const char *name = vmm__opt_str(VMM__OPT_REGISTRY);
     int rc = vmm__reg_open(&S.reg, *name ? name : NULL, VMM__REG_CREATE, (uint64_t)vmm__opt_int(VMM__OPT_REGISTRY_CAPACITY),
@@ -305,7 +318,7 @@ static int device_usable(int dev)
     return d->usable;
 }
 
-/* ---- chunk lifecycle ---- */
+/* ---- chunks: the mechanism the pool calls (under S.lock) ---- */
 
 static uint64_t pow2_ceil(uint64_t v)
 {
@@ -314,22 +327,36 @@ static uint64_t pow2_ceil(uint64_t v)
     return p;
 }
 
-static CUresult create_chunk(int dev, CUcontext ctx, uint64_t mapped, chunk **out)
+static void export_chunk(vchunk *c)
 {
-    device_state *d = &S.dev[dev];
+    if (S.export_pidfd) {
+        int fd = -1;
+        if (cu.MemExportToShareableHandle(&fd, c->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) == CUDA_SUCCESS) {
+            c->exported_fd = fcntl(fd, F_DUPFD_CLOEXEC, 1024); /* above 1023 so select() users never see it */
+            close(fd);
+        }
+    }
+    if (S.dev[c->dev].fabric &&
+        cu.MemExportToShareableHandle(c->fabric, c->handle, CU_MEM_HANDLE_TYPE_FABRIC, 0) == CUDA_SUCCESS)
+        c->has_fabric = 1;
+}
+
+static int chunk_create(void *ctx, vmm__chunk *pc)
+{
+    device_state *d = ctx;
+    uint64_t size = pc->size;
+    int dev = d->index;
     CUmemAllocationProp p = {0};
     p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     p.location.id = dev;
     p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | (d->fabric ? CU_MEM_HANDLE_TYPE_FABRIC : 0);
     CUmemGenericAllocationHandle h;
-    CUresult rc = cu.MemCreate(&h, mapped, &p, 0);
-    if (rc != CUDA_SUCCESS) return rc;
+    CUresult rc = cu.MemCreate(&h, size, &p, 0);
+    if (rc != CUDA_SUCCESS) return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
     CUdeviceptr va = 0;
-    uint64_t align = pow2_ceil(mapped);
-    rc = cu.MemAddressReserve(&va, mapped, align, 0, 0);
-    if (rc != CUDA_SUCCESS) goto release;
-    if ((rc = cu.MemMap(va, mapped, 0, h, 0)) != CUDA_SUCCESS) goto unreserve;
+    if ((rc = cu.MemAddressReserve(&va, size, pow2_ceil(size), 0, 0)) != CUDA_SUCCESS) goto release;
+    if ((rc = cu.MemMap(va, size, 0, h, 0)) != CUDA_SUCCESS) goto unreserve;
     CUmemAccessDesc acc[MAX_DEVICES];
     size_t n_acc = 0;
     uint64_t accessors = __atomic_load_n(&d->accessors, __ATOMIC_ACQUIRE) | (1ull << dev);
@@ -337,127 +364,100 @@ static CUresult create_chunk(int dev, CUcontext ctx, uint64_t mapped, chunk **ou
         if (accessors & (1ull << i))
             acc[n_acc++] = (CUmemAccessDesc){.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = i},
                                              .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-    if ((rc = cu.MemSetAccess(va, mapped, acc, n_acc)) != CUDA_SUCCESS) goto unmap;
-    chunk *c = calloc(1, sizeof *c);
+    if ((rc = cu.MemSetAccess(va, size, acc, n_acc)) != CUDA_SUCCESS) goto unmap;
+    vchunk *c = calloc(1, sizeof *c);
     if (!c) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
         goto unmap;
     }
-    c->va = va;
-    c->mapped = mapped;
+    c->base = va;
+    c->size = size;
     c->handle = h;
-    c->ctx = ctx;
     c->dev = dev;
     c->exported_fd = -1;
-    c->slot = NO_SLOT;
-    if (S.registry_ok && vmm__reg_bind(&S.reg, va, mapped, &c->slot) != 0) c->slot = NO_SLOT;
-    *out = c;
-    return CUDA_SUCCESS;
+    c->id = ++S.next_chunk_id;
+    c->pool_chunk = pc;
+    export_chunk(c);
+    HASH_ADD(hh, S.chunks, base, sizeof(uint64_t), c);
+    pc->base = va;
+    pc->mech = c;
+    return 0;
 unmap:
-    cu.MemUnmap(va, mapped);
+    cu.MemUnmap(va, size);
 unreserve:
-    cu.MemAddressFree(va, mapped);
+    cu.MemAddressFree(va, size);
 release:
     cu.MemRelease(h);
-    return rc;
+    return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
 }
 
-/* Callers have made sure no work in flight still uses the chunk. */
-static void destroy_chunk(chunk *c)
+/* The pool calls this only for chunks with no allocation left and every free's event reached. */
+static void chunk_destroy(void *ctx, vmm__chunk *pc)
 {
-    if (c->free_event) {
-        cu.EventSynchronize(c->free_event);
-        cu.EventDestroy(c->free_event);
-    }
-    if (c->slot != NO_SLOT) vmm__reg_unbind(&S.reg, c->slot);
-    cu.MemUnmap(c->va, c->mapped);
-    cu.MemAddressFree(c->va, c->mapped);
+    (void)ctx;
+    vchunk *c = pc->mech;
+    HASH_DELETE(hh, S.chunks, c);
+    if (c->exported_fd >= 0) close(c->exported_fd); /* its records were retracted before */
+    cu.MemUnmap(c->base, c->size);
+    cu.MemAddressFree(c->base, c->size);
     cu.MemRelease(c->handle);
     free(c);
 }
 
-static void lru_unlink(device_state *d, chunk *c)
+static int event_done(void *ctx, void *e)
 {
-    if (c->lru_prev) c->lru_prev->lru_next = c->lru_next;
-    else d->lru_head = c->lru_next;
-    if (c->lru_next) c->lru_next->lru_prev = c->lru_prev;
-    else d->lru_tail = c->lru_prev;
-    c->lru_prev = c->lru_next = NULL;
-    d->cached_bytes -= c->mapped;
+    (void)ctx;
+    CUresult rc = cu.EventQuery((CUevent)e);
+    return rc != CUDA_ERROR_NOT_READY; /* an error will never become "reached": do not wait on it */
 }
 
-static void lru_push(device_state *d, chunk *c)
+static void event_wait(void *ctx, void *e)
 {
-    c->lru_prev = NULL;
-    c->lru_next = d->lru_head;
-    if (d->lru_head) d->lru_head->lru_prev = c;
-    else d->lru_tail = c;
-    d->lru_head = c;
-    d->cached_bytes += c->mapped;
+    (void)ctx;
+    cu.EventSynchronize((CUevent)e);
 }
 
-/* Take cached chunks out of the tables until the cache holds at most `keep` bytes; the caller
- * destroys the returned list outside the lock. */
-static chunk *evict_locked(device_state *d, size_t keep)
+static void event_release(void *ctx, void *e)
 {
-    chunk *victims = NULL;
-    while (d->lru_tail && d->cached_bytes > keep) {
-        chunk *c = d->lru_tail;
-        lru_unlink(d, c);
-        HASH_DELETE(hh, S.by_va, c);
-        if (c->slot != NO_SLOT) HASH_DELETE(hs, S.by_slot, c);
-        c->lru_next = victims;
-        victims = c;
+    device_state *d = ctx;
+    if (d->n_events == d->cap_events) {
+        size_t n = d->cap_events ? d->cap_events * 2 : 64;
+        CUevent *p = realloc(d->events, n * sizeof *p);
+        if (!p) {
+            cu.EventDestroy((CUevent)e);
+            return;
+        }
+        d->events = p;
+        d->cap_events = n;
     }
-    return victims;
+    d->events[d->n_events++] = (CUevent)e;
 }
 
-static void destroy_list(chunk *c)
-{
-    while (c) {
-        chunk *n = c->lru_next;
-        destroy_chunk(c);
-        c = n;
-    }
-}
-
-static CUevent event_get(device_state *d)
+static CUevent event_get_locked(device_state *d)
 {
     if (d->n_events) return d->events[--d->n_events];
     CUevent e = NULL;
     return cu.EventCreate(&e, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS ? e : NULL;
 }
 
-static void event_put_locked(device_state *d, CUevent e)
+static uint64_t retain_bytes(const device_state *d)
 {
-    if (d->n_events == d->cap_events) {
-        size_t n = d->cap_events ? d->cap_events * 2 : 64;
-        CUevent *p = realloc(d->events, n * sizeof *p);
-        if (!p) {
-            cu.EventDestroy(e);
-            return;
-        }
-        d->events = p;
-        d->cap_events = n;
-    }
-    d->events[d->n_events++] = e;
+    return d->release_threshold > S.cache_limit ? d->release_threshold : S.cache_limit;
 }
 
-/* A cached chunk of exactly `mapped` bytes that `stream` may use now. */
-static chunk *cache_take_locked(device_state *d, uint64_t mapped, int stream_ordered, CUstream stream)
+static vmm__pool *pool_of_locked(device_state *d)
 {
-    for (chunk *c = d->lru_head; c; c = c->lru_next) {
-        if (c->mapped != mapped) continue;
-        if (c->free_event) {
-            bool same_stream = stream_ordered && c->free_stream == stream;
-            if (!same_stream && cu.EventQuery(c->free_event) != CUDA_SUCCESS) continue;
-            event_put_locked(d, c->free_event);
-            c->free_event = NULL;
-        }
-        lru_unlink(d, c);
-        return c;
+    if (!d->pool_ready) {
+        vmm__pool_ops ops = {.ctx = d,
+                             .chunk_create = chunk_create,
+                             .chunk_destroy = chunk_destroy,
+                             .event_done = event_done,
+                             .event_wait = event_wait,
+                             .event_release = event_release};
+        vmm__pool_init(&d->pool, &ops, d->granularity, retain_bytes(d), S.isolate);
+        d->pool_ready = 1;
     }
-    return NULL;
+    return &d->pool;
 }
 
 /* ---- publishing and the broker ---- */
@@ -466,19 +466,23 @@ static int broker_export(uint64_t slot, uint64_t generation, const uint8_t id[16
                          uint32_t *device)
 {
     pthread_mutex_lock(&S.lock);
-    chunk *c = NULL;
-    HASH_FIND(hs, S.by_slot, &slot, sizeof(uint32_t), c);
+    vmm__block *b = NULL;
+    uint32_t key = (uint32_t)slot;
+    HASH_FIND(hs, S.by_slot, &key, sizeof key, b);
     int rc;
-    if (!c || c->state != CH_LIVE)
+    if (!b || !b->live)
         rc = -ENOENT;
-    else if (c->generation != generation || memcmp(c->alloc_id, id, 16) != 0)
+    else if (b->generation != generation || memcmp(b->alloc_id, id, 16) != 0)
         rc = -ESTALE;
-    else if (cu.MemExportToShareableHandle(fd, c->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS)
-        rc = -EIO;
     else {
-        rc = 0;
-        *mapped = c->mapped;
-        *device = (uint32_t)c->dev;
+        vchunk *c = b->chunk->mech;
+        if (cu.MemExportToShareableHandle(fd, c->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS)
+            rc = -EIO;
+        else {
+            rc = 0;
+            *mapped = c->size;
+            *device = (uint32_t)c->dev;
+        }
     }
     pthread_mutex_unlock(&S.lock);
     return rc;
@@ -497,57 +501,64 @@ static void start_broker(void)
     pthread_mutex_unlock(&S.lock);
 }
 
-static void publish(chunk *c, uint32_t api, CUstream stream, uint32_t flags)
+static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream, uint64_t requested)
 {
-    if (c->slot == NO_SLOT) return;
-    vmm_reg_alloc d;
-    memset(&d, 0, sizeof d);
-    d.device = (uint32_t)c->dev;
-    d.api = api;
-    memcpy(d.device_uuid, S.dev[c->dev].uuid, 16);
-    d.requested_size = c->requested;
-    d.stream = (uint64_t)(uintptr_t)stream;
-    d.flags = flags;
-    d.exported_fd = -1;
-    if (!(flags & VMM_REG_F_NOT_EXPORTABLE)) {
-        d.handle_kinds = __atomic_load_n(&S.broker_started, __ATOMIC_ACQUIRE) > 0 ? VMM_HANDLE_BROKER : 0;
-        if (S.export_pidfd) {
-            int fd = -1;
-            if (cu.MemExportToShareableHandle(&fd, c->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) == CUDA_SUCCESS) {
-                /* above 1023 so select() users never see it */
-                int high = fcntl(fd, F_DUPFD_CLOEXEC, 1024);
-                close(fd);
-                c->exported_fd = high;
-                if (high >= 0) {
-                    d.handle_kinds |= VMM_HANDLE_PIDFD;
-                    d.exported_fd = high;
-                }
-            }
-        }
-        if (S.dev[c->dev].fabric &&
-            cu.MemExportToShareableHandle(d.fabric, c->handle, CU_MEM_HANDLE_TYPE_FABRIC, 0) == CUDA_SUCCESS)
-            d.handle_kinds |= VMM_HANDLE_FABRIC;
-    }
-    memcpy(d.tag, S.tag, sizeof d.tag);
+    memset(d, 0, sizeof *d);
+    d->device = (uint32_t)dev;
+    d->api = api;
+    memcpy(d->device_uuid, S.dev[dev].uuid, 16);
+    d->requested_size = requested;
+    d->stream = (uint64_t)(uintptr_t)stream;
+    d->exported_fd = -1;
+    memcpy(d->tag, S.tag, sizeof d->tag);
     if (S.n_frames > 0 && unwind_backtrace) {
-        void *frames[8 + 3];
-        int n = unwind_backtrace(frames, S.n_frames + 3);
-        for (int i = 3; i < n && d.n_frames < 8; i++) d.frames[d.n_frames++] = (uint64_t)(uintptr_t)frames[i];
-    }
-    vmm_reg_alloc out;
-    if (vmm__reg_publish(&S.reg, c->slot, &d, &out) == 0) {
-        c->generation = out.generation;
-        memcpy(c->alloc_id, out.alloc_id, 16);
+        void *frames[8 + 4];
+        int n = unwind_backtrace(frames, S.n_frames + 4);
+        for (int i = 4; i < n && d->n_frames < 8; i++) d->frames[d->n_frames++] = (uint64_t)(uintptr_t)frames[i];
     }
 }
 
-static void retract(chunk *c)
+/* One record per allocation: bound (and indexed) at its address and extent, published with its
+ * chunk.  Under S.lock, so the broker never sees a half-published block. */
+static void publish_locked(vmm__block *b, CUstream stream)
 {
-    if (c->slot != NO_SLOT) vmm__reg_retract(&S.reg, c->slot);
-    if (c->exported_fd >= 0) {
-        close(c->exported_fd);
-        c->exported_fd = -1;
+    b->slot = NO_SLOT;
+    if (!S.registry_ok) return;
+    if (vmm__reg_bind(&S.reg, b->addr, b->size, &b->slot) != 0) {
+        b->slot = NO_SLOT;
+        vmm__log(VMM__LOG_WARNING, "the registry is full: allocations go unpublished (raise VMMSHIM_REGISTRY_CAPACITY)");
+        return;
     }
+    vchunk *c = b->chunk->mech;
+    vmm_reg_alloc d;
+    fill_common(&d, c->dev, b->api, stream, b->requested);
+    d.mapped_size = c->size;
+    d.chunk_id = c->id;
+    d.chunk_offset = b->addr - c->base;
+    d.flags = b->size < c->size ? VMM_REG_F_SHARED_CHUNK : 0;
+    d.handle_kinds = __atomic_load_n(&S.broker_started, __ATOMIC_ACQUIRE) > 0 ? VMM_HANDLE_BROKER : 0;
+    if (c->exported_fd >= 0) {
+        d.handle_kinds |= VMM_HANDLE_PIDFD;
+        d.exported_fd = c->exported_fd;
+    }
+    if (c->has_fabric) {
+        d.handle_kinds |= VMM_HANDLE_FABRIC;
+        memcpy(d.fabric, c->fabric, sizeof d.fabric);
+    }
+    vmm_reg_alloc out;
+    if (vmm__reg_publish(&S.reg, b->slot, &d, &out) == 0) {
+        b->generation = out.generation;
+        memcpy(b->alloc_id, out.alloc_id, 16);
+    }
+    HASH_ADD(hs, S.by_slot, slot, sizeof(uint32_t), b);
+}
+
+static void retract_locked(vmm__block *b)
+{
+    if (b->slot == NO_SLOT) return;
+    HASH_DELETE(hs, S.by_slot, b);
+    vmm__reg_unbind(&S.reg, b->slot); /* retracts first: out of the registry before any reuse */
+    b->slot = NO_SLOT;
 }
 
 /* ---- the API ---- */
@@ -561,53 +572,61 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     int dev = current_device(&ctx, runtime_api);
     if (dev < 0 || !device_usable(dev)) return vmm__opt_bool(VMM__OPT_STRICT) && dev >= 0 ? VMM__REFUSED : VMM__PASS;
     device_state *d = &S.dev[dev];
-    if (size > UINT64_MAX - d->granularity) return VMM__NOMEM;
-    uint64_t mapped = (size + d->granularity - 1) / d->granularity * d->granularity;
+    /* the program's own pool is current: its allocations are its pool's, noted, not exportable */
+    if (stream_ordered && __atomic_load_n(&d->custom_pool, __ATOMIC_ACQUIRE)) return VMM__NOMEM;
     start_broker(); /* one atomic load once it has started */
 
     pthread_mutex_lock(&S.lock);
-    chunk *c = cache_take_locked(d, mapped, stream_ordered, stream);
-    pthread_mutex_unlock(&S.lock);
-    if (!c) {
-        CUresult rc = create_chunk(dev, ctx, mapped, &c);
-        if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
-            /* Never fail earlier than the driver would: give back everything cached, retry. */
-            pthread_mutex_lock(&S.lock);
-            chunk *victims = evict_locked(d, 0);
-            pthread_mutex_unlock(&S.lock);
-            destroy_list(victims);
-            rc = create_chunk(dev, ctx, mapped, &c);
-        }
-        if (rc == CUDA_ERROR_OUT_OF_MEMORY) return VMM__NOMEM;
-        if (rc != CUDA_SUCCESS) {
-            vmm__log(VMM__LOG_WARNING, "VMM allocation of %zu bytes failed (CUDA error %d); passing it through", size, (int)rc);
-            return VMM__PASS;
-        }
-        pthread_mutex_lock(&S.lock);
-        HASH_ADD(hh, S.by_va, va, sizeof(uint64_t), c);
-        if (c->slot != NO_SLOT) HASH_ADD(hs, S.by_slot, slot, sizeof(uint32_t), c);
+    int err;
+    vmm__block *b = vmm__pool_alloc(pool_of_locked(d), size, stream_ordered, (uint64_t)(uintptr_t)stream, &err);
+    if (!b) {
         pthread_mutex_unlock(&S.lock);
+        if (err == -ENOMEM) return VMM__NOMEM;
+        vmm__log(VMM__LOG_WARNING, "VMM allocation of %zu bytes failed (%s); passing it through", size, strerror(-err));
+        return VMM__PASS;
     }
-    c->requested = size;
-    c->api = api;
-    c->stream = (uint64_t)(uintptr_t)stream;
-    publish(c, api, stream, 0);
-    __atomic_store_n(&c->state, CH_LIVE, __ATOMIC_RELEASE);
-    *ptr = (void *)(uintptr_t)c->va;
+    b->requested = size;
+    b->api = api;
+    b->ctx = ctx;
+    b->live = 1;
+    HASH_ADD(hh, S.by_addr, addr, sizeof(uint64_t), b);
+    publish_locked(b, stream);
+    pthread_mutex_unlock(&S.lock);
+    *ptr = (void *)(uintptr_t)b->addr;
     return VMM__DONE;
 }
 
-/* Is ptr inside one of our chunks (of any state)?  Chunks are aligned to the next power of two
- * of their size, so the base is ptr rounded down to one of a few dozen alignments. */
-static chunk *find_containing_locked(uint64_t p)
+/* The chunk holding p, of any state: chunks are aligned to the next power of two of their size,
+ * so the base is p rounded down to one of a few dozen alignments. */
+static vchunk *chunk_containing_locked(uint64_t p)
 {
     for (unsigned k = 21; k <= 47; k++) {
         uint64_t base = p & ~((1ull << k) - 1);
-        chunk *c = NULL;
-        HASH_FIND(hh, S.by_va, &base, sizeof base, c);
-        if (c) return p < c->va + c->mapped ? c : NULL;
+        vchunk *c = NULL;
+        HASH_FIND(hh, S.chunks, &base, sizeof base, c);
+        if (c) return p - c->base < c->size ? c : NULL;
     }
     return NULL;
+}
+
+/* The live allocation whose [addr, addr + requested) holds p. */
+static vmm__block *block_containing_locked(uint64_t p)
+{
+    vmm__block *b = NULL;
+    HASH_FIND(hh, S.by_addr, &p, sizeof p, b);
+    if (!b) {
+        vchunk *c = chunk_containing_locked(p);
+        if (!c) return NULL;
+        vmm_reg_alloc rec;
+        uint64_t slot;
+        if (S.registry_ok && vmm__reg_find(&S.reg, S.reg.pid, p, &rec, &slot) == 0) {
+            uint32_t key = (uint32_t)slot;
+            HASH_FIND(hs, S.by_slot, &key, sizeof key, b);
+        } else {
+            b = vmm__pool_block_at(&S.dev[c->dev].pool, c->pool_chunk, p); /* unpublished: walk the chunk */
+        }
+    }
+    return b && b->live && p - b->addr < b->requested + (b->requested == 0) ? b : NULL;
 }
 
 static void sync_ctx(CUcontext ctx)
@@ -624,46 +643,33 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     if (!ptr || !S.ready) return VMM__PASS;
     uint64_t p = (uint64_t)(uintptr_t)ptr;
     pthread_mutex_lock(&S.lock);
-    chunk *c = NULL;
-    HASH_FIND(hh, S.by_va, &p, sizeof p, c);
-    if (!c) {
-        vmm__result r = find_containing_locked(p) ? VMM__INVALID : VMM__PASS;
+    vmm__block *b = NULL;
+    HASH_FIND(hh, S.by_addr, &p, sizeof p, b);
+    if (!b) {
+        note *n = NULL;
+        HASH_FIND(hh, S.notes, &p, sizeof p, n);
+        if (n) HASH_DELETE(hh, S.notes, n); /* the real runtime owns it; drop our note of it */
+        vmm__result r = n ? VMM__PASS : chunk_containing_locked(p) ? VMM__INVALID : VMM__PASS;
         pthread_mutex_unlock(&S.lock);
+        if (n) {
+            if (n->slot != NO_SLOT) vmm__reg_unbind(&S.reg, n->slot);
+            free(n);
+        }
         return r;
     }
-    if (c->state == CH_PASSTHROUGH) {
-        /* the real runtime owns it; we only drop the registry's note of it */
-        HASH_DELETE(hh, S.by_va, c);
-        if (c->slot != NO_SLOT) HASH_DELETE(hs, S.by_slot, c);
-        pthread_mutex_unlock(&S.lock);
-        if (c->slot != NO_SLOT) vmm__reg_unbind(&S.reg, c->slot);
-        free(c);
-        return VMM__PASS;
-    }
-    if (c->state != CH_LIVE) {
-        pthread_mutex_unlock(&S.lock);
-        return VMM__INVALID;
-    }
-    c->state = CH_FREEING;
-    pthread_mutex_unlock(&S.lock);
-
-    retract(c); /* out of the registry before the memory can be reused */
-    device_state *d = &S.dev[c->dev];
+    HASH_DELETE(hh, S.by_addr, b);
+    retract_locked(b); /* out of the registry before the memory can be reused */
+    b->live = 0;
+    device_state *d = &S.dev[((vchunk *)b->chunk->mech)->dev];
     CUevent ev = NULL;
     if (stream_ordered) {
         if (vmm__stream_capturing(stream)) {
             /* The free happens when the graph runs, which we cannot observe: never reuse it. */
-            vmm__log(VMM__LOG_WARNING, "stream-ordered free of shim memory during graph capture; its chunk is retired");
-            pthread_mutex_lock(&S.lock);
-            c->state = CH_CACHED;
-            c->free_event = NULL;
-            HASH_DELETE(hh, S.by_va, c);
-            if (c->slot != NO_SLOT) HASH_DELETE(hs, S.by_slot, c);
             pthread_mutex_unlock(&S.lock);
+            vmm__log(VMM__LOG_WARNING, "stream-ordered free of shim memory during graph capture; its block is retired");
             return VMM__DONE;
         }
-        pthread_mutex_lock(&S.lock);
-        ev = event_get(d);
+        ev = event_get_locked(d);
         pthread_mutex_unlock(&S.lock);
         if (!ev || cu.EventRecord(ev, stream) != CUDA_SUCCESS) {
             if (ev) cu.EventDestroy(ev);
@@ -671,47 +677,43 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
             cu.StreamSynchronize(stream);
         }
     } else {
-        sync_ctx(c->ctx); /* cudaFree waits for the device, and so must we before reuse */
+        pthread_mutex_unlock(&S.lock);
+        sync_ctx(b->ctx); /* cudaFree waits for the device, and so must we before reuse */
     }
     pthread_mutex_lock(&S.lock);
-    c->state = CH_CACHED;
-    c->free_event = ev;
-    c->free_stream = stream;
-    lru_push(d, c);
-    chunk *victims = evict_locked(d, S.cache_limit);
+    vmm__pool_free(&d->pool, b, (uint64_t)(uintptr_t)stream, ev);
     pthread_mutex_unlock(&S.lock);
-    destroy_list(victims);
     return VMM__DONE;
 }
 
 void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream)
 {
     if (!S.ready || !ptr || !S.registry_ok) return;
-    chunk *c = calloc(1, sizeof *c);
-    if (!c) return;
-    c->va = (uint64_t)(uintptr_t)ptr;
-    c->requested = size;
-    c->mapped = size;
-    c->state = CH_PASSTHROUGH;
-    c->exported_fd = -1;
-    c->slot = NO_SLOT;
+    note *n = calloc(1, sizeof *n);
+    if (!n) return;
+    n->va = (uint64_t)(uintptr_t)ptr;
+    n->slot = NO_SLOT;
     CUcontext ctx;
     int dev = current_device(&ctx, 0);
-    c->dev = dev < 0 ? 0 : dev;
-    if (vmm__reg_bind_unindexed(&S.reg, c->va, size, &c->slot) != 0) c->slot = NO_SLOT;
-    publish(c, api, stream, VMM_REG_F_NOT_EXPORTABLE);
+    if (dev < 0) dev = 0;
     pthread_mutex_lock(&S.lock);
-    chunk *old = NULL;
-    HASH_FIND(hh, S.by_va, &c->va, sizeof c->va, old);
-    if (!old) {
-        HASH_ADD(hh, S.by_va, va, sizeof(uint64_t), c);
-        if (c->slot != NO_SLOT) HASH_ADD(hs, S.by_slot, slot, sizeof(uint32_t), c);
-    }
-    pthread_mutex_unlock(&S.lock);
+    note *old = NULL;
+    HASH_FIND(hh, S.notes, &n->va, sizeof n->va, old);
     if (old) {
-        if (c->slot != NO_SLOT) vmm__reg_unbind(&S.reg, c->slot);
-        free(c);
+        pthread_mutex_unlock(&S.lock);
+        free(n);
+        return;
     }
+    if (vmm__reg_bind_unindexed(&S.reg, n->va, size, &n->slot) == 0) {
+        vmm_reg_alloc d;
+        fill_common(&d, dev, api, stream, size);
+        d.flags = VMM_REG_F_NOT_EXPORTABLE;
+        vmm__reg_publish(&S.reg, n->slot, &d, NULL);
+    } else {
+        n->slot = NO_SLOT;
+    }
+    HASH_ADD(hh, S.notes, va, sizeof(uint64_t), n);
+    pthread_mutex_unlock(&S.lock);
 }
 
 size_t vmm__cached_bytes_current(void)
@@ -722,7 +724,8 @@ size_t vmm__cached_bytes_current(void)
     if (cu.CtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx || cu.CtxGetDevice(&dev) != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES)
         return 0;
     pthread_mutex_lock(&S.lock);
-    size_t n = S.dev[dev].cached_bytes;
+    device_state *d = &S.dev[dev];
+    size_t n = d->pool_ready ? d->pool.reserved - d->pool.used : 0;
     pthread_mutex_unlock(&S.lock);
     return n;
 }
@@ -738,27 +741,27 @@ int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out)
 {
     if (!S.ready || !ptr) return 0;
     pthread_mutex_lock(&S.lock);
-    chunk *c = find_containing_locked(ptr);
-    int found = c && c->state == CH_LIVE && ptr < c->va + c->requested + (c->requested == 0);
-    if (found) {
-        out->base = c->va;
-        out->requested = c->requested;
-        out->mapped = c->mapped;
+    vmm__block *b = block_containing_locked(ptr);
+    if (b) {
+        vchunk *c = b->chunk->mech;
+        out->base = b->addr;
+        out->requested = b->requested;
+        out->mapped = c->size;
+        out->chunk_offset = b->addr - c->base;
         out->dev = c->dev;
-        out->slot = c->slot;
-        out->generation = c->generation;
-        memcpy(out->alloc_id, c->alloc_id, 16);
+        out->slot = b->slot;
+        out->generation = b->generation;
+        memcpy(out->alloc_id, b->alloc_id, 16);
     }
     pthread_mutex_unlock(&S.lock);
-    return found;
+    return b != NULL;
 }
 
 int vmm__owned(uint64_t ptr)
 {
     if (!S.ready || !ptr) return 0;
     pthread_mutex_lock(&S.lock);
-    chunk *c = find_containing_locked(ptr);
-    int owned = c && c->state != CH_PASSTHROUGH;
+    int owned = chunk_containing_locked(ptr) != NULL;
     pthread_mutex_unlock(&S.lock);
     return owned;
 }
@@ -780,22 +783,64 @@ void vmm__peer_access(int accessor, int owner, int enable)
     CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = accessor},
                            .flags = enable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE};
     unsigned failed = 0;
-    for (chunk *c = S.by_va; c; c = c->hh.next)
-        if (c->dev == owner && c->state != CH_PASSTHROUGH && cu.MemSetAccess(c->va, c->mapped, &acc, 1) != CUDA_SUCCESS)
-            failed++;
+    for (vchunk *c = S.chunks; c; c = c->hh.next)
+        if (c->dev == owner && cu.MemSetAccess(c->base, c->size, &acc, 1) != CUDA_SUCCESS) failed++;
     pthread_mutex_unlock(&S.lock);
     if (failed) vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be %s", accessor, owner, failed,
                          enable ? "granted" : "revoked");
 }
 
-/* ---- the default memory pool's view (stubs until the pool lands) ---- */
+/* ---- the default memory pool as the program sees it ---- */
+
+static device_state *dev_at(int dev) { return S.ready && dev >= 0 && dev < MAX_DEVICES ? &S.dev[dev] : NULL; }
+
 int vmm__pool_usage_get(int dev, vmm__pool_usage *out)
 {
-    (void)dev;
     memset(out, 0, sizeof *out);
-    return 0;
+    device_state *d = dev_at(dev);
+    if (!d) return 0;
+    pthread_mutex_lock(&S.lock);
+    if (d->pool_ready) {
+        out->reserved = d->pool.reserved;
+        out->reserved_high = d->pool.reserved_high;
+        out->used = d->pool.used;
+        out->used_high = d->pool.used_high;
+    }
+    pthread_mutex_unlock(&S.lock);
+    return 1;
 }
-void vmm__pool_usage_reset_high(int dev, int which) { (void)dev, (void)which; }
-void vmm__pool_trim(int dev, uint64_t keep) { (void)dev, (void)keep; }
-void vmm__pool_set_release_threshold(int dev, uint64_t bytes) { (void)dev, (void)bytes; }
-void vmm__pool_current_is_default(int dev, int is_default) { (void)dev, (void)is_default; }
+
+void vmm__pool_usage_reset_high(int dev, int which)
+{
+    device_state *d = dev_at(dev);
+    if (!d) return;
+    pthread_mutex_lock(&S.lock);
+    if (which == VMM__HIGH_RESERVED) d->pool.reserved_high = d->pool.reserved;
+    else d->pool.used_high = d->pool.used;
+    pthread_mutex_unlock(&S.lock);
+}
+
+void vmm__pool_trim(int dev, uint64_t keep)
+{
+    device_state *d = dev_at(dev);
+    if (!d) return;
+    pthread_mutex_lock(&S.lock);
+    if (d->pool_ready) vmm__pool_give_back(&d->pool, keep);
+    pthread_mutex_unlock(&S.lock);
+}
+
+void vmm__pool_set_release_threshold(int dev, uint64_t bytes)
+{
+    device_state *d = dev_at(dev);
+    if (!d) return;
+    pthread_mutex_lock(&S.lock);
+    d->release_threshold = bytes;
+    if (d->pool_ready) d->pool.retain = retain_bytes(d);
+    pthread_mutex_unlock(&S.lock);
+}
+
+void vmm__pool_current_is_default(int dev, int is_default)
+{
+    device_state *d = dev_at(dev);
+    if (d) __atomic_store_n(&d->custom_pool, !is_default, __ATOMIC_RELEASE);
+}
