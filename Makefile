@@ -40,7 +40,7 @@ FAKERT_SO:= $(BUILD)/fakecuda/libcudart.so.13
 PROGS    := $(patsubst tests/progs/%.c,$(BUILD)/progs/%,$(PROG_SRC))
 TESTS    := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC) $(HELPER_SRC))
 
-.PHONY: all deps test check test-gpu test-matrix demo install clean
+.PHONY: all deps test check test-gpu test-matrix bench-gpu demo install clean
 all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(PROGS)
 
 # Debian packages the build needs; installed when root, otherwise the exact command is printed.
@@ -106,9 +106,15 @@ check:
 	@tests/check.sh
 
 # On the GPU machine, with build/ carried from a development machine (the GPU machine has no
-# uthash or libunwind): the real-GPU checks, the PyTorch runs and the benchmark table.
+# uthash or libunwind): the real-GPU checks and the PyTorch runs.
 test-gpu:
 	@BUILD=$(BUILD) tests/gpu/run.sh
+
+# On the GPU machine as test-gpu: the shim's cost against native (churn, many small allocations,
+# out-of-memory reach, alignment, PyTorch steps), native and shim runs alternated, one ratio table
+# (tests/gpu/bench.sh; ROUNDS, default 3).
+bench-gpu:
+	@BUILD=$(BUILD) tests/gpu/bench.sh
 
 # On the GPU machine as test-gpu: real programs and frameworks (static runtime, driver API, legacy
 # IPC, PyTorch, JAX, CuPy, cuBLAS) natively and under the shim, one table (tests/gpu/matrix.sh).

@@ -16,7 +16,6 @@ check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
 
 cc_rt() { gcc -O2 -std=c11 -D_GNU_SOURCE -I"$CUDA/include" "$1" -o "$2" -L"$CUDA/lib64" -lcudart -pthread -Wl,-rpath,"$CUDA/lib64"; }
 for p in semantics threads owner async_reuse oom; do cc_rt tests/progs/$p.c "$W/$p" || bad "build $p"; done
-cc_rt tests/gpu/bench.c "$W/bench" || bad "build bench"
 nvcc -O2 -arch=sm_90 -cudart shared -Itools/include tests/gpu/kernels.cu -o "$W/kernels" -L"$B" -lvmmshim-client -Xlinker -rpath -Xlinker "$B" || bad "build kernels"
 
 echo "== runtime semantics, native vs shim"
@@ -76,16 +75,6 @@ for conf in "" "backend:cudaMallocAsync"; do
   echo done >&"${TR[1]}"; wait $TR_PID 2>/dev/null
 done
 
-echo "== pair times: native and shim runs alternated 5 times, median of 2000 pairs each, median of the 5"
-for round in 1 2 3 4 5; do "$W/bench" 2000 > "$W/b.native.$round"; env $SHIM "$W/bench" 2000 > "$W/b.shim.$round"; done
-med() { sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
-printf '| size | API | native µs | shim µs | shim/native | shim/native per round |\n|---|---|---|---|---|---|\n'
-while read -r _ n unit api _; do
-  nat=$(cat "$W"/b.native.* | awk -v n="$n" -v u="$unit" -v a="$api" '$2==n && $3==u && $4==a {print $5}' | med)
-  shm=$(cat "$W"/b.shim.* | awk -v n="$n" -v u="$unit" -v a="$api" '$2==n && $3==u && $4==a {print $5}' | med)
-  rounds=$(for r in 1 2 3 4 5; do paste "$W/b.native.$r" "$W/b.shim.$r"; done | awk -v n="$n" -v u="$unit" -v a="$api" '$2==n && $3==u && $4==a {printf "%.2f ", $10/$5}')
-  awk -v n="$n" -v u="$unit" -v a="$api" -v x="$nat" -v y="$shm" -v r="$rounds" 'BEGIN {printf "| %s %s | %s | %.2f | %.2f | %.2f | %s|\n", n, u, (a=="async"?"cudaMallocAsync+cudaFreeAsync":"cudaMalloc+cudaFree"), x, y, y/x, r}'
-done < "$W/b.native.1"
 "$B/vmmctl" gc >/dev/null 2>&1; rm -f /dev/shm$VMMSHIM_REGISTRY
 echo "gpu: $pass passed, $fail failed"
 [ $fail = 0 ]

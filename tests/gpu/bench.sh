@@ -1,0 +1,361 @@
+#!/usr/bin/env bash
+# `make bench-gpu`: what the shim costs against native CUDA, on the GPU machine with build/
+# carried from a development machine.  Every number compares a program run natively with the same
+# program under LD_PRELOAD=libvmmshim.so: in each round every job runs both ways back to back, the
+# side that goes first alternating from round to round, and each shim run has its own registry.
+# Jobs: tests/gpu/bench.c in its modes churn, many, oom (and align, round 1 only: it measures no
+# time) and tests/gpu/bench_torch.py under three PYTORCH_CUDA_ALLOC_CONF settings.  Prints one
+# table (medians over rounds, shim/native ratios, the per-round ratios, a criterion per row), the
+# alignment table, and "bench: N passed, N failed".  Raw results and logs: ${OUT:-/tmp}/vmmshim-bench/.
+# ROUNDS (default 3) and BENCH_BUDGET (seconds for the whole run, default 480) are settable: a round
+# that would not fit in what is left is skipped, and the table says so.
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+B=$PWD/${BUILD:-build}
+W=${OUT:-/tmp}/vmmshim-bench
+CUDA=${CUDA_HOME:-/usr/local/cuda}
+ROUNDS=${ROUNDS:-3}
+BUDGET=${BENCH_BUDGET:-480}
+START=$SECONDS
+RAW=$W/raw.txt # "ROUND SIDE JOB R case key=value ..." and "ROUND SIDE JOB EXIT rc=.. s=.."
+LOG=$W/log.txt # every run's stdout and stderr
+X=$(mktemp -d "${TMPDIR:-/tmp}/vmmshim-bench-bin.XXXXXX") || exit 1
+REG=/vmmshim-bench-$$ # prefix of the per-run registry names
+unset PYTORCH_CUDA_ALLOC_CONF
+export PYTHONUNBUFFERED=1
+rm -rf "$W"
+mkdir -p "$W"
+: >"$RAW"
+: >"$LOG"
+cleanup() {
+  rm -rf "$X"
+  rm -f /dev/shm"$REG"-*
+}
+trap cleanup EXIT
+
+echo "== device"
+dev=$(timeout 30 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 4 | paste -sd ';')
+echo "${dev:-nvidia-smi gave no answer}"
+echo "device: ${dev:-unknown}" >>"$RAW"
+
+if [ ! -f "$B/libvmmshim.so" ] || [ ! -f "$B/libvmmshim-client.so" ]; then
+  echo "bench: $B/libvmmshim.so or libvmmshim-client.so missing (build on the development machine, carry build/)"
+  echo "bench: 0 passed, 1 failed"
+  exit 1
+fi
+BENCH=$X/bench
+if ! gcc -O2 -std=c11 -Wall -Wextra -D_GNU_SOURCE -I"$CUDA/include" -Itools/include tests/gpu/bench.c -o "$BENCH" \
+  -L"$CUDA/lib64" -lcudart -L"$B" -lvmmshim-client -Wl,-rpath,"$CUDA/lib64" -Wl,-rpath,"$B" -lm >"$W/build.log" 2>&1; then
+  echo "bench: building tests/gpu/bench.c failed:"
+  tail -n 15 "$W/build.log"
+fi
+
+# run_one ROUND SIDE JOB TIMEOUT COMMAND...: one run, its R lines into RAW, then its EXIT line.
+run_one() {
+  local round=$1 side=$2 job=$3 t=$4
+  shift 4
+  local left=$((BUDGET - (SECONDS - START))) rc t0 t1 secs reg=$REG-$round-$job
+  if [ "$left" -lt 20 ]; then
+    echo "$round $side $job EXIT rc=skipped s=0" >>"$RAW"
+    echo "  $side $job: skipped, under 20 s of the ${BUDGET} s budget left"
+    return
+  fi
+  [ "$left" -lt "$t" ] && t=$left
+  echo "=== round $round $side $job: $*" >>"$LOG"
+  t0=$(date +%s.%N)
+  if [ "$side" = shim ]; then
+    timeout -k 5 "$t" env VMMSHIM_REGISTRY="$reg" LD_PRELOAD="$B/libvmmshim.so" "$@" >"$X/out" 2>"$X/err" </dev/null
+    rc=$?
+    rm -f /dev/shm"$reg"
+  else # a registry name nobody creates: the bench then reports records=na
+    timeout -k 5 "$t" env VMMSHIM_REGISTRY="$reg-native" "$@" >"$X/out" 2>"$X/err" </dev/null
+    rc=$?
+  fi
+  t1=$(date +%s.%N)
+  cat "$X/out" "$X/err" >>"$LOG"
+  sed -n "s/^R /$round $side $job R /p" "$X/out" >>"$RAW"
+  secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.1f", b - a}')
+  echo "$round $side $job EXIT rc=$rc s=$secs" >>"$RAW"
+  echo "  $side $job: exit $rc, $secs s"
+  [ "$rc" = 0 ] || tail -n 2 "$X/err" | sed 's/^/    stderr: /'
+}
+
+# pair ROUND JOB TIMEOUT COMMAND...: native and shim back to back, odd rounds native first.
+pair() {
+  local round=$1 job=$2 t=$3
+  shift 3
+  if [ ! -x "$1" ] && [ "$1" = "$BENCH" ]; then
+    echo "$round native $job EXIT rc=notbuilt s=0" >>"$RAW"
+    echo "$round shim $job EXIT rc=notbuilt s=0" >>"$RAW"
+    return
+  fi
+  if [ $((round % 2)) = 1 ]; then
+    run_one "$round" native "$job" "$t" "$@"
+    run_one "$round" shim "$job" "$t" "$@"
+  else
+    run_one "$round" shim "$job" "$t" "$@"
+    run_one "$round" native "$job" "$t" "$@"
+  fi
+}
+
+TORCH=(python3 tests/gpu/bench_torch.py)
+last=0
+for ((r = 1; r <= ROUNDS; r++)); do
+  if [ "$r" -gt 1 ] && [ $((SECONDS - START + last)) -gt "$BUDGET" ]; then
+    echo "== rounds $r..$ROUNDS skipped: round $((r - 1)) took $last s, $((SECONDS - START)) of ${BUDGET} s spent"
+    echo "skipped rounds $r..$ROUNDS (budget ${BUDGET} s)" >>"$RAW"
+    break
+  fi
+  rs=$SECONDS
+  echo "== round $r of $ROUNDS ($((SECONDS - START)) s so far)"
+  pair "$r" churn 120 "$BENCH" churn
+  pair "$r" many 150 "$BENCH" many
+  pair "$r" oom 150 "$BENCH" oom
+  [ "$r" = 1 ] && pair "$r" align 60 "$BENCH" align
+  pair "$r" torch-default 150 "${TORCH[@]}" default
+  pair "$r" torch-async 150 env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync "${TORCH[@]}" async
+  pair "$r" torch-expandable 150 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${TORCH[@]}" expandable
+  last=$((SECONDS - rs))
+done
+
+echo
+python3 - "$RAW" "$W/table.md" "$((SECONDS - START))" "$W" <<'EOF'
+import statistics, sys
+
+raw, table_path, elapsed, wdir = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+data = {}    # case -> side -> round -> {key: value}
+status = {}  # job -> side -> round -> rc text
+device, skipped = "unknown", ""
+for line in open(raw):
+    w = line.split()
+    if line.startswith("device:"):
+        device = line[len("device:"):].strip()
+        continue
+    if line.startswith("skipped rounds"):
+        skipped = line.strip()
+        continue
+    if len(w) < 4 or not w[0].isdigit():
+        continue
+    rnd, side, job = int(w[0]), w[1], w[2]
+    if w[3] == "EXIT":
+        kv = dict(x.split("=", 1) for x in w[4:] if "=" in x)
+        status.setdefault(job, {}).setdefault(side, {})[rnd] = kv.get("rc", "?")
+    elif w[3] == "R" and len(w) > 4:
+        kv = dict(x.split("=", 1) for x in w[5:] if "=" in x)
+        data.setdefault(w[4], {}).setdefault(side, {})[rnd] = kv
+
+def num(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+def size(b):
+    if b is None:
+        return "–"
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(b) >= f:
+            return f"{b / f:.2f} {unit}"
+    return f"{b:.0f} B"
+
+def why_missing(job, side, rnd):
+    rc = status.get(job, {}).get(side, {}).get(rnd)
+    if rc is None:
+        return "did not run"
+    if rc in ("124", "137"):
+        return "timed out"
+    if rc == "skipped":
+        return "skipped (budget)"
+    if rc == "notbuilt":
+        return "not built"
+    if rc == "0":
+        return "no result"
+    try:
+        if int(rc) > 128:
+            return f"crashed (signal {int(rc) - 128})"
+    except ValueError:
+        pass
+    return f"exit {rc}"
+
+API = {"sync": "cudaMalloc+cudaFree", "async": "cudaMallocAsync+cudaFreeAsync"}
+ROWS = []
+for api, limit in (("sync", 0.2), ("async", 1.0)):
+    for sz in ("4KiB", "2MiB", "64MiB", "1GiB"):
+        ROWS.append(dict(label=f"same-size churn {sz[:-3]} {sz[-3:]}, {API[api]}", job="churn", case=f"pair/{api}/{sz}",
+                         kind="time", key="us", unit="µs/pair", max=limit))
+for api, limit in (("sync", 1.0), ("async", 1.3)):
+    ROWS.append(dict(label=f"mixed churn 256 B..256 MiB, {API[api].replace('+', '/')}", job="churn", case=f"mix/{api}",
+                     kind="time", key="us", unit="µs/op", max=limit))
+for sz in ("4KiB", "1MiB"):
+    for n in (10000, 50000):
+        ROWS.append(dict(label=f"{n} x {sz[:-3]} {sz[-3:]} live, cudaMalloc", job="many", case=f"many/{sz}/{n}", kind="many"))
+for sz, what in (("4KiB", "4 KiB blocks"), ("1MiB", "1 MiB blocks"), ("64MiB", "64 MiB blocks"), ("mix", "mixed sizes")):
+    ROWS.append(dict(label=f"OOM reach, cudaMalloc {what}", job="oom", case=f"oom/{sz}", kind="reach", min=0.99))
+for conf, label, limit in (("default", "default allocator", 1.02), ("async", "backend:cudaMallocAsync", 1.02),
+                           ("expandable", "expandable_segments:True", None)):
+    ROWS.append(dict(label=f"PyTorch step, {label}", job=f"torch-{conf}", case=f"torch/{conf}", kind="time",
+                     key="step_ms", unit="ms", max=limit))
+for conf, label in (("default", "default allocator"), ("async", "backend:cudaMallocAsync"),
+                    ("expandable", "expandable_segments:True")):
+    ROWS.append(dict(label=f"PyTorch reserved peak, {label}", job=f"torch-{conf}", case=f"torch/{conf}", kind="torchmem",
+                     within=0.10 if conf == "async" else None))
+
+def ran_rounds(job):
+    """Rounds in which both sides of the job got their turn (the budget may cut a round short)."""
+    st = status.get(job, {})
+    rounds = set(st.get("native", {})) | set(st.get("shim", {}))
+    return sorted(r for r in rounds if "skipped" not in (st.get("native", {}).get(r), st.get("shim", {}).get(r)))
+
+def ratios_text(rs):
+    if not rs:
+        return "–"
+    return f"{min(rs):.2f}–{max(rs):.2f} ({' '.join(f'{x:.2f}' for x in rs)})"
+
+def med(vals):
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+out_rows, passed, failed = [], 0, 0
+for row in ROWS:
+    case, job = row["case"], row["job"]
+    rounds = ran_rounds(job)
+    runs = {s: data.get(case, {}).get(s, {}) for s in ("native", "shim")}
+    notes = []
+    broken = False  # a run that crashed, timed out or printed nothing fails its row
+    for side in ("native", "shim"):
+        why = {}
+        for r in rounds:
+            if r not in runs[side]:
+                why.setdefault(why_missing(job, side, r), []).append(str(r))
+                broken = True
+        for reason, rs in why.items():
+            notes.append(f"{side}: {reason} (round {', '.join(rs)})")
+    if not rounds:
+        notes.append("did not run")
+    both = [r for r in rounds if r in runs["native"] and r in runs["shim"]]
+    kind = row["kind"]
+    nat = shim = ratio = None
+    per = []
+    ncell = scell = "–"
+    ok = None  # None: report only
+    if kind == "time":
+        key = row["key"]
+        nv = {r: num(runs["native"][r].get(key)) for r in both}
+        sv = {r: num(runs["shim"][r].get(key)) for r in both}
+        nat, shim = med(nv.values()), med(sv.values())
+        per = [sv[r] / nv[r] for r in both if nv[r] and sv[r] is not None]
+        ratio = shim / nat if nat and shim is not None else None
+        def cell(side, v):
+            if v is None:
+                return "–"
+            text = f"{v:.3f} {row['unit']}" if v < 10 else f"{v:.1f} {row['unit']}"
+            fails = sum(int(num(runs[side][r].get("fail")) or 0) for r in both)
+            if case.startswith("mix/") or fails:
+                text += f", {fails} failed"
+            if any(runs[side][r].get("timeout") == "1" for r in both):
+                text += " (stopped at the time limit)"
+            return text
+        ncell, scell = cell("native", nat), cell("shim", shim)
+        if row.get("max") is not None:
+            crit = f"≤ {row['max']:g}x"
+            ok = ratio is not None and ratio <= row["max"]
+        else:
+            crit = "report only"
+    elif kind == "many":
+        g = lambda side, k: med([num(runs[side][r].get(k)) for r in both])
+        nb, sb, nf, sf = g("native", "bytes"), g("shim", "bytes"), g("native", "fail"), g("shim", "fail")
+        nat, shim = nb, sb
+        per = [num(runs["shim"][r].get("bytes")) / num(runs["native"][r].get("bytes")) for r in both
+               if num(runs["native"][r].get("bytes")) and num(runs["shim"][r].get("bytes")) is not None]
+        ratio = sb / nb if nb and sb is not None else None
+        if both:
+            ncell = f"{size(nb)}, {nf:.0f} failed, {g('native', 'us'):.1f} µs/call"
+            rec, nx = g("shim", "records"), g("shim", "notexp")
+            scell = f"{size(sb)}, {sf:.0f} failed, {g('shim', 'us'):.1f} µs/call, " + (
+                f"{rec:.0f} records ({nx:.0f} not exportable)" if rec is not None else "records n/a")
+            if any(runs[s][r].get("timeout") == "1" for s in ("native", "shim") for r in both):
+                notes.append("stopped at the time limit")  # fewer calls: the counts would flatter
+                broken = True
+        crit = "fails ≤ native, bytes ≤ 1.1x + 64 MiB"
+        ok = None not in (nb, sb, nf, sf) and sf <= nf and sb <= 1.1 * nb + (64 << 20)
+    elif kind == "reach":
+        g = lambda side, k: med([num(runs[side][r].get(k)) for r in both])
+        nat, shim = g("native", "reach"), g("shim", "reach")
+        per = [num(runs["shim"][r].get("reach")) / num(runs["native"][r].get("reach")) for r in both
+               if num(runs["native"][r].get("reach"))]
+        ratio = shim / nat if nat and shim is not None else None
+        if both:
+            ncell = f"{size(nat)} ({size(g('native', 'ballast'))} ballast)"
+            rec, nx = g("shim", "records"), g("shim", "notexp")
+            scell = f"{size(shim)} ({size(g('shim', 'ballast'))} ballast), " + (
+                f"{nx:.0f} of {rec:.0f} records not exportable" if rec is not None else "records n/a")
+            for s in ("native", "shim"):
+                stops = {runs[s][r].get("stopped") for r in both} - {"oom"}
+                if stops:  # "cap", "time" or "ballast": not the device's limit
+                    notes.append(f"{s} stopped by: {', '.join(sorted(stops))}")
+                    broken = True
+        crit = f"≥ {row['min']:g}x"
+        ok = ratio is not None and ratio >= row["min"]
+    elif kind == "torchmem":
+        def peak(side, r):  # the async backend reports through memory_stats, the others too
+            kv = runs[side][r]
+            v = num(kv.get("reserved_peak"))
+            return v if v is not None else num(kv.get("max_reserved"))
+        nv = {r: peak("native", r) for r in both}
+        sv = {r: peak("shim", r) for r in both}
+        nat, shim = med(nv.values()), med(sv.values())
+        per = [sv[r] / nv[r] for r in both if nv[r] and sv[r] is not None]
+        ratio = shim / nat if nat and shim is not None else None
+        if both:
+            def cell(side, v):
+                ap = med([num(runs[side][r].get("allocated_peak")) for r in both])
+                mr = med([num(runs[side][r].get("max_reserved")) for r in both])
+                return f"{size(v)} reserved peak, {size(ap)} allocated peak, max_memory_reserved {size(mr)}"
+            ncell, scell = cell("native", nat), cell("shim", shim)
+        if row["within"] is not None:
+            crit = f"within {row['within']:.0%}"
+            ok = ratio is not None and abs(ratio - 1) <= row["within"]
+        else:
+            crit = "report only"
+    if ok is not None and (not both or broken):
+        ok = False
+    if ok is not None:
+        passed, failed = passed + bool(ok), failed + (not ok)
+    verdict = crit if ok is None else f"{crit}: {'PASS' if ok else 'FAIL'}"
+    ratio_text = f"{ratio:.2f}" if ratio is not None else "–"
+    label = row["label"] + (f" — {'; '.join(notes)}" if notes else "")
+    out_rows.append(f"| {label} | {ncell} | {scell} | {ratio_text} | {ratios_text(per)} | {verdict} |")
+
+n_rounds = len(set().union(*[set(ran_rounds(j)) for j in status])) if status else 0
+lines = [f"bench: {device}, {elapsed} s, {n_rounds} round(s)"
+         + (f"; {skipped}" if skipped else "") + f"; raw results in {wdir}", "",
+         "| case | native (median) | shim (median) | shim/native | per-round shim/native: min–max (each) | criterion |",
+         "|---|---|---|---|---|---|"] + out_rows
+
+# alignment: round 1 only, no ratios
+al = sorted({int(c.split("/")[2]) for c in data if c.startswith("align/")})
+if al:
+    def a(api, sz, side, key):
+        v = num(data.get(f"align/{api}/{sz}", {}).get(side, {}).get(1, {}).get(key))
+        return "–" if v is None else size(v).replace(".00 ", " ")
+    lines += ["", "Alignment (largest power of two dividing all 32 addresses, capped at 2 MiB) and smallest gap between "
+              "32 live blocks, native / shim:", "",
+              "| size | cudaMalloc align | cudaMalloc min gap | cudaMallocAsync align | cudaMallocAsync min gap |",
+              "|---|---|---|---|---|"]
+    def size_label(sz):
+        for unit, f in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+            for off, sign in ((0, ""), (1, " + 1 B"), (-1, " − 1 B")):
+                if sz - off >= f and (sz - off) % f == 0:
+                    return f"{(sz - off) // f} {unit}{sign}"
+        return f"{sz} B"
+    for sz in al:
+        cells = [f"{a(api, sz, 'native', k)} / {a(api, sz, 'shim', k)}" for api in ("malloc", "async") for k in ("align", "gap")]
+        lines.append(f"| {size_label(sz)} | " + " | ".join(cells) + " |")
+else:
+    lines += ["", "Alignment: no results (" + why_missing("align", "native", 1) + ")"]
+lines += ["", f"bench: {passed} passed, {failed} failed"]
+text = "\n".join(lines)
+print(text)
+open(table_path, "w").write(text + "\n")
+sys.exit(0 if failed == 0 else 1)
+EOF
