@@ -86,6 +86,17 @@ static const char *usage_attribute_name(CUmemPool_attribute attr)
     }
 }
 
+/* Bit (4 * dev + which figure) once that figure of dev's default pool has been logged: programs
+ * read them often (PyTorch on every memory_stats()), so the debug log says it once. */
+static unsigned long long logged_reads[MAX_POOL_DEVICES * 4 / 64];
+
+static int first_read(int dev, CUmemPool_attribute attr)
+{
+    unsigned bit = (unsigned)dev * 4 + (unsigned)(attr - CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+    unsigned long long mask = 1ull << (bit % 64);
+    return !(__atomic_fetch_or(&logged_reads[bit / 64], mask, __ATOMIC_RELAXED) & mask);
+}
+
 void vmm__mempool_attribute_got(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
 {
     const char *name = usage_attribute_name(attr);
@@ -93,17 +104,15 @@ void vmm__mempool_attribute_got(CUmemoryPool pool, CUmemPool_attribute attr, voi
     vmm__enter();
     int dev = default_pool_device(pool);
     vmm__pool_usage u;
-    if (dev >= 0 && vmm__pool_usage_get(dev, &u)) {
-        uint64_t add = attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT ? u.reserved
-                       : attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH  ? u.reserved_high
-                       : attr == CU_MEMPOOL_ATTR_USED_MEM_CURRENT   ? u.used
-                                                                     : u.used_high;
-        *(cuuint64_t *)value += add;
-        vmm__debug("default memory pool of device %d: %s read with the shim's %llu bytes added", dev, name,
-                   (unsigned long long)add);
-    } else if (dev >= 0) {
-        vmm__debug("default memory pool of device %d: %s read; the shim backs no allocations there", dev, name);
-    }
+    int backed = dev >= 0 && vmm__pool_usage_get(dev, &u);
+    if (backed)
+        *(cuuint64_t *)value += attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT ? u.reserved
+                                : attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH  ? u.reserved_high
+                                : attr == CU_MEMPOOL_ATTR_USED_MEM_CURRENT   ? u.used
+                                                                              : u.used_high;
+    if (dev >= 0 && first_read(dev, attr))
+        vmm__debug("default memory pool of device %d: %s read%s", dev, name,
+                   backed ? " with the shim's memory added" : "; the shim backs no allocations there yet");
     vmm__leave();
 }
 
