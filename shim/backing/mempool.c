@@ -67,6 +67,8 @@ void vmm__mempool_access_set(CUmemoryPool pool, const CUmemAccessDesc *descs, si
         const CUmemAccessDesc *a = &descs[i];
         /* the owner's own access cannot change (the driver refuses it); other locations hold no shim memory */
         if (a->location.type != CU_MEM_LOCATION_TYPE_DEVICE || a->location.id == owner) continue;
+        /* read-only is granted as read-write: the shim keeps one grant per accessor and owner,
+         * shared with cuCtxEnablePeerAccess */
         int enable = a->flags != CU_MEM_ACCESS_FLAGS_PROT_NONE;
         vmm__debug("default memory pool of device %d: access of device %d %s on the shim's memory", owner,
                    a->location.id, enable ? "granted" : "revoked");
