@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "backing/backing.h"
+#include "backing/mempool.h"
 #include "hooks/real.h"
 #include "registry/layout.h"
 
@@ -267,4 +268,55 @@ VMM_HOOK CUresult cuCtxDisablePeerAccess(CUcontext peer)
     if (rc == CUDA_SUCCESS) vmm__peer_access(ctx_device(NULL), ctx_device(peer), 0);
     vmm__leave();
     return rc;
+}
+
+/* ---- the device's default memory pool: cudaMallocAsync's memory is the shim's ----
+ * Real first, always: the real pool keeps every setting the program made (so the getters and
+ * cuMemPoolGetAccess stay the driver's), and only a successful call reaches shim/backing. */
+
+#define REAL_THEN(call, after)                                                                        \
+    do {                                                                                              \
+        if (vmm__in_shim()) return call;                                                              \
+        vmm__enter();                                                                                 \
+        CUresult rc_ = call;                                                                          \
+        vmm__leave();                                                                                 \
+        if (rc_ == CUDA_SUCCESS) after;                                                               \
+        return rc_;                                                                                   \
+    } while (0)
+
+VMM_HOOK CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc *map, size_t count)
+{
+    VMM_REAL_DRIVER(cuMemPoolSetAccess, CUDA_ERROR_NOT_INITIALIZED);
+    REAL_THEN(real_(pool, map, count), vmm__mempool_access_set(pool, map, count));
+}
+
+VMM_HOOK CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    VMM_REAL_DRIVER(cuMemPoolGetAttribute, CUDA_ERROR_NOT_INITIALIZED);
+    REAL_THEN(real_(pool, attr, value), vmm__mempool_attribute_got(pool, attr, value));
+}
+
+VMM_HOOK CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    VMM_REAL_DRIVER(cuMemPoolSetAttribute, CUDA_ERROR_NOT_INITIALIZED);
+    REAL_THEN(real_(pool, attr, value), vmm__mempool_attribute_set(pool, attr, value));
+}
+
+VMM_HOOK CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
+{
+    VMM_REAL_DRIVER(cuMemPoolTrimTo, CUDA_ERROR_NOT_INITIALIZED);
+    REAL_THEN(real_(pool, keep), vmm__mempool_trimmed(pool, keep));
+}
+
+VMM_HOOK CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
+{
+    VMM_REAL_DRIVER(cuDeviceSetMemPool, CUDA_ERROR_NOT_INITIALIZED);
+    REAL_THEN(real_(dev, pool), vmm__mempool_current_set(dev, pool));
+}
+
+/* CUDA 13's location form; for a device's pinned memory it is cuDeviceSetMemPool. */
+VMM_HOOK CUresult cuMemSetMemPool(CUmemLocation *location, CUmemAllocationType type, CUmemoryPool pool)
+{
+    VMM_REAL_DRIVER(cuMemSetMemPool, CUDA_ERROR_NOT_INITIALIZED);
+    REAL_THEN(real_(location, type, pool), vmm__mempool_location_current_set(location, type, pool));
 }

@@ -53,7 +53,8 @@ VMM_EARLY void *vmm__real_dlsym(void *handle, const char *name)
     X(cuMemFreeAsync_ptsz) X(cuMemAllocPitch_v2) X(cuMemGetInfo_v2) X(cuMemGetAddressRange_v2)        \
     X(cuPointerGetAttribute) X(cuPointerGetAttributes) X(cuCtxEnablePeerAccess)                       \
     X(cuCtxDisablePeerAccess) X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)  \
-    X(cuGetProcAddress) X(cuGetProcAddress_v2)
+    X(cuMemPoolSetAccess) X(cuMemPoolGetAttribute) X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo)        \
+    X(cuDeviceSetMemPool) X(cuMemSetMemPool) X(cuGetProcAddress) X(cuGetProcAddress_v2)
 
 typedef struct wrap_entry {
     const char *name;

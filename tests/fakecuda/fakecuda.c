@@ -60,6 +60,22 @@ typedef struct fc_handle {
     UT_hash_handle hh;
 } fc_handle;
 
+/* A stream-ordered memory pool.  Allocations are cuMemAlloc blocks that remember their pool;
+ * freed bytes stay reserved (and charged to the device) as the pool's idle memory until the
+ * release threshold or cuMemPoolTrimTo lets them go.  The real driver releases at the next
+ * synchronization; this one releases at the free itself, which no synchronized caller can tell
+ * apart.  Access is the pool's table, which cuMemGetAccess reports for its allocations. */
+typedef struct fc_pool {
+    int dev;
+    int destroyed; /* cuMemPoolDestroy with allocations still live: gone once they are freed */
+    unsigned long long release_threshold;
+    int reuse_follow_events, reuse_opportunistic, reuse_internal_deps;
+    unsigned long long reserved, reserved_high, used, used_high;
+    unsigned long long live; /* allocations not yet freed */
+    unsigned char access[FC_MAX_DEV]; /* CU_MEM_ACCESS_FLAGS_* per device */
+    struct fc_pool *next;             /* created pools (the defaults are g_default_pool) */
+} fc_pool;
+
 /* Reservations, mappings and cuMemAlloc blocks. */
 typedef struct fc_range {
     uintptr_t base;
@@ -71,6 +87,7 @@ typedef struct fc_range {
     unsigned char access[FC_MAX_DEV]; /* mappings: CU_MEM_ACCESS_FLAGS_* per device (cuMemSetAccess) */
     int dev;
     size_t charged;  /* cuMemAlloc */
+    fc_pool *pool;   /* cuMemAlloc blocks from a memory pool */
     unsigned long long buffer_id;
     UT_hash_handle hh;
 } fc_range;
@@ -116,6 +133,9 @@ static fc_range *g_resv, *g_maps, *g_allocs;
 static fc_stream *g_streams;
 static fc_event *g_events;
 static fc_stream g_legacy_stream, g_ptds_stream;
+static fc_pool g_default_pool[FC_MAX_DEV];
+static fc_pool *g_current_pool[FC_MAX_DEV]; /* NULL: the default pool */
+static fc_pool *g_pools;
 
 static struct fc_fail g_fail[64];
 static int g_fail_armed;
@@ -389,7 +409,13 @@ __attribute__((constructor)) static void fc_load(void)
     if ((s = getenv("FAKECUDA_NO_VMM")) && *s && strcmp(s, "0")) g_no_vmm = 1;
     if ((s = getenv("FAKECUDA_EVENT_DELAY_US")) && *s) g_delay_us = strtoull(s, NULL, 10);
     if ((s = getenv("FAKECUDA_COUNTERS_AT_EXIT")) && *s) snprintf(g_counters_path, sizeof g_counters_path, "%s", s);
-    for (int i = 0; i < FC_MAX_DEV; i++) g_ctx[i].dev = i;
+    for (int i = 0; i < FC_MAX_DEV; i++) {
+        g_ctx[i].dev = i;
+        fc_pool *p = &g_default_pool[i];
+        p->dev = i;
+        p->reuse_follow_events = p->reuse_opportunistic = p->reuse_internal_deps = 1;
+        p->access[i] = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
     if ((s = getenv("FAKECUDA_FAIL")) && *s) parse_fail_env(s);
     pthread_atfork(fc_atfork_prepare, fc_atfork_parent, fc_atfork_child);
 }
@@ -1128,11 +1154,12 @@ FC_API CUresult cuMemGetAccess(unsigned long long *flags, const CUmemLocation *l
     if (!dev_ok(location->id)) return CUDA_ERROR_INVALID_DEVICE;
     LOCK();
     fc_range *m = range_containing(g_maps, (uintptr_t)ptr, 0);
-    if (!m) {
+    fc_range *a = m ? NULL : range_containing(g_allocs, (uintptr_t)ptr, 0);
+    if (!m && !(a && a->pool)) { /* plain cuMemAlloc blocks are no VMM mapping */
         UNLOCK();
         return CUDA_ERROR_INVALID_VALUE;
     }
-    *flags = m->access[location->id];
+    *flags = m ? m->access[location->id] : a->pool->access[location->id];
     UNLOCK();
     return CUDA_SUCCESS;
 }
@@ -1245,10 +1272,55 @@ FC_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle
 /* ------------------------------------------------------------------------------------------ */
 /* Classic allocations                                                                          */
 
-static CUresult memalloc(CUdeviceptr *dptr, size_t size)
+/* ---- memory pools: lock held in all helpers ---- */
+
+static fc_pool *pool_of(CUmemoryPool handle)
 {
-    struct fc_ctx *c = ctx_of(cur_ctx());
-    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    fc_pool *p = (fc_pool *)(void *)handle;
+    for (int i = 0; i < g_ndev; i++)
+        if (p == &g_default_pool[i]) return p;
+    for (fc_pool *q = g_pools; q; q = q->next)
+        if (q == p && !q->destroyed) return q;
+    return NULL;
+}
+
+static fc_pool *pool_current(int dev) { return g_current_pool[dev] ? g_current_pool[dev] : &g_default_pool[dev]; }
+
+static void pool_note_high(fc_pool *p)
+{
+    if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
+    if (p->used > p->used_high) p->used_high = p->used;
+}
+
+/* Give idle bytes back to the device until at most `keep` bytes stay reserved. */
+static void pool_release_to(fc_pool *p, unsigned long long keep)
+{
+    unsigned long long idle = p->reserved - p->used;
+    unsigned long long over = p->reserved > keep ? p->reserved - keep : 0;
+    unsigned long long n = idle < over ? idle : over;
+    p->reserved -= n;
+    uncharge(p->dev, (size_t)n);
+}
+
+static void pool_unlink_free(fc_pool *p)
+{
+    for (fc_pool **at = &g_pools; *at; at = &(*at)->next)
+        if (*at == p) {
+            *at = p->next;
+            break;
+        }
+    pool_release_to(p, 0);
+    free(p);
+}
+
+/* ---- allocations ---- */
+
+enum { FROM_NO_POOL, FROM_CURRENT_POOL, FROM_GIVEN_POOL };
+
+/* A block of size bytes on dev; from_pool: none, dev's current pool, or `given` (whose device
+ * it lands on).  Bytes a pool holds idle are reused before the device is charged for more. */
+static CUresult memalloc_on(CUdeviceptr *dptr, size_t size, int dev, int from_pool, CUmemoryPool given)
+{
     if (!dptr || !size) return CUDA_ERROR_INVALID_VALUE;
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     size_t len = size >= FC_GRAN / 2 ? round_up(size, FC_GRAN) : round_up(size, page);
@@ -1257,16 +1329,41 @@ static CUresult memalloc(CUdeviceptr *dptr, size_t size)
     fc_range *r = calloc(1, sizeof *r);
     if (!r) return CUDA_ERROR_OUT_OF_MEMORY;
     LOCK();
-    if (charge(c->dev, len)) {
+    fc_pool *pool = NULL;
+    if (from_pool == FROM_GIVEN_POOL && !(pool = pool_of(given))) {
+        UNLOCK();
+        free(r);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (from_pool == FROM_CURRENT_POOL) pool = pool_current(dev);
+    if (pool) dev = pool->dev;
+    size_t reused = 0;
+    if (pool) {
+        unsigned long long idle = pool->reserved - pool->used;
+        reused = idle < len ? (size_t)idle : len;
+    }
+    if (charge(dev, len - reused)) {
         UNLOCK();
         free(r);
         return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (pool) {
+        pool->reserved += len - reused;
+        pool->used += len;
+        pool->live++;
+        pool_note_high(pool);
     }
     UNLOCK();
     void *p = map_aligned(len, align, PROT_READ | PROT_WRITE);
     LOCK();
     if (!p) {
-        uncharge(c->dev, len);
+        if (pool) {
+            pool->used -= len;
+            pool->live--;
+            pool_release_to(pool, pool->release_threshold);
+        } else {
+            uncharge(dev, len);
+        }
         UNLOCK();
         free(r);
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -1274,14 +1371,22 @@ static CUresult memalloc(CUdeviceptr *dptr, size_t size)
     r->base = (uintptr_t)p;
     r->size = size;
     r->map_len = len;
-    r->dev = c->dev;
+    r->dev = dev;
     r->charged = len;
+    r->pool = pool;
     r->buffer_id = g_next_buffer_id++;
     HASH_ADD(hh, g_allocs, base, sizeof r->base, r);
     UNLOCK();
     CNT_ADD(memalloc_live, 1);
     *dptr = (CUdeviceptr)r->base;
     return CUDA_SUCCESS;
+}
+
+static CUresult memalloc(CUdeviceptr *dptr, size_t size)
+{
+    struct fc_ctx *c = ctx_of(cur_ctx());
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    return memalloc_on(dptr, size, c->dev, FROM_NO_POOL, NULL);
 }
 
 static CUresult memfree(CUdeviceptr dptr)
@@ -1296,7 +1401,15 @@ static CUresult memfree(CUdeviceptr dptr)
         return CUDA_ERROR_INVALID_VALUE;
     }
     HASH_DEL(g_allocs, r);
-    uncharge(r->dev, r->charged);
+    fc_pool *pool = r->pool;
+    if (pool) { /* the bytes stay the pool's, idle, as far as its release threshold allows */
+        pool->used -= r->charged;
+        pool->live--;
+        pool_release_to(pool, pool->release_threshold);
+        if (pool->destroyed && !pool->live) pool_unlink_free(pool);
+    } else {
+        uncharge(r->dev, r->charged);
+    }
     UNLOCK();
     munmap((void *)r->base, r->map_len);
     free(r);
@@ -1352,7 +1465,9 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream
     FC_ENTER("cuMemAllocAsync");
     CUresult r = stream_check(hStream);
     if (r != CUDA_SUCCESS) return r;
-    return memalloc(dptr, bytesize);
+    struct fc_ctx *c = ctx_of(cur_ctx());
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    return memalloc_on(dptr, bytesize, c->dev, FROM_CURRENT_POOL, NULL);
 }
 
 static CUresult free_async(CUdeviceptr dptr, CUstream hStream)
@@ -1379,6 +1494,245 @@ FC_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) { return free
 FC_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 {
     return free_async(dptr, hStream ? hStream : CU_STREAM_PER_THREAD);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Memory pools                                                                                 */
+
+static CUresult alloc_from_pool(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
+{
+    CNT_ADD(calls_cuMemAllocFromPoolAsync, 1);
+    FC_ENTER("cuMemAllocFromPoolAsync");
+    CUresult r = stream_check(hStream);
+    return r != CUDA_SUCCESS ? r : memalloc_on(dptr, bytesize, 0, FROM_GIVEN_POOL, pool);
+}
+
+FC_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
+{
+    return alloc_from_pool(dptr, bytesize, pool, hStream);
+}
+
+FC_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
+{
+    return alloc_from_pool(dptr, bytesize, pool, hStream ? hStream : CU_STREAM_PER_THREAD);
+}
+
+static CUresult get_default_pool(CUmemoryPool *pool_out, CUdevice dev)
+{
+    if (!pool_out) return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    *pool_out = (CUmemoryPool)(void *)&g_default_pool[dev];
+    return CUDA_SUCCESS;
+}
+
+FC_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
+{
+    FC_ENTER("cuDeviceGetDefaultMemPool");
+    return get_default_pool(pool_out, dev);
+}
+
+static CUresult get_current_pool(CUmemoryPool *pool, CUdevice dev)
+{
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    LOCK();
+    *pool = (CUmemoryPool)(void *)pool_current(dev);
+    UNLOCK();
+    return CUDA_SUCCESS;
+}
+
+FC_API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
+{
+    FC_ENTER("cuDeviceGetMemPool");
+    return get_current_pool(pool, dev);
+}
+
+static CUresult set_mem_pool(CUdevice dev, CUmemoryPool pool)
+{
+    CNT_ADD(calls_cuDeviceSetMemPool, 1);
+    if (!dev_ok(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    LOCK();
+    fc_pool *p = pool_of(pool);
+    CUresult r = p && p->dev == dev ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS) g_current_pool[dev] = p == &g_default_pool[dev] ? NULL : p;
+    UNLOCK();
+    return r;
+}
+
+FC_API CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
+{
+    FC_ENTER("cuDeviceSetMemPool");
+    return set_mem_pool(dev, pool);
+}
+
+/* The location-based forms (CUDA 13): device locations and pinned memory only. */
+static CUresult device_location(const CUmemLocation *location, CUmemAllocationType type, int *dev)
+{
+    if (!location || type != CU_MEM_ALLOCATION_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
+    if (location->type != CU_MEM_LOCATION_TYPE_DEVICE) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!dev_ok(location->id)) return CUDA_ERROR_INVALID_VALUE;
+    *dev = location->id;
+    return CUDA_SUCCESS;
+}
+
+FC_API CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool_out, CUmemLocation *location, CUmemAllocationType type)
+{
+    FC_ENTER("cuMemGetDefaultMemPool");
+    int dev = 0;
+    CUresult r = device_location(location, type, &dev);
+    return r != CUDA_SUCCESS ? r : get_default_pool(pool_out, dev);
+}
+
+FC_API CUresult cuMemGetMemPool(CUmemoryPool *pool, CUmemLocation *location, CUmemAllocationType type)
+{
+    FC_ENTER("cuMemGetMemPool");
+    int dev = 0;
+    CUresult r = device_location(location, type, &dev);
+    return r != CUDA_SUCCESS ? r : get_current_pool(pool, dev);
+}
+
+FC_API CUresult cuMemSetMemPool(CUmemLocation *location, CUmemAllocationType type, CUmemoryPool pool)
+{
+    FC_ENTER("cuMemSetMemPool");
+    int dev = 0;
+    CUresult r = device_location(location, type, &dev);
+    return r != CUDA_SUCCESS ? r : set_mem_pool(dev, pool);
+}
+
+FC_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
+{
+    FC_ENTER("cuMemPoolCreate");
+    if (!pool || !props || props->allocType != CU_MEM_ALLOCATION_TYPE_PINNED ||
+        props->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(props->location.id)) return CUDA_ERROR_INVALID_DEVICE;
+    if (props->handleTypes & ~(unsigned long long)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+    fc_pool *p = calloc(1, sizeof *p);
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    p->dev = props->location.id;
+    p->reuse_follow_events = p->reuse_opportunistic = p->reuse_internal_deps = 1;
+    p->access[p->dev] = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    LOCK();
+    p->next = g_pools;
+    g_pools = p;
+    UNLOCK();
+    *pool = (CUmemoryPool)(void *)p;
+    return CUDA_SUCCESS;
+}
+
+FC_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    FC_ENTER("cuMemPoolDestroy");
+    LOCK();
+    fc_pool *p = pool_of(pool);
+    if (!p || p == &g_default_pool[p->dev]) {
+        UNLOCK();
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (g_current_pool[p->dev] == p) g_current_pool[p->dev] = NULL; /* the default becomes current again */
+    if (p->live) p->destroyed = 1; /* freed with its last allocation */
+    else pool_unlink_free(p);
+    UNLOCK();
+    return CUDA_SUCCESS;
+}
+
+FC_API CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc *map, size_t count)
+{
+    CNT_ADD(calls_cuMemPoolSetAccess, 1);
+    FC_ENTER("cuMemPoolSetAccess");
+    if (count && !map) return CUDA_ERROR_INVALID_VALUE;
+    LOCK();
+    fc_pool *p = pool_of(pool);
+    CUresult r = p ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; r == CUDA_SUCCESS && i < count; i++) {
+        const CUmemAccessDesc *d = &map[i];
+        if (d->location.type != CU_MEM_LOCATION_TYPE_DEVICE || !dev_ok(d->location.id)) r = CUDA_ERROR_INVALID_VALUE;
+        else if (d->flags != CU_MEM_ACCESS_FLAGS_PROT_NONE && d->flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+                 d->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            r = CUDA_ERROR_INVALID_VALUE;
+        else if (d->location.id == p->dev && d->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            r = CUDA_ERROR_INVALID_VALUE; /* the pool's own device keeps full access */
+    }
+    for (size_t i = 0; r == CUDA_SUCCESS && i < count; i++) p->access[map[i].location.id] = (unsigned char)map[i].flags;
+    UNLOCK();
+    return r;
+}
+
+FC_API CUresult cuMemPoolGetAccess(CUmemAccess_flags *flags, CUmemoryPool memPool, CUmemLocation *location)
+{
+    FC_ENTER("cuMemPoolGetAccess");
+    if (!flags || !location || location->type != CU_MEM_LOCATION_TYPE_DEVICE || !dev_ok(location->id))
+        return CUDA_ERROR_INVALID_VALUE;
+    LOCK();
+    fc_pool *p = pool_of(memPool);
+    if (p) *flags = (CUmemAccess_flags)p->access[location->id];
+    UNLOCK();
+    return p ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+FC_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    CNT_ADD(calls_cuMemPoolSetAttribute, 1);
+    FC_ENTER("cuMemPoolSetAttribute");
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    LOCK();
+    fc_pool *p = pool_of(pool);
+    CUresult r = p ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (p) switch (attr) {
+        case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD:
+            p->release_threshold = *(cuuint64_t *)value;
+            pool_release_to(p, p->release_threshold);
+            break;
+        case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: p->reuse_follow_events = *(int *)value != 0; break;
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC: p->reuse_opportunistic = *(int *)value != 0; break;
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: p->reuse_internal_deps = *(int *)value != 0; break;
+        /* high-water marks can only be reset, which starts them again from the current value */
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH:
+            if (*(cuuint64_t *)value) r = CUDA_ERROR_INVALID_VALUE;
+            else p->reserved_high = p->reserved;
+            break;
+        case CU_MEMPOOL_ATTR_USED_MEM_HIGH:
+            if (*(cuuint64_t *)value) r = CUDA_ERROR_INVALID_VALUE;
+            else p->used_high = p->used;
+            break;
+        default: r = CUDA_ERROR_INVALID_VALUE; break; /* the current figures are read-only */
+        }
+    UNLOCK();
+    return r;
+}
+
+FC_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    CNT_ADD(calls_cuMemPoolGetAttribute, 1);
+    FC_ENTER("cuMemPoolGetAttribute");
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    LOCK();
+    fc_pool *p = pool_of(pool);
+    CUresult r = p ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (p) switch (attr) {
+        case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *(cuuint64_t *)value = p->release_threshold; break;
+        case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: *(int *)value = p->reuse_follow_events; break;
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC: *(int *)value = p->reuse_opportunistic; break;
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: *(int *)value = p->reuse_internal_deps; break;
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = p->reserved; break;
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = p->reserved_high; break;
+        case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = p->used; break;
+        case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = p->used_high; break;
+        default: r = CUDA_ERROR_INVALID_VALUE; break;
+        }
+    UNLOCK();
+    return r;
+}
+
+FC_API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
+{
+    CNT_ADD(calls_cuMemPoolTrimTo, 1);
+    FC_ENTER("cuMemPoolTrimTo");
+    LOCK();
+    fc_pool *p = pool_of(pool);
+    if (p) pool_release_to(p, minBytesToKeep);
+    UNLOCK();
+    return p ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 FC_API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
@@ -2001,6 +2355,20 @@ struct fc_sym {
     S("cuMemFree", 2000, cuMemFree)                                                             \
     P("cuMemAllocAsync", 11020, cuMemAllocAsync, cuMemAllocAsync_ptsz)                          \
     P("cuMemFreeAsync", 11020, cuMemFreeAsync, cuMemFreeAsync_ptsz)                             \
+    P("cuMemAllocFromPoolAsync", 11020, cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz)  \
+    S("cuDeviceGetDefaultMemPool", 11020, cuDeviceGetDefaultMemPool)                            \
+    S("cuDeviceGetMemPool", 11020, cuDeviceGetMemPool)                                          \
+    S("cuDeviceSetMemPool", 11020, cuDeviceSetMemPool)                                          \
+    S("cuMemGetDefaultMemPool", 13000, cuMemGetDefaultMemPool)                                  \
+    S("cuMemGetMemPool", 13000, cuMemGetMemPool)                                                \
+    S("cuMemSetMemPool", 13000, cuMemSetMemPool)                                                \
+    S("cuMemPoolCreate", 11020, cuMemPoolCreate)                                                \
+    S("cuMemPoolDestroy", 11020, cuMemPoolDestroy)                                              \
+    S("cuMemPoolSetAccess", 11020, cuMemPoolSetAccess)                                          \
+    S("cuMemPoolGetAccess", 11020, cuMemPoolGetAccess)                                          \
+    S("cuMemPoolSetAttribute", 11020, cuMemPoolSetAttribute)                                    \
+    S("cuMemPoolGetAttribute", 11020, cuMemPoolGetAttribute)                                    \
+    S("cuMemPoolTrimTo", 11020, cuMemPoolTrimTo)                                                \
     S("cuMemGetInfo", 3020, cuMemGetInfo_v2)                                                    \
     S("cuMemGetInfo", 2000, cuMemGetInfo)                                                       \
     S("cuMemGetAddressRange", 3020, cuMemGetAddressRange_v2)                                    \

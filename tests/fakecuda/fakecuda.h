@@ -39,6 +39,12 @@
     X(calls_cuMemMap)                                                                          \
     X(calls_cuMemRelease)                                                                      \
     X(calls_cuGetProcAddress) /* both ABI versions */                                          \
+    X(calls_cuMemAllocFromPoolAsync) /* and _ptsz */                                           \
+    X(calls_cuMemPoolSetAccess)                                                                \
+    X(calls_cuMemPoolGetAttribute)                                                             \
+    X(calls_cuMemPoolSetAttribute)                                                             \
+    X(calls_cuMemPoolTrimTo)                                                                   \
+    X(calls_cuDeviceSetMemPool) /* and cuMemSetMemPool */                                      \
     X(calls_legacy_abi)      /* pre-3.2 entry points with 32-bit pointers: always a bug */     \
     X(failures_injected)
 

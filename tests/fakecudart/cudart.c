@@ -3,6 +3,8 @@
  * last error, cudaFree synchronizing, cudaFree(NULL) succeeding, primary-context binding. */
 #include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define API __attribute__((visibility("default")))
@@ -19,6 +21,7 @@ static cudaError_t map(CUresult r)
     case CUDA_ERROR_NOT_READY: return cudaErrorNotReady;
     case CUDA_ERROR_INVALID_DEVICE: return cudaErrorInvalidDevice;
     case CUDA_ERROR_NOT_SUPPORTED: return cudaErrorNotSupported;
+    case CUDA_ERROR_INVALID_HANDLE: return cudaErrorInvalidResourceHandle;
     default: return cudaErrorUnknown;
     }
 }
@@ -84,6 +87,9 @@ API const char *cudaGetErrorName(cudaError_t e)
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorInitializationError: return "cudaErrorInitializationError";
     default: return "cudaErrorUnknown";
     }
 }
@@ -229,4 +235,173 @@ API cudaError_t cudaIpcCloseMemHandle(void *devPtr)
 {
     ENSURE();
     return ret(map(cuIpcCloseMemHandle((CUdeviceptr)(uintptr_t)devPtr)));
+}
+
+/* ---- memory pools ----
+ * NVIDIA's runtime (shared or static) links no driver symbol: it dlopen()s libcuda.so.1, takes
+ * cuGetProcAddress with dlsym and finds every entry point through it.  The pool functions reach
+ * the driver exactly that way, so the shim's tests see them arrive the way NVIDIA's runtime
+ * sends them: through the resolvers, never through symbol interposition. */
+
+typedef CUresult (*gpa_fn)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
+
+static void *driver_entry(const char *name)
+{
+    static gpa_fn gpa;
+    gpa_fn g = __atomic_load_n(&gpa, __ATOMIC_ACQUIRE);
+    if (!g) {
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+        void *sym = h ? dlsym(h, "cuGetProcAddress_v2") : NULL;
+        memcpy(&g, &sym, sizeof sym);
+        if (!g) return NULL;
+        __atomic_store_n(&gpa, g, __ATOMIC_RELEASE);
+    }
+    void *fn = NULL;
+    CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    if (g(name, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &st) != CUDA_SUCCESS || st != CU_GET_PROC_ADDRESS_SUCCESS)
+        return NULL;
+    return fn;
+}
+
+/* `var`: the driver's entry point `fn`, found once through cuGetProcAddress. */
+#define DRIVER(var, fn)                                                                                 \
+    static __typeof__(&fn) var;                                                                         \
+    if (!var) {                                                                                         \
+        void *p_ = driver_entry(#fn);                                                                   \
+        memcpy(&var, &p_, sizeof p_);                                                                   \
+    }                                                                                                   \
+    if (!var) return ret(cudaErrorInitializationError)
+
+API cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *pool, int device)
+{
+    DRIVER(get, cuDeviceGetDefaultMemPool);
+    ENSURE();
+    return ret(map(get((CUmemoryPool *)pool, device)));
+}
+
+API cudaError_t cudaDeviceGetMemPool(cudaMemPool_t *pool, int device)
+{
+    DRIVER(get, cuDeviceGetMemPool);
+    ENSURE();
+    return ret(map(get((CUmemoryPool *)pool, device)));
+}
+
+API cudaError_t cudaDeviceSetMemPool(int device, cudaMemPool_t pool)
+{
+    DRIVER(set, cuDeviceSetMemPool);
+    ENSURE();
+    return ret(map(set(device, (CUmemoryPool)pool)));
+}
+
+static CUmemLocation cu_location(const struct cudaMemLocation *l)
+{
+    CUmemLocation c = {.type = (CUmemLocationType)l->type, .id = l->id};
+    return c;
+}
+
+API cudaError_t cudaMemGetDefaultMemPool(cudaMemPool_t *pool, struct cudaMemLocation *location, enum cudaMemAllocationType type)
+{
+    DRIVER(get, cuMemGetDefaultMemPool);
+    if (!location) return ret(cudaErrorInvalidValue);
+    ENSURE();
+    CUmemLocation l = cu_location(location);
+    return ret(map(get((CUmemoryPool *)pool, &l, (CUmemAllocationType)type)));
+}
+
+API cudaError_t cudaMemGetMemPool(cudaMemPool_t *pool, struct cudaMemLocation *location, enum cudaMemAllocationType type)
+{
+    DRIVER(get, cuMemGetMemPool);
+    if (!location) return ret(cudaErrorInvalidValue);
+    ENSURE();
+    CUmemLocation l = cu_location(location);
+    return ret(map(get((CUmemoryPool *)pool, &l, (CUmemAllocationType)type)));
+}
+
+API cudaError_t cudaMemSetMemPool(struct cudaMemLocation *location, enum cudaMemAllocationType type, cudaMemPool_t pool)
+{
+    DRIVER(set, cuMemSetMemPool);
+    if (!location) return ret(cudaErrorInvalidValue);
+    ENSURE();
+    CUmemLocation l = cu_location(location);
+    return ret(map(set(&l, (CUmemAllocationType)type, (CUmemoryPool)pool)));
+}
+
+API cudaError_t cudaMemPoolCreate(cudaMemPool_t *pool, const struct cudaMemPoolProps *props)
+{
+    DRIVER(create, cuMemPoolCreate);
+    if (!props) return ret(cudaErrorInvalidValue);
+    ENSURE();
+    CUmemPoolProps p;
+    memset(&p, 0, sizeof p);
+    p.allocType = (CUmemAllocationType)props->allocType;
+    p.handleTypes = (CUmemAllocationHandleType)props->handleTypes;
+    p.location = cu_location(&props->location);
+    p.maxSize = props->maxSize;
+    p.usage = props->usage;
+    return ret(map(create((CUmemoryPool *)pool, &p)));
+}
+
+API cudaError_t cudaMemPoolDestroy(cudaMemPool_t pool)
+{
+    DRIVER(destroy, cuMemPoolDestroy);
+    return ret(map(destroy((CUmemoryPool)pool)));
+}
+
+API cudaError_t cudaMemPoolSetAccess(cudaMemPool_t pool, const struct cudaMemAccessDesc *descs, size_t count)
+{
+    DRIVER(set, cuMemPoolSetAccess);
+    if (count && !descs) return ret(cudaErrorInvalidValue);
+    CUmemAccessDesc *d = calloc(count ? count : 1, sizeof *d);
+    if (!d) return ret(cudaErrorMemoryAllocation);
+    for (size_t i = 0; i < count; i++) {
+        d[i].location = cu_location(&descs[i].location);
+        d[i].flags = (CUmemAccess_flags)descs[i].flags;
+    }
+    cudaError_t e = map(set((CUmemoryPool)pool, d, count));
+    free(d);
+    return ret(e);
+}
+
+API cudaError_t cudaMemPoolGetAccess(enum cudaMemAccessFlags *flags, cudaMemPool_t pool, struct cudaMemLocation *location)
+{
+    DRIVER(get, cuMemPoolGetAccess);
+    if (!flags || !location) return ret(cudaErrorInvalidValue);
+    CUmemLocation l = cu_location(location);
+    CUmemAccess_flags f = CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    cudaError_t e = map(get(&f, (CUmemoryPool)pool, &l));
+    if (e == cudaSuccess) *flags = (enum cudaMemAccessFlags)f;
+    return ret(e);
+}
+
+API cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, enum cudaMemPoolAttr attr, void *value)
+{
+    DRIVER(set, cuMemPoolSetAttribute);
+    return ret(map(set((CUmemoryPool)pool, (CUmemPool_attribute)attr, value)));
+}
+
+API cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, enum cudaMemPoolAttr attr, void *value)
+{
+    DRIVER(get, cuMemPoolGetAttribute);
+    return ret(map(get((CUmemoryPool)pool, (CUmemPool_attribute)attr, value)));
+}
+
+API cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t keep)
+{
+    DRIVER(trim, cuMemPoolTrimTo);
+    return ret(map(trim((CUmemoryPool)pool, keep)));
+}
+
+API cudaError_t cudaMallocFromPoolAsync(void **p, size_t size, cudaMemPool_t pool, cudaStream_t s)
+{
+    DRIVER(alloc, cuMemAllocFromPoolAsync);
+    if (!p) return ret(cudaErrorInvalidValue);
+    ENSURE();
+    if (size == 0) {
+        *p = NULL;
+        return cudaSuccess;
+    }
+    CUdeviceptr d = 0;
+    cudaError_t e = map(alloc(&d, size, (CUmemoryPool)pool, (CUstream)s));
+    if (e == cudaSuccess) *p = (void *)(uintptr_t)d;
+    return ret(e);
 }

@@ -39,7 +39,11 @@
     X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize) X(cuStreamQuery)                 \
     X(cuStreamWaitEvent) X(cuStreamBeginCapture) X(cuStreamEndCapture) X(cuStreamIsCapturing)    \
     X(cuEventCreate) X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy)    \
-    X(cuGetProcAddress) X(cuIpcGetMemHandle)
+    X(cuGetProcAddress) X(cuIpcGetMemHandle) X(cuMemGetAccess) X(cuDeviceGetDefaultMemPool)        \
+    X(cuDeviceGetMemPool) X(cuDeviceSetMemPool) X(cuMemGetDefaultMemPool) X(cuMemGetMemPool)     \
+    X(cuMemSetMemPool) X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolSetAccess)              \
+    X(cuMemPoolGetAccess) X(cuMemPoolSetAttribute) X(cuMemPoolGetAttribute) X(cuMemPoolTrimTo)   \
+    X(cuMemAllocFromPoolAsync)
 
 #define DECL(name) static __typeof__(&name) p_##name;
 FNS(DECL)
@@ -277,6 +281,128 @@ static void child_counters_at_exit(void)
     CHECK_EQ(p_cuMemCreate(&h, GRAN, &prop, 0), CUDA_SUCCESS); /* left alive on purpose */
     fflush(stderr);
     exit(check__failed ? 1 : 0); /* exit, not _exit: the dump runs at unload */
+}
+
+/* Memory pools on two devices: what the shim's pool tests compare against. */
+static unsigned long long pool_attr(CUmemoryPool p, CUmemPool_attribute a)
+{
+    cuuint64_t v = 0xdeadull;
+    CHECK_EQ(p_cuMemPoolGetAttribute(p, a, &v), CUDA_SUCCESS);
+    return v;
+}
+
+static void child_mem_pools(void)
+{
+    if (open_driver()) return;
+    setup_ctx(0);
+    CUmemoryPool def0, def1, cur, mine;
+    CHECK_EQ(p_cuDeviceGetDefaultMemPool(&def0, 0), CUDA_SUCCESS);
+    CHECK_EQ(p_cuDeviceGetDefaultMemPool(&def1, 1), CUDA_SUCCESS);
+    CHECK(def0 && def1 && def0 != def1, "one default pool per device");
+    CHECK_EQ(p_cuDeviceGetDefaultMemPool(&cur, 2), CUDA_ERROR_INVALID_DEVICE);
+    CHECK_EQ(p_cuDeviceGetMemPool(&cur, 0), CUDA_SUCCESS);
+    CHECK(cur == def0, "the default pool is current at first");
+    CUmemLocation loc0 = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0};
+    CHECK_EQ(p_cuMemGetDefaultMemPool(&cur, &loc0, CU_MEM_ALLOCATION_TYPE_PINNED), CUDA_SUCCESS);
+    CHECK(cur == def0, "cuMemGetDefaultMemPool");
+
+    /* attributes and accounting: 2 MiB-rounded blocks; freed bytes stay up to the threshold */
+    int reuse = -1;
+    CHECK_EQ(p_cuMemPoolGetAttribute(def0, CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC, &reuse), CUDA_SUCCESS);
+    CHECK_EQ(reuse, 1);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD), 0);
+    size_t free0 = 0, total = 0, free1 = 0;
+    CHECK_EQ(p_cuMemGetInfo(&free0, &total), CUDA_SUCCESS);
+    CUdeviceptr a, b;
+    CHECK_EQ(p_cuMemAllocAsync(&a, 3 * MiB, NULL), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemAllocAsync(&b, 1 * MiB, NULL), CUDA_SUCCESS);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), 6 * MiB);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_USED_MEM_CURRENT), 6 * MiB);
+    CHECK_EQ(p_cuMemFreeAsync(b, NULL), CUDA_SUCCESS); /* threshold 0: released at once */
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), 4 * MiB);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH), 6 * MiB);
+    cuuint64_t v = 64 * MiB;
+    CHECK_EQ(p_cuMemPoolSetAttribute(def0, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &v), CUDA_SUCCESS);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD), 64 * MiB);
+    CHECK_EQ(p_cuMemFreeAsync(a, NULL), CUDA_SUCCESS);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), 4 * MiB);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_USED_MEM_CURRENT), 0);
+    CHECK_EQ(p_cuMemGetInfo(&free1, &total), CUDA_SUCCESS);
+    CHECK_EQ(free0 - free1, 4 * MiB); /* idle pool memory stays the device's */
+    CHECK_EQ(p_cuMemAllocAsync(&a, 2 * MiB, NULL), CUDA_SUCCESS); /* reuses idle bytes */
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), 4 * MiB);
+    CHECK_EQ(p_cuMemFree(a), CUDA_SUCCESS); /* cuMemFree returns pool memory too */
+    v = 1;
+    CHECK_EQ(p_cuMemPoolSetAttribute(def0, CU_MEMPOOL_ATTR_USED_MEM_HIGH, &v), CUDA_ERROR_INVALID_VALUE);
+    CHECK_EQ(p_cuMemPoolSetAttribute(def0, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &v), CUDA_ERROR_INVALID_VALUE);
+    v = 0;
+    CHECK_EQ(p_cuMemPoolSetAttribute(def0, CU_MEMPOOL_ATTR_USED_MEM_HIGH, &v), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemPoolSetAttribute(def0, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, &v), CUDA_SUCCESS);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_USED_MEM_HIGH), 0);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH), 4 * MiB);
+    CHECK_EQ(p_cuMemPoolTrimTo(def0, 2 * MiB), CUDA_SUCCESS);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), 2 * MiB);
+    CHECK_EQ(p_cuMemPoolTrimTo(def0, 0), CUDA_SUCCESS);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), 0);
+    CHECK_EQ(p_cuMemGetInfo(&free1, &total), CUDA_SUCCESS);
+    CHECK_EQ(free1, free0);
+
+    /* a pool of the program's own: current for cuMemAllocAsync, then destroyed while in use */
+    CUmemPoolProps props = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                            .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
+    CHECK_EQ(p_cuMemPoolCreate(&mine, &props), CUDA_SUCCESS);
+    CHECK_EQ(p_cuDeviceSetMemPool(1, mine), CUDA_ERROR_INVALID_VALUE); /* another device's pool */
+    CHECK_EQ(p_cuDeviceSetMemPool(0, mine), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemGetMemPool(&cur, &loc0, CU_MEM_ALLOCATION_TYPE_PINNED), CUDA_SUCCESS);
+    CHECK(cur == mine, "the program's pool is current");
+    CHECK_EQ(p_cuMemAllocAsync(&a, 1 * MiB, NULL), CUDA_SUCCESS);
+    CHECK_EQ(pool_attr(mine, CU_MEMPOOL_ATTR_USED_MEM_CURRENT), 2 * MiB);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_USED_MEM_CURRENT), 0);
+    CHECK_EQ(p_cuMemAllocFromPoolAsync(&b, 4096, def0, NULL), CUDA_SUCCESS);
+    CHECK_EQ(pool_attr(def0, CU_MEMPOOL_ATTR_USED_MEM_CURRENT), 4096);
+    CHECK_EQ(p_cuMemFreeAsync(b, NULL), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemPoolDestroy(def0), CUDA_ERROR_INVALID_VALUE);
+    CHECK_EQ(p_cuMemPoolDestroy(mine), CUDA_SUCCESS);
+    CHECK_EQ(p_cuDeviceGetMemPool(&cur, 0), CUDA_SUCCESS);
+    CHECK(cur == def0, "destroying the current pool makes the default current");
+    CHECK_EQ(p_cuMemPoolGetAttribute(mine, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &v), CUDA_ERROR_INVALID_VALUE);
+    CHECK_EQ(p_cuMemFreeAsync(a, NULL), CUDA_SUCCESS); /* its last allocation frees it */
+    CHECK_EQ(p_cuMemSetMemPool(&loc0, CU_MEM_ALLOCATION_TYPE_PINNED, def0), CUDA_SUCCESS);
+
+    /* access: the pool's table, which cuMemGetAccess reports for its allocations */
+    CUmemLocation loc1 = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 1};
+    CUmemAccess_flags f = CU_MEM_ACCESS_FLAGS_PROT_MAX;
+    unsigned long long g = 99;
+    CHECK_EQ(p_cuMemAllocAsync(&a, 2 * MiB, NULL), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemPoolGetAccess(&f, def0, &loc1), CUDA_SUCCESS);
+    CHECK_EQ(f, CU_MEM_ACCESS_FLAGS_PROT_NONE);
+    CHECK_EQ(p_cuMemGetAccess(&g, &loc1, a), CUDA_SUCCESS);
+    CHECK_EQ(g, CU_MEM_ACCESS_FLAGS_PROT_NONE);
+    CUmemAccessDesc grant = access_for(1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE),
+                    own = access_for(0, CU_MEM_ACCESS_FLAGS_PROT_NONE);
+    CHECK_EQ(p_cuMemPoolSetAccess(def0, &grant, 1), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemGetAccess(&g, &loc1, a), CUDA_SUCCESS);
+    CHECK_EQ(g, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    CHECK_EQ(p_cuMemPoolGetAccess(&f, def1, &loc0), CUDA_SUCCESS);
+    CHECK_EQ(f, CU_MEM_ACCESS_FLAGS_PROT_NONE);
+    CHECK_EQ(p_cuMemPoolSetAccess(def0, &own, 1), CUDA_ERROR_INVALID_VALUE);
+    CHECK_EQ(p_cuMemGetAccess(&g, &loc0, a), CUDA_SUCCESS);
+    CHECK_EQ(g, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    CHECK_EQ(p_cuMemFreeAsync(a, NULL), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemAlloc(&a, 4096), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemGetAccess(&g, &loc0, a), CUDA_ERROR_INVALID_VALUE); /* no pool, no VMM mapping */
+    CHECK_EQ(p_cuMemFree(a), CUDA_SUCCESS);
+    void *fn = NULL;
+    CUdriverProcAddressQueryResult st;
+    CHECK_EQ(p_cuGetProcAddress("cuMemPoolSetAccess", &fn, 12000, 0, &st), CUDA_SUCCESS);
+    CHECK(fn == dlsym(lib, "cuMemPoolSetAccess"), "cuGetProcAddress(cuMemPoolSetAccess)");
+    CHECK_EQ(p_cuGetProcAddress("cuMemAllocFromPoolAsync", &fn, 12000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, &st),
+             CUDA_SUCCESS);
+    CHECK(fn == dlsym(lib, "cuMemAllocFromPoolAsync_ptsz"), "per-thread variant");
+    CHECK_EQ(counters().memalloc_live, 0);
+    CHECK_EQ(counters().phys_bytes_live, 2 * MiB); /* below the release threshold: kept */
+    CHECK_EQ(p_cuMemPoolTrimTo(def0, 0), CUDA_SUCCESS);
+    CHECK_EQ(counters().phys_bytes_live, 0);
 }
 
 /* ---- in the parent ------------------------------------------------------------------------- */
@@ -758,6 +884,7 @@ int main(void)
     const char *novmm_env[] = {"FAKECUDA_NO_VMM=1", NULL};
     const char *nodev_env[] = {"FAKECUDA_DEVICES=0", NULL};
     const char *threedev_env[] = {"FAKECUDA_DEVICES=3", NULL};
+    const char *twodev_env[] = {"FAKECUDA_DEVICES=2", NULL};
     const char *budget_env[] = {"FAKECUDA_MEM_BYTES=6M", NULL};
     const char *delay_env[] = {"FAKECUDA_EVENT_DELAY_US=100000", NULL};
     fprintf(stderr, "(expected fakecuda FAKECUDA_FAIL warnings follow)\n");
@@ -765,6 +892,7 @@ int main(void)
     CHECK_EQ(in_child(novmm_env, child_no_vmm), 0);
     CHECK_EQ(in_child(nodev_env, child_no_devices), 0);
     CHECK_EQ(in_child(threedev_env, child_three_devices), 0);
+    CHECK_EQ(in_child(twodev_env, child_mem_pools), 0);
     CHECK_EQ(in_child(budget_env, child_budget), 0);
     CHECK_EQ(in_child(delay_env, child_delay_env), 0);
 

@@ -57,6 +57,15 @@ static const query queries[] = {
     {Q_DLSYM, "cuIpcGetMemHandle", 0, 0, "cuIpcGetMemHandle"},
     {Q_DLSYM, "cuIpcOpenMemHandle_v2", 0, 0, "cuIpcOpenMemHandle_v2"},
     {Q_DLSYM, "cuIpcCloseMemHandle", 0, 0, "cuIpcCloseMemHandle"},
+    {Q_DLSYM, "cuMemPoolSetAccess", 0, 0, "cuMemPoolSetAccess"},
+    {Q_DLSYM, "cuMemPoolGetAttribute", 0, 0, "cuMemPoolGetAttribute"},
+    {Q_DLSYM, "cuMemPoolSetAttribute", 0, 0, "cuMemPoolSetAttribute"},
+    {Q_DLSYM, "cuMemPoolTrimTo", 0, 0, "cuMemPoolTrimTo"},
+    {Q_DLSYM, "cuDeviceSetMemPool", 0, 0, "cuDeviceSetMemPool"},
+    {Q_DLSYM, "cuMemSetMemPool", 0, 0, "cuMemSetMemPool"},
+    {Q_DLSYM, "cuMemPoolGetAccess", 0, 0, NULL}, /* the real pool holds what the program set */
+    {Q_DLSYM, "cuDeviceGetDefaultMemPool", 0, 0, NULL},
+    {Q_DLSYM, "cuMemAllocFromPoolAsync", 0, 0, NULL}, /* explicit pools are never touched */
     {Q_DLSYM, "cuGetProcAddress", 0, 0, "cuGetProcAddress"},
     {Q_DLSYM, "cuGetProcAddress_v2", 0, 0, "cuGetProcAddress_v2"},
     {Q_DLSYM, "cuMemAlloc", 0, 0, NULL}, /* the 32-bit legacy entry point is not the shim's */
@@ -89,6 +98,16 @@ static const query queries[] = {
     {Q_GPA2, "cuIpcGetMemHandle", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuIpcGetMemHandle"},
     {Q_GPA2, "cuIpcOpenMemHandle", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuIpcOpenMemHandle_v2"},
     {Q_GPA2, "cuIpcCloseMemHandle", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuIpcCloseMemHandle"},
+    {Q_GPA2, "cuMemPoolSetAccess", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuMemPoolSetAccess"},
+    {Q_GPA2, "cuMemPoolGetAttribute", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuMemPoolGetAttribute"},
+    {Q_GPA2, "cuMemPoolSetAttribute", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuMemPoolSetAttribute"},
+    {Q_GPA2, "cuMemPoolTrimTo", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuMemPoolTrimTo"},
+    {Q_GPA2, "cuDeviceSetMemPool", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuDeviceSetMemPool"},
+    {Q_GPA2, "cuMemSetMemPool", 13000, CU_GET_PROC_ADDRESS_DEFAULT, "cuMemSetMemPool"},
+    {Q_GPA2, "cuMemSetMemPool", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL}, /* too old: VERSION_NOT_SUFFICIENT */
+    {Q_GPA2, "cuMemPoolGetAccess", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL},
+    {Q_GPA2, "cuMemPoolCreate", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL},
+    {Q_GPA2, "cuMemAllocFromPoolAsync", 12000, PTDS, NULL},
     {Q_GPA2, "cuGetProcAddress", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuGetProcAddress_v2"},
     {Q_GPA2, "cuGetProcAddress", 11030, CU_GET_PROC_ADDRESS_DEFAULT, "cuGetProcAddress"},
     {Q_GPA2, "cuMemcpy", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL},
@@ -107,10 +126,12 @@ static const query queries[] = {
     {Q_GPA1, "cuNoSuchThing", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL},
     {Q_GPA1, "cuMemcpy", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL},
     {Q_GPA1, "cuGetProcAddress", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuGetProcAddress_v2"},
+    {Q_GPA1, "cuMemPoolGetAttribute", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuMemPoolGetAttribute"},
     /* through the resolver the resolver handed out */
     {Q_GPA2_VIA_GPA2, "cuMemAlloc", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuMemAlloc_v2"},
     {Q_GPA2_VIA_GPA2, "cuMemAllocAsync", 12000, PTDS, "cuMemAllocAsync_ptsz"},
     {Q_GPA2_VIA_GPA2, "cuMemcpy", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL},
+    {Q_GPA2_VIA_GPA2, "cuMemPoolSetAccess", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuMemPoolSetAccess"},
 };
 #define N_QUERIES (sizeof queries / sizeof queries[0])
 
