@@ -123,7 +123,7 @@ static int open_all(char **hex)
     if (!all) return 0;
     note("three distinct pointers", p[0] != p[1] && p[1] != p[2] && p[0] != p[2]);
     for (int i = 1; i < N; i++)
-        printf("distance %d %lld\n", i, (long long)((char *)p[i] - (char *)p[0]));
+        printf("distance %d %lld\n", i, (long long)((uintptr_t)p[i] - (uintptr_t)p[0]));
     for (int i = 0; i < N; i++) {
         char what[64];
         snprintf(what, sizeof what, "buffer %d holds the owner's pattern", i);

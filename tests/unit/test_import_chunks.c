@@ -10,8 +10,9 @@
  * kept while any import of it is held and unmapped at the last release, stale records refused
  * (with and without the chunk mapped), a broker that disagrees on the chunk size refused, many
  * threads at once, a dead owner.  `vmmctl import-test` and `show` read the same allocations, and
- * emulated legacy IPC opens two of them in another process: this test re-executed under the
- * shim as `test_import_chunks ipc ...`. */
+ * emulated legacy IPC opens two of them in another process (this test re-executed under the
+ * shim as `test_import_chunks ipc ...`), and a third allocation the owner placed where a held one
+ * was freed. */
 #include "../../shim/broker/broker.c" /* test equipment: a real broker in the owner */
 
 #include "../fakecuda/fakecuda.h"
@@ -428,7 +429,8 @@ static void case_two_in_one_chunk(owner *o)
     }
     struct fakecuda_counters c2 = counters();
     uint8_t *pb = (uint8_t *)(uintptr_t)vmm_import_ptr(ib);
-    CHECK(pb == pa + 4096, "B at %p, A at %p: B must be A's chunk base + 4096", (void *)pb, (const void *)pa);
+    CHECK((uintptr_t)pb == (uintptr_t)pa + 4096, "B at %p, A at %p: B must be A's chunk base + 4096", (void *)pb,
+          (const void *)pa);
     CHECK_EQ(vmm_import_size(ib), LAYOUT[B].requested);
     CHECK(pattern_at(pb, LAYOUT[B].requested, g_seed[B]), "B's bytes through the import");
     /* the proof that the second import asked no one: the owner's broker and the driver agree */
@@ -595,7 +597,7 @@ static void *work(void *arg)
             const uint8_t *px = (const uint8_t *)(uintptr_t)vmm_import_ptr(ix);
             const uint8_t *py = (const uint8_t *)(uintptr_t)vmm_import_ptr(iy);
             uint64_t nx = LAYOUT[x].requested;
-            if (py - px != (ptrdiff_t)(LAYOUT[y].offset - LAYOUT[x].offset) ||
+            if ((uintptr_t)py - (uintptr_t)px != LAYOUT[y].offset - LAYOUT[x].offset ||
                 px[0] != pattern(g_seed[x], 0) || px[nx - 1] != pattern(g_seed[x], nx - 1)) {
                 snprintf(w->why, sizeof w->why, "round %d: %c and %c misplaced or wrong", n, LAYOUT[x].name,
                          LAYOUT[y].name);
@@ -771,7 +773,7 @@ static int ipc_helper(char **argv)
     say("open B", open_h(&pb, hb, cudaIpcMemLazyEnablePeerAccess));
     if (!pa || !pb) return 1;
     cnt(&c1);
-    say("B - A", (long long)((uint8_t *)pb - (uint8_t *)pa));
+    say("B - A", (long long)((uintptr_t)pb - (uintptr_t)pa));
     say("driver imports for both", (long long)(c1.imports - c0.imports));
     say("mappings for both", (long long)(c1.mappings_live - c0.mappings_live));
     say("A's bytes", pattern_at(pa, LAYOUT[A].requested, seed_a));
@@ -789,6 +791,29 @@ static int ipc_helper(char **argv)
     cnt(&c1);
     say("mappings with both closed", (long long)(c1.mappings_live - c0.mappings_live));
     say("close B once too often", close_h(pb) != 0);
+
+    /* The owner frees B and allocates anew in B's place: the new allocation's handle opens at the
+     * held old one's pointer (the same bytes of the same chunk), and each open takes a close. */
+    void *old_b = NULL, *new_b = NULL;
+    say("open B to hold it", open_h(&old_b, hb, cudaIpcMemLazyEnablePeerAccess));
+    printf("ipc: waiting for the new B\n");
+    fflush(stdout);
+    char line[200];
+    unsigned char nb[64];
+    if (!fgets(line, sizeof line, stdin) || (line[strcspn(line, "\n")] = 0, from_hex(line, nb))) return 3;
+    cudaIpcMemHandle_t hn;
+    memcpy(hn.reserved, nb, 64);
+    say("open the new B", open_h(&new_b, hn, cudaIpcMemLazyEnablePeerAccess));
+    say("the new B at the old B's pointer", new_b && new_b == old_b);
+    say("open the old B again", open_h(&pb, hb, cudaIpcMemLazyEnablePeerAccess));
+    cnt(&c1);
+    say("mappings for old and new B", (long long)(c1.mappings_live - c0.mappings_live));
+    say("close B's pointer", close_h(old_b));
+    say("close B's pointer again", close_h(old_b));
+    say("close B's pointer a third time", close_h(old_b));
+    cnt(&c1);
+    say("mappings with every B closed", (long long)(c1.mappings_live - c0.mappings_live));
+    say("close B's pointer once too often", close_h(old_b) != 0);
     return 0;
 }
 
@@ -799,6 +824,57 @@ static long long seen(const char *out, const char *what)
     snprintf(key, sizeof key, "ipc: %-44s ", what);
     const char *p = strstr(out, key);
     return p ? strtoll(p + strlen(key), NULL, 10) : LLONG_MIN;
+}
+
+/* Runs the helper under the shim; when it asks, re-publishes B and hands it the new handle. */
+static int run_helper(char **argv, const char *preload, const char *reg, owner *o, char *out, size_t outlen, char *err,
+                      size_t errlen)
+{
+    int pin[2], pout[2];
+    FILE *ef = tmpfile();
+    if (!ef || pipe2(pin, O_CLOEXEC) || pipe2(pout, O_CLOEXEC)) return -1;
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(pin[0], 0);
+        dup2(pout[1], 1);
+        dup2(fileno(ef), 2);
+        putenv((char *)preload);
+        putenv((char *)reg);
+        alarm(60);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    close(pin[0]);
+    close(pout[1]);
+    FILE *in = fdopen(pin[1], "w"), *from = fdopen(pout[0], "r");
+    size_t used = 0;
+    char line[512];
+    out[0] = 0;
+    while (fgets(line, sizeof line, from)) {
+        used += (size_t)snprintf(out + used, outlen - used, "%s", line);
+        if (used >= outlen) used = outlen - 1;
+        if (strncmp(line, "ipc: waiting for the new B", 26) != 0) continue;
+        owner_info now;
+        vmm_alloc_info b;
+        char hex[129] = "";
+        if (owner_cmd(o, 'R', B, 0, &now, sizeof now) && now.rc == 0) {
+            o->info = now;
+            if (find(o, B, 0, &b)) make_handle(&b, hex);
+        }
+        fprintf(in, "%s\n", hex);
+        fflush(in);
+    }
+    fclose(in);
+    fclose(from);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    rewind(ef);
+    size_t n = fread(err, 1, errlen - 1, ef);
+    err[n] = 0;
+    fclose(ef);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
 static void case_ipc(owner *o, const vmm_alloc_info *stale_b)
@@ -817,9 +893,8 @@ static void case_ipc(owner *o, const vmm_alloc_info *stale_b)
     spawn_preload(preload, sizeof preload, shim);
     snprintf(reg, sizeof reg, "VMMSHIM_REGISTRY=%s", g_reg);
     char *argv[] = {exe, "ipc", ha, hb, hs, sa, sb, NULL};
-    const char *env[] = {preload, reg, NULL};
     static char out[8192], err[8192];
-    int rc = spawn_capture(argv, env, out, sizeof out, err, sizeof err, 60);
+    int rc = run_helper(argv, preload, reg, o, out, sizeof out, err, sizeof err);
     CHECK(rc == 0, "ipc helper exited %d\n%s%s", rc, out, err);
     static const struct {
         const char *what;
@@ -843,6 +918,16 @@ static void case_ipc(owner *o, const vmm_alloc_info *stale_b)
         {"close B", 0},
         {"mappings with both closed", 0},
         {"close B once too often", 1},
+        {"open B to hold it", 0},
+        {"open the new B", 0},
+        {"the new B at the old B's pointer", 1},
+        {"open the old B again", 0},
+        {"mappings for old and new B", 1},
+        {"close B's pointer", 0},
+        {"close B's pointer again", 0},
+        {"close B's pointer a third time", 0},
+        {"mappings with every B closed", 0},
+        {"close B's pointer once too often", 1},
     };
     for (size_t i = 0; i < sizeof W / sizeof W[0]; i++)
         CHECK(seen(out, W[i].what) == W[i].want, "ipc: %s: want %lld, got %lld\n%s%s", W[i].what, W[i].want,
