@@ -501,7 +501,7 @@ vmm_status vmm__client_read_slot(vmm_registry *reg, uint64_t slot, vmm_alloc_inf
     if (rc) return reg_error(rc, NULL, false);
     if (rec.state != VMM_REG_LIVE)
         return set_error(VMM_ERR_STALE, "allocation was freed (slot %llu is no longer live)", (unsigned long long)slot);
-    alloc_info_from(out, slot, &rec, vmm__reg_liveness(rec.pid, rec.start_time, rec.pidns));
+    alloc_info_from(out, slot, &rec, VMM_OWNER_UNKNOWN);
     return VMM_OK;
 }
 

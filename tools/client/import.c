@@ -438,8 +438,19 @@ typedef struct chunk_key {
     uint64_t id, generation, mapped_size;
 } chunk_key;
 
+/* An owner this process holds chunks of.  A pidfd tells in one poll() whether it has exited,
+ * where reading /proc/<pid>/stat costs more than the rest of a cached import together. */
+typedef struct owner_ref {
+    uint32_t pid;
+    uint64_t start_time, pidns;
+    int pidfd;              /* -1: judged through /proc each time (another pid namespace, no pidfd_open) */
+    unsigned long chunks;   /* chunks of it mapped here; the entry (and the pidfd) goes with the last */
+    struct owner_ref *next;
+} owner_ref;
+
 typedef struct chunk {
     chunk_key key;
+    owner_ref *owner;
     CUdeviceptr base;
     size_t size;
     CUmemGenericAllocationHandle handle;
@@ -455,6 +466,7 @@ typedef struct chunk {
  * owner stalls only the imports that wait for it. */
 #define CHUNK_BUCKETS 1024u
 static chunk *chunk_table[CHUNK_BUCKETS];
+static owner_ref *owners; /* a short list: the owners this process imports from */
 static pthread_mutex_t chunks_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static chunk_key key_of(const vmm_alloc_info *a)
@@ -515,23 +527,88 @@ static vmm_status unmap_chunk(CUdeviceptr base, size_t size, CUmemGenericAllocat
     return st;
 }
 
+/* A pidfd of the allocation's owner, or -1.  Opened first and judged after: if the process
+ * behind the pid is the owner now, the pidfd is the owner's for good (it never follows a reused
+ * pid). */
+static int owner_pidfd(const vmm_alloc_info *a)
+{
+    int fd = (int)syscall(SYS_pidfd_open, (pid_t)a->pid, 0); /* close-on-exec */
+    if (fd >= 0 && owner_liveness(a) != VMM__ALIVE) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+/* Lock held. */
+static bool owner_known_locked(const vmm_alloc_info *a)
+{
+    for (owner_ref *o = owners; o; o = o->next)
+        if (o->pid == a->pid && o->start_time == a->owner_start_time && o->pidns == a->owner_pidns) return true;
+    return false;
+}
+
+/* Lock held.  The owner entry of a, taking *pidfd when a new entry needs it. */
+static owner_ref *owner_ref_locked(const vmm_alloc_info *a, owner_ref *spare, int *pidfd)
+{
+    for (owner_ref *o = owners; o; o = o->next)
+        if (o->pid == a->pid && o->start_time == a->owner_start_time && o->pidns == a->owner_pidns) {
+            o->chunks++;
+            return o;
+        }
+    /* (a pidfd -1 here, when the entry went away meanwhile, only makes its checks slower) */
+    spare->pid = a->pid;
+    spare->start_time = a->owner_start_time;
+    spare->pidns = a->owner_pidns;
+    spare->pidfd = *pidfd;
+    *pidfd = -1;
+    spare->chunks = 1;
+    spare->next = owners;
+    owners = spare;
+    return spare;
+}
+
+static bool owner_exited(const owner_ref *o)
+{
+    if (o->pidfd < 0) return vmm__reg_liveness(o->pid, o->start_time, o->pidns) == VMM__DEAD;
+    struct pollfd p = {.fd = o->pidfd, .events = POLLIN};
+    int n;
+    do n = poll(&p, 1, 0);
+    while (n < 0 && errno == EINTR);
+    return n > 0; /* a pidfd turns readable when its process exits */
+}
+
 /* Drop one reference; the last one unmaps the chunk (outside the lock).  Unreferenced mappings
  * are not kept: an importer that releases everything gets its address space and the owner's
  * memory back at once, and a later import asks the broker again. */
 static vmm_status chunk_unref(chunk *c)
 {
+    owner_ref *gone = NULL;
     pthread_mutex_lock(&chunks_lock);
     bool last = --c->refs == 0;
-    if (last)
+    if (last) {
         for (chunk **pp = bucket_of(&c->key); *pp; pp = &(*pp)->next)
             if (*pp == c) {
                 *pp = c->next;
                 break;
             }
+        if (--c->owner->chunks == 0) {
+            gone = c->owner;
+            for (owner_ref **pp = &owners; *pp; pp = &(*pp)->next)
+                if (*pp == gone) {
+                    *pp = gone->next;
+                    break;
+                }
+        }
+    }
     pthread_mutex_unlock(&chunks_lock);
     if (!last) return VMM_OK;
     vmm_status st = unmap_chunk(c->base, c->size, c->handle, c->ctx);
     free(c);
+    if (gone) {
+        if (gone->pidfd >= 0) close(gone->pidfd);
+        free(gone);
+    }
     return st;
 }
 
@@ -565,7 +642,7 @@ static vmm_status grant_device(chunk *c, CUdevice dev)
 /* The chunk is mapped here already, so the owner's broker is not asked: the registry must still
  * show this very allocation, live, in that chunk, and its owner alive (what the broker would
  * have checked). */
-static vmm_status still_live(vmm_registry *reg, const vmm_alloc_info *a)
+static vmm_status still_live(vmm_registry *reg, const vmm_alloc_info *a, const owner_ref *owner)
 {
     vmm_alloc_info now;
     vmm_status st = vmm__client_read_slot(reg, a->slot, &now);
@@ -580,7 +657,7 @@ static vmm_status still_live(vmm_registry *reg, const vmm_alloc_info *a)
                                       "not as described",
                        (unsigned long long)now.chunk_offset, (unsigned long long)now.chunk_id,
                        (unsigned long long)now.mapped_size);
-    if (now.owner_alive == VMM_OWNER_DEAD) return owner_dead(a);
+    if (owner_exited(owner)) return owner_dead(a);
     return VMM_OK;
 }
 
@@ -699,7 +776,7 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
     chunk *c = chunk_ref_locked(&k);
     pthread_mutex_unlock(&chunks_lock);
     if (c) { /* mapped already: no broker, no import, no mapping */
-        if ((st = still_live(reg, alloc)) != VMM_OK || (st = grant_device(c, dev)) != VMM_OK) {
+        if ((st = still_live(reg, alloc, c->owner)) != VMM_OK || (st = grant_device(c, dev)) != VMM_OK) {
             (void)chunk_unref(c);
             free(imp);
             return st;
@@ -707,11 +784,13 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
     } else {
         int fd = -1;
         chunk *fresh = calloc(1, sizeof *fresh);
-        if (!fresh) st = set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
+        owner_ref *spare = calloc(1, sizeof *spare);
+        if (!fresh || !spare) st = set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
         if (st == VMM_OK) st = fetch_fd(reg, alloc, &fd);
         if (st == VMM_OK) st = map_chunk(fd, (size_t)alloc->mapped_size, dev, fresh);
         if (st != VMM_OK) {
             free(fresh);
+            free(spare);
             free(imp);
             return st;
         }
@@ -719,14 +798,22 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
         fresh->ctx = ctx;
         fresh->refs = 1;
         pthread_mutex_lock(&chunks_lock);
+        bool known = owner_known_locked(alloc);
+        pthread_mutex_unlock(&chunks_lock);
+        int pidfd = known ? -1 : owner_pidfd(alloc);
+        pthread_mutex_lock(&chunks_lock);
         c = chunk_ref_locked(&k);
         if (!c) {
             chunk **b = bucket_of(&k);
             fresh->next = *b;
             *b = fresh;
+            fresh->owner = owner_ref_locked(alloc, spare, &pidfd);
+            if (fresh->owner == spare) spare = NULL;
             c = fresh;
         }
         pthread_mutex_unlock(&chunks_lock);
+        if (pidfd >= 0) close(pidfd);
+        free(spare);
         if (c != fresh) { /* another thread mapped it meanwhile: use that mapping, drop ours */
             (void)unmap_chunk(fresh->base, fresh->size, fresh->handle, fresh->ctx);
             free(fresh);

@@ -152,8 +152,9 @@ vmm_status vmm_gc(vmm_registry *reg, vmm_gc_report *out);
  * vmm_imported of a chunk is held, importing another allocation of it (or the same one again)
  * asks neither the owner's broker nor the driver to import or map anything -- it re-reads the
  * allocation's record (still live, same generation, same chunk) and the owner's liveness, and
- * costs microseconds.  The chunk is unmapped when its last vmm_imported is released.  Imports
- * are thread-safe.  Since the whole chunk is mapped, the bytes of other allocations sharing it
+ * costs microseconds.  The chunk is unmapped when its last vmm_imported is released.  While
+ * chunks of an owner are mapped, the library keeps one pidfd of that owner open (close-on-exec)
+ * to tell its exit cheaply.  Imports are thread-safe.  Since the whole chunk is mapped, the bytes of other allocations sharing it
  * are reachable through the mapping too (the broker hands them to the same users anyway). */
 /* (The handle type cannot share the function's name in C: it is vmm_imported.) */
 typedef struct vmm_imported vmm_imported;
