@@ -95,13 +95,15 @@ static inline uint64_t vmm__ipc_check(const unsigned char bytes[56])
 vmm__result vmm__ipc_get_handle(uint64_t ptr, unsigned char handle[64]);
 /* Map the allocation a handle names into this process.  Opening one handle again returns the
  * same pointer and counts a reference (as does a handle of another allocation that the owner
- * placed at the same offset of the same chunk after freeing this one: the same bytes).  DONE: *ptr set; PASS: not a vmmshim handle (call the
- * real function); INVALID: a vmmshim handle that is damaged, stale (freed since), refused, made by
- * this very process, or whose owner is dead.  The caller has made sure the thread has a CUDA
+ * placed at the same offset of the same chunk after freeing this one: the same bytes).
+ * DONE: *ptr set; PASS: not a vmmshim handle (call the real function); INVALID: a vmmshim
+ * handle that is damaged, stale (freed since), refused, made by this very process, or whose
+ * owner is dead.  The caller has made sure the thread has a CUDA
  * context when the native call would need one; if it has none, the primary context of the
  * runtime's current device is bound, as the runtime does. */
 vmm__result vmm__ipc_open(const unsigned char handle[64], uint64_t *ptr);
-/* DONE: one reference dropped (the mapping is released at the last); PASS: ptr is not a base
- * pointer vmm__ipc_open returned (call the real function). */
+/* DONE: one reference dropped (the import is released at the last, and the chunk's mapping
+ * with the last import of it); PASS: ptr is not a base pointer vmm__ipc_open returned (call the
+ * real function). */
 vmm__result vmm__ipc_close(uint64_t ptr);
 #endif

@@ -375,7 +375,8 @@ static bool find(owner *o, int i, uint64_t inside, vmm_alloc_info *a)
 }
 
 #define CHECK_SAME_DRIVER_STATE(before, after, what)                                                             \
-    CHECK((after).mappings_live == (before).mappings_live && (after).reservations_live == (before).reservations_live && \
+    CHECK((after).mappings_live == (before).mappings_live &&                                                       \
+              (after).reservations_live == (before).reservations_live &&                                           \
               (after).imports_live == (before).imports_live && (after).handles_live == (before).handles_live,      \
           "%s: mappings %llu->%llu reservations %llu->%llu imports %llu->%llu handles %llu->%llu", what,           \
           (before).mappings_live, (after).mappings_live, (before).reservations_live, (after).reservations_live,    \
@@ -553,7 +554,8 @@ static void case_size_mismatch(owner *o)
     CHECK_SAME_DRIVER_STATE(c0, c1, "refused chunk");
     CHECK_EQ(c1.imports, c0.imports);
     CHECK_EQ(vmm_import(g_client, &c, &ic), VMM_OK);
-    CHECK(ic && pattern_at((const uint8_t *)(uintptr_t)vmm_import_ptr(ic), LAYOUT[C].requested, g_seed[C]), "C's bytes");
+    CHECK(ic && pattern_at((const uint8_t *)(uintptr_t)vmm_import_ptr(ic), LAYOUT[C].requested, g_seed[C]),
+          "C's bytes");
     vmm_import_release(ic);
 }
 
@@ -698,7 +700,8 @@ static void case_vmmctl(owner *o)
 
     rc = vmmctl(out, sizeof out, "show", o->pid, b + 5, 0);
     snprintf(want, sizeof want, "0x%llx", (unsigned long long)(b - 4096));
-    CHECK(rc == 0 && strstr(out, "chunk        id 41 at ") && strstr(out, want) && strstr(out, "offset 4096 (0x1000)") &&
+    CHECK(rc == 0 && strstr(out, "chunk        id 41 at ") && strstr(out, want) &&
+              strstr(out, "offset 4096 (0x1000)") &&
               strstr(out, "chunk size 2.0 MiB") && strstr(out, "extent 4.0 KiB") &&
               strstr(out, "shares its chunk with 2 other live allocations"),
           "show B: %s", out);

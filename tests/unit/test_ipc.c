@@ -328,7 +328,8 @@ static void test_chunks(void)
         bool packed = found == 3 && a[0].chunk_id && a[0].chunk_id == a[1].chunk_id && a[1].chunk_id == a[2].chunk_id;
         printf("stat: the three small allocations %s\n", packed ? "share one chunk" : "are not in one chunk");
         const char *expect = getenv("VMMSHIM_TEST_EXPECT_PACKED");
-        if (expect && !strcmp(expect, "1")) CHECK(packed, "VMMSHIM_TEST_EXPECT_PACKED=1, but the shim did not pack them");
+        if (expect && !strcmp(expect, "1"))
+            CHECK(packed, "VMMSHIM_TEST_EXPECT_PACKED=1, but the shim did not pack them");
 
         static char out[8192], err[8192];
         char mode[] = "open";
@@ -367,8 +368,8 @@ static void test_chunks(void)
             const char *p = strstr(out, key);
             long long got = p ? strtoll(p + strlen(key), NULL, 10) : LLONG_MIN;
             snprintf(d, sizeof d, "%lld", (long long)(addr[i] - addr[0]));
-            CHECK(got == (long long)(addr[i] - addr[0]), "buffer %d opened %lld bytes from buffer 0; %s in the owner", i,
-                  got, d);
+            CHECK(got == (long long)(addr[i] - addr[0]), "buffer %d opened %lld bytes from buffer 0; %s in the owner",
+                  i, got, d);
         }
         fprintf(in, "verify\n");
         fflush(in);

@@ -412,7 +412,8 @@ static void test_packed(const char *reg_opt)
           "show p1: %d %s %s", r.status, r.out, r.err);
     snprintf(addr, sizeof addr, "0x%llx", (unsigned long long)packed_address(3) + 8191);
     RUN(&r, no_env, reg_opt, "show", pidbuf, addr);
-    CHECK(r.status == 0 && strstr(r.out, "chunk        id 10 at 0x7d0000200000, offset 0 (0x0), chunk size 2.0 MiB\n") &&
+    CHECK(r.status == 0 &&
+              strstr(r.out, "chunk        id 10 at 0x7d0000200000, offset 0 (0x0), chunk size 2.0 MiB\n") &&
               strstr(r.out, "sharing      alone in its chunk (others may join it)\n"),
           "show p3: %s", r.out);
     snprintf(addr, sizeof addr, "0x%llx", (unsigned long long)packed_address(4));
@@ -433,7 +434,8 @@ static void test_packed(const char *reg_opt)
     kill(child, SIGKILL);
     waitpid(child, NULL, 0);
     RUN(&r, no_env, reg_opt, "gc");
-    CHECK(r.status == 0 && strstr(r.out, "reclaimed 5 records from 1 dead process"), "gc of the packed child: %s", r.out);
+    CHECK(r.status == 0 && strstr(r.out, "reclaimed 5 records from 1 dead process"), "gc of the packed child: %s",
+          r.out);
 }
 
 int main(void)

@@ -493,7 +493,8 @@ vmm_status vmm__client_read_slot(vmm_registry *reg, uint64_t slot, vmm_alloc_inf
         return set_error(VMM_ERR_INVALID, "slot %llu is beyond the registry's capacity", (unsigned long long)slot);
     /* A record chunk nobody owns may be a hole of the sparse segment: reading it would back it. */
     if (__atomic_load_n(&chunk_table(r)[slot / r->hdr->chunk_records], __ATOMIC_ACQUIRE) == 0)
-        return set_error(VMM_ERR_STALE, "allocation was freed (slot %llu is no longer in use)", (unsigned long long)slot);
+        return set_error(VMM_ERR_STALE, "allocation was freed (slot %llu is no longer in use)",
+                         (unsigned long long)slot);
     vmm_reg_alloc rec;
     int rc = vmm__reg_read_alloc(r, slot, &rec);
     if (rc == -EAGAIN)

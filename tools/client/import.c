@@ -646,12 +646,13 @@ static vmm_status still_live(vmm_registry *reg, const vmm_alloc_info *a, const o
 {
     vmm_alloc_info now;
     vmm_status st = vmm__client_read_slot(reg, a->slot, &now);
-    if (st == VMM_ERR_STALE)
-        return set_err(VMM_ERR_STALE, "allocation was freed (generation %llu is gone)", (unsigned long long)a->generation);
+    bool same = st == VMM_OK && now.generation == a->generation &&
+                memcmp(now.alloc_id, a->alloc_id, sizeof now.alloc_id) == 0 && now.pid == a->pid &&
+                now.owner_start_time == a->owner_start_time;
+    if (st == VMM_ERR_STALE || (st == VMM_OK && !same))
+        return set_err(VMM_ERR_STALE, "allocation was freed (generation %llu is gone)",
+                       (unsigned long long)a->generation);
     if (st != VMM_OK) return st;
-    if (now.generation != a->generation || memcmp(now.alloc_id, a->alloc_id, sizeof now.alloc_id) != 0 ||
-        now.pid != a->pid || now.owner_start_time != a->owner_start_time)
-        return set_err(VMM_ERR_STALE, "allocation was freed (generation %llu is gone)", (unsigned long long)a->generation);
     if (now.chunk_id != a->chunk_id || now.chunk_offset != a->chunk_offset || now.mapped_size != a->mapped_size)
         return set_err(VMM_ERR_STALE, "the registry places this allocation at offset %llu of chunk %llu (%llu bytes), "
                                       "not as described",
@@ -716,7 +717,8 @@ static vmm_status current_context(CUcontext *ctx, CUdevice *dev)
 /* Import the chunk behind fd (consumed) and map all of it read-write for dev. */
 static vmm_status map_chunk(int fd, size_t size, CUdevice dev, chunk *c)
 {
-    CUresult r = cu.MemImportFromShareableHandle(&c->handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    CUresult r =
+        cu.MemImportFromShareableHandle(&c->handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     close(fd); /* the driver keeps its own reference */
     if (r != CUDA_SUCCESS) return cu_fail("cuMemImportFromShareableHandle", r);
     const char *what;

@@ -154,8 +154,9 @@ vmm_status vmm_gc(vmm_registry *reg, vmm_gc_report *out);
  * allocation's record (still live, same generation, same chunk) and the owner's liveness, and
  * costs microseconds.  The chunk is unmapped when its last vmm_imported is released.  While
  * chunks of an owner are mapped, the library keeps one pidfd of that owner open (close-on-exec)
- * to tell its exit cheaply.  Imports are thread-safe.  Since the whole chunk is mapped, the bytes of other allocations sharing it
- * are reachable through the mapping too (the broker hands them to the same users anyway). */
+ * to tell its exit cheaply.  Imports are thread-safe.  Since the whole chunk is mapped, the
+ * bytes of other allocations sharing it are reachable through the mapping too (the broker hands
+ * them to the same users anyway). */
 /* (The handle type cannot share the function's name in C: it is vmm_imported.) */
 typedef struct vmm_imported vmm_imported;
 /* Import into the calling thread's CUDA context, or into device 0's primary context (made

@@ -642,7 +642,8 @@ static int cmd_show(int argc, char **argv)
             printf("sharing      shares its chunk with %llu other live allocation%s\n", (unsigned long long)sh.n,
                    sh.n == 1 ? "" : "s");
         else
-            printf("sharing      alone in its chunk%s\n", a.flags & VMM_ALLOC_SHARED_CHUNK ? " (others may join it)" : "");
+            printf("sharing      alone in its chunk%s\n",
+                   a.flags & VMM_ALLOC_SHARED_CHUNK ? " (others may join it)" : "");
     } else {
         printf("chunk        its own, chunk size %s\n", human(a.mapped_size, &h1));
     }
