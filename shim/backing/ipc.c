@@ -4,7 +4,10 @@
  * owner (pid, start time).  open: read that record, check that it is still the same live
  * allocation of a live owner, and import it with the client library (the owner's broker hands
  * over the fd, checking this process's credentials and the generation once more).  Opens are
- * counted per (owner, allocation, generation) and share one mapping; the last close releases it.
+ * counted per (owner, allocation, generation) and share one import; the last close releases it.
+ * The pointer is the allocation's own (its chunk's base here + its offset in the chunk): the
+ * client library maps each chunk once and counts its imports, so allocations that share a chunk
+ * share its mapping and closing one never unmaps another.
  * Every CUDA call made here is bracketed by vmm__enter/vmm__leave so the hooks pass it through. */
 #include "backing/ipc.h"
 
@@ -52,8 +55,12 @@ typedef struct opened {
     unsigned refs;
     CUcontext ctx; /* current when it was opened: synchronised before the last close unmaps */
     vmm_imported *imp;
+    /* Two allocations can come back at one pointer: the owner freed the first and placed the
+     * second at the same offset of the same chunk.  by_ptr holds the first opened; the others
+     * wait on this list, and closes of that pointer count down one entry after another. */
+    struct opened *same_ptr;
     UT_hash_handle hh; /* by key */
-    UT_hash_handle hp; /* by ptr */
+    UT_hash_handle hp; /* by ptr (only the head of a same_ptr list) */
 } opened;
 
 static struct {
@@ -205,7 +212,10 @@ static void sync_context(CUcontext ctx)
 
 vmm__result vmm__ipc_get_handle(uint64_t ptr, unsigned char handle[64])
 {
+    /* An interior pointer names the allocation around it, as a native handle does: opening it
+     * returns that allocation's base, never its chunk's. */
     vmm__alloc_ref ref;
+    memset(&ref, 0, sizeof ref);
     if (!vmm__lookup(ptr, &ref)) return VMM__PASS;
     struct vmm__reg *r = vmm__registry();
     if (!r || !r->attached || ref.slot == UINT32_MAX) return VMM__PASS; /* unpublished: nothing to name */
@@ -320,6 +330,10 @@ vmm__result vmm__ipc_open(const unsigned char handle[64], uint64_t *ptr)
     /* the registry's VMM_HANDLE_* bits are the public VMM_KIND_* bits */
     info.handle_kinds = rec.handle_kinds & (VMM_KIND_BROKER | VMM_KIND_PIDFD | VMM_KIND_FABRIC);
     info.exported_fd = rec.exported_fd;
+    info.chunk_id = rec.chunk_id;
+    info.chunk_offset = rec.chunk_offset;
+    info.extent = rec.extent;
+    info.flags = rec.flags & (VMM_ALLOC_NOT_EXPORTABLE | VMM_ALLOC_SHARED_CHUNK);
 
     CUcontext ctx = bind_context();
     vmm_imported *imp = NULL;
@@ -349,7 +363,14 @@ vmm__result vmm__ipc_open(const unsigned char handle[64], uint64_t *ptr)
     e->ctx = ctx;
     e->imp = imp;
     HASH_ADD(hh, I.by_key, key, sizeof e->key, e);
-    HASH_ADD(hp, I.by_ptr, ptr, sizeof e->ptr, e);
+    opened *head = NULL;
+    HASH_FIND(hp, I.by_ptr, &e->ptr, sizeof e->ptr, head);
+    if (head) {
+        e->same_ptr = head->same_ptr;
+        head->same_ptr = e;
+    } else {
+        HASH_ADD(hp, I.by_ptr, ptr, sizeof e->ptr, e);
+    }
     *ptr = e->ptr;
     pthread_mutex_unlock(&I.lock);
     return VMM__DONE;
@@ -371,6 +392,7 @@ vmm__result vmm__ipc_close(uint64_t ptr)
     }
     HASH_DELETE(hh, I.by_key, e);
     HASH_DELETE(hp, I.by_ptr, e);
+    if (e->same_ptr) HASH_ADD(hp, I.by_ptr, ptr, sizeof e->same_ptr->ptr, e->same_ptr);
     pthread_mutex_unlock(&I.lock);
     sync_context(e->ctx);
     release_import(e->imp);

@@ -20,7 +20,10 @@
  *  56   check      u64  vmm__ipc_check() over bytes 0..55
  *
  * A handle for an interior pointer names the whole allocation (as native handles do: opening it
- * returns the allocation's base).  Handles carry no secret: memory moves only through the
+ * returns the allocation's base).  The allocation may share a chunk with others of its owner:
+ * the importer maps the chunk once (the client library's chunk cache) and gets the allocation's
+ * own base in it, so two allocations of one chunk open at distinct pointers and stay valid
+ * until each is closed.  Handles carry no secret: memory moves only through the
  * owner's broker, which checks the importer's credentials and the (slot, generation, alloc_id)
  * triple, so a stale or forged handle is refused.  The check word only tells vmmshim handles
  * that were damaged apart from other handles. */
@@ -91,13 +94,16 @@ static inline uint64_t vmm__ipc_check(const unsigned char bytes[56])
  * the shim is inactive): call the real function. */
 vmm__result vmm__ipc_get_handle(uint64_t ptr, unsigned char handle[64]);
 /* Map the allocation a handle names into this process.  Opening one handle again returns the
- * same pointer and counts a reference.  DONE: *ptr set; PASS: not a vmmshim handle (call the
- * real function); INVALID: a vmmshim handle that is damaged, stale (freed since), refused, made by
- * this very process, or whose owner is dead.  The caller has made sure the thread has a CUDA
+ * same pointer and counts a reference (as does a handle of another allocation that the owner
+ * placed at the same offset of the same chunk after freeing this one: the same bytes).
+ * DONE: *ptr set; PASS: not a vmmshim handle (call the real function); INVALID: a vmmshim
+ * handle that is damaged, stale (freed since), refused, made by this very process, or whose
+ * owner is dead.  The caller has made sure the thread has a CUDA
  * context when the native call would need one; if it has none, the primary context of the
  * runtime's current device is bound, as the runtime does. */
 vmm__result vmm__ipc_open(const unsigned char handle[64], uint64_t *ptr);
-/* DONE: one reference dropped (the mapping is released at the last); PASS: ptr is not a base
- * pointer vmm__ipc_open returned (call the real function). */
+/* DONE: one reference dropped (the import is released at the last, and the chunk's mapping
+ * with the last import of it); PASS: ptr is not a base pointer vmm__ipc_open returned (call the
+ * real function). */
 vmm__result vmm__ipc_close(uint64_t ptr);
 #endif

@@ -3,8 +3,12 @@
  * pointer for repeated opens, counted closes), a damaged handle and a stale one are refused, a
  * dead owner's handle fails at once, and handles the shim did not make reach the real
  * functions: with the shim disabled, or on memory it passed through, the output equals a run
- * without the shim.  `test_ipc driver HEX` is this test's own helper for the driver route. */
+ * without the shim.  progs/ipc_chunks shares three small allocations, as a framework shares small
+ * tensors: each opens at its own pointer with its own bytes, closing one leaves the others, and
+ * where the shim placed them in one chunk (its pool) they open at the owner's distances apart.
+ * `test_ipc driver HEX` is this test's own helper for the driver route. */
 #include <dlfcn.h>
+#include <limits.h>
 #include <link.h>
 #include <signal.h>
 #include <stdint.h>
@@ -22,7 +26,7 @@
 #include "registry/registry.h"
 #include "vmmshim.h"
 
-static char build[512], shim[600], registry[64], preload[700], prog[600], self_exe[600];
+static char build[512], shim[600], registry[64], preload[700], prog[600], chunks_prog[600], self_exe[600];
 
 static int run(char *const argv[], const char *const env[], char *out, size_t outlen, char *err, size_t errlen)
 {
@@ -277,6 +281,108 @@ static void test_owner(void)
     printf("stat: opening a dead owner's handle failed in %.3f s\n", secs);
 }
 
+/* ---- several small allocations, possibly sharing a chunk ---- */
+
+/* Holds with and without the shim's pool: every open gets its allocation's own base and bytes.
+ * Where the registry shows two of them in one chunk, their pointers in the opener must also be
+ * exactly as far apart as in the owner (one mapping of the chunk, each at its offset).
+ * VMMSHIM_TEST_EXPECT_PACKED=1 also requires that the shim packed all three into one chunk (for
+ * a build with the pool; without it each allocation is its own chunk). */
+static void test_chunks(void)
+{
+    int pi[2], po[2];
+    if (pipe(pi) || pipe(po)) return;
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(pi[0], 0);
+        dup2(po[1], 1);
+        close(pi[1]);
+        close(po[0]);
+        putenv(preload);
+        char mode[] = "serve";
+        char *argv[] = {chunks_prog, mode, NULL};
+        execv(chunks_prog, argv);
+        _exit(127);
+    }
+    close(pi[0]);
+    close(po[1]);
+    FILE *in = fdopen(pi[1], "w"), *outf = fdopen(po[0], "r");
+    char hex[3][129], line[512];
+    unsigned long long addr[3];
+    size_t size[3];
+    int n = 0;
+    while (n < 3 && fgets(line, sizeof line, outf))
+        if (sscanf(line, "handle %128s %llx %zu", hex[n], &addr[n], &size[n]) == 3) n++;
+    CHECK(n == 3, "ipc_chunks serve printed %d handles", n);
+    if (n == 3) {
+        vmm_registry *reg = NULL;
+        vmm_alloc_info a[3];
+        int found = 0;
+        CHECK(vmm_open(registry, &reg) == VMM_OK, "open: %s", vmm_last_error());
+        for (int i = 0; reg && i < 3; i++) {
+            vmm_status st = vmm_find(reg, (uint32_t)pid, addr[i], &a[i]);
+            CHECK(st == VMM_OK && a[i].address == addr[i], "find buffer %d: %s", i, vmm_last_error());
+            found += st == VMM_OK;
+        }
+        vmm_close(reg);
+        bool packed = found == 3 && a[0].chunk_id && a[0].chunk_id == a[1].chunk_id && a[1].chunk_id == a[2].chunk_id;
+        printf("stat: the three small allocations %s\n", packed ? "share one chunk" : "are not in one chunk");
+        const char *expect = getenv("VMMSHIM_TEST_EXPECT_PACKED");
+        if (expect && !strcmp(expect, "1"))
+            CHECK(packed, "VMMSHIM_TEST_EXPECT_PACKED=1, but the shim did not pack them");
+
+        static char out[8192], err[8192];
+        char mode[] = "open";
+        char *argv[] = {chunks_prog, mode, hex[0], hex[1], hex[2], NULL};
+        const char *env[] = {preload, NULL};
+        int rc = run(argv, env, out, sizeof out, err, sizeof err);
+        CHECK(rc == 0, "ipc_chunks open exited %d\n%s%s", rc, out, err);
+        static const char *const want[][2] = {
+            {"open 0", "cudaSuccess"},
+            {"open 1", "cudaSuccess"},
+            {"open 2", "cudaSuccess"},
+            {"three distinct pointers", "ok"},
+            {"buffer 0 holds the owner's pattern", "ok"},
+            {"buffer 1 holds the owner's pattern", "ok"}, /* its handle came from an interior pointer */
+            {"buffer 2 holds the owner's pattern", "ok"},
+            {"buffer 0 written", "cudaSuccess"},
+            {"buffer 1 written", "cudaSuccess"},
+            {"buffer 2 written", "cudaSuccess"},
+            {"close 0", "cudaSuccess"},
+            {"buffers 1 and 2 readable with 0 closed", "ok"},
+            {"open 1 again", "cudaSuccess"},
+            {"open 1 again: same pointer", "ok"},
+            {"close 1", "cudaSuccess"},
+            {"close 1 again", "cudaSuccess"},
+            {"buffer 2 readable with 0 and 1 closed", "ok"},
+            {"close 2", "cudaSuccess"},
+            {"close 2 once too often", "cudaErrorInvalidValue"},
+        };
+        for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) CHECK_SAW(out, "ipc: ", want[i][0], want[i][1]);
+        CHECK(strstr(out, "FAILED") == NULL, "an observation failed:\n%s", out);
+        CHECK(strstr(err, "vmmshim:") == NULL, "the shim printed: %s", err);
+        for (int i = 1; found == 3 && i < 3; i++) {
+            if (!a[i].chunk_id || a[i].chunk_id != a[0].chunk_id) continue;
+            char key[32], d[64];
+            snprintf(key, sizeof key, "distance %d ", i);
+            const char *p = strstr(out, key);
+            long long got = p ? strtoll(p + strlen(key), NULL, 10) : LLONG_MIN;
+            snprintf(d, sizeof d, "%lld", (long long)(addr[i] - addr[0]));
+            CHECK(got == (long long)(addr[i] - addr[0]), "buffer %d opened %lld bytes from buffer 0; %s in the owner",
+                  i, got, d);
+        }
+        fprintf(in, "verify\n");
+        fflush(in);
+        CHECK(fgets(line, sizeof line, outf) && !strncmp(line, "verify ok", 9), "the owner does not see the writes: %s",
+              line);
+    }
+    fclose(in);
+    fclose(outf);
+    int st;
+    waitpid(pid, &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "ipc_chunks serve: wait status 0x%x", st);
+}
+
 /* ---- `test_ipc driver HEX`: run under the shim by test_owner ---- */
 
 #define SYM(var, handle, name)                                                                        \
@@ -353,6 +459,7 @@ int main(int argc, char **argv)
     snprintf(build, sizeof build, "%s", b ? b : "build");
     snprintf(shim, sizeof shim, "%s/libvmmshim.so", build);
     snprintf(prog, sizeof prog, "%s/progs/ipc_pair", build);
+    snprintf(chunks_prog, sizeof chunks_prog, "%s/progs/ipc_chunks", build);
     ssize_t n = readlink("/proc/self/exe", self_exe, sizeof self_exe - 1);
     self_exe[n > 0 ? n : 0] = 0;
     spawn_preload(preload, sizeof preload, shim);
@@ -362,6 +469,7 @@ int main(int argc, char **argv)
     test_not_ours();
     test_stale();
     test_owner();
+    test_chunks();
     shm_unlink(registry);
     CHECK_DONE();
 }

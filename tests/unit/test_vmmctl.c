@@ -1,7 +1,9 @@
 /* vmmctl, the real binary ($VMMSHIM_TEST_BUILD/vmmctl), against a registry this test writes:
  * list (rows, human sizes, footer, --pid, --all, --json), ps, check and gc around a SIGKILLed
  * child, config, usage errors (exit 2, one line) and a missing registry (exit 1, one line);
- * the registry named by --registry and by VMMSHIM_REGISTRY. */
+ * the registry named by --registry and by VMMSHIM_REGISTRY.  Allocations that share a chunk (the
+ * shim's pool), published by a second child: list counts extents, --json names the chunk, show
+ * prints the chunk and its other live allocations. */
 #include "registry/registry.h"
 
 #include "core/options.h"
@@ -298,6 +300,144 @@ static pid_t spawn_child(void)
     return pid;
 }
 
+/* ---- a child whose allocations share chunks, as the shim's pool publishes them ---- */
+
+#define POOL_BASE 0x7d0000000000ull
+
+static const struct {
+    uint64_t chunk_id, offset, extent, requested;
+    const char *tag;
+} PACKED[] = {
+    {9, 0, 4096, 1000, "p0"},               /* three in chunk 9 */
+    {9, 4096, 4096, 4096, "p1"},
+    {9, 65536, 65536, 65536, "p2"},
+    {10, 0, 8192, 5000, "p3"},              /* alone in chunk 10, which could take more */
+    {0, 0, 2 * MiB, MiB, "p4"},             /* its own chunk (a record without a chunk id) */
+};
+#define N_PACKED (sizeof PACKED / sizeof PACKED[0])
+
+static uint64_t packed_address(size_t i)
+{
+    uint64_t chunk_base = PACKED[i].chunk_id == 9 ? POOL_BASE : PACKED[i].chunk_id == 10 ? POOL_BASE + 2 * MiB
+                                                                                        : POOL_BASE + 4 * MiB;
+    return chunk_base + PACKED[i].offset;
+}
+
+static pid_t spawn_packed_child(void)
+{
+    int p[2];
+    if (pipe(p) != 0) return -1;
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(p[0]);
+        alarm(120);
+        vmm__reg w;
+        char err[256];
+        if (vmm__reg_open(&w, reg_name, VMM__REG_WRITE, 0, NULL, err, sizeof err) != 0 || vmm__reg_attach(&w, "") != 0)
+            _exit(3);
+        for (size_t k = 0; k < N_PACKED; k++) {
+            uint32_t slot;
+            vmm_reg_alloc d;
+            memset(&d, 0, sizeof d);
+            d.requested_size = PACKED[k].requested;
+            d.api = VMM_API_CUDA_MALLOC;
+            d.handle_kinds = VMM_HANDLE_BROKER;
+            if (PACKED[k].chunk_id) {
+                d.mapped_size = 2 * MiB;
+                d.chunk_id = PACKED[k].chunk_id;
+                d.chunk_offset = PACKED[k].offset;
+                d.flags = VMM_REG_F_SHARED_CHUNK;
+            }
+            snprintf(d.tag, sizeof d.tag, "%s", PACKED[k].tag);
+            if (vmm__reg_bind(&w, packed_address(k), PACKED[k].extent, &slot) != 0 ||
+                vmm__reg_publish(&w, slot, &d, NULL) != 0)
+                _exit(4);
+        }
+        if (write(p[1], "k", 1) != 1) _exit(5);
+        for (;;) pause();
+    }
+    close(p[1]);
+    char c;
+    ssize_t n = pid > 0 ? read(p[0], &c, 1) : -1;
+    close(p[0]);
+    if (n != 1 && pid > 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        return -1;
+    }
+    return pid;
+}
+
+static void test_packed(const char *reg_opt)
+{
+    static result r;
+    const char *const no_env[] = {NULL};
+    char pidbuf[32], addr[32], line[1024];
+    pid_t child = spawn_packed_child();
+    CHECK(child > 0, "packed child did not start");
+    if (child <= 0) return;
+    snprintf(pidbuf, sizeof pidbuf, "%d", (int)child);
+
+    /* the rows and the total count extents: the chunks' 2 MiB each would make 10 MiB */
+    RUN(&r, no_env, reg_opt, "list", "--pid", pidbuf);
+    CHECK_EQ(r.status, 0);
+    CHECK_EQ(count_matching(r.out, " 0x7d00"), 5);
+    line_with(r.out, "0x7d0000001000", line, sizeof line);
+    CHECK(strstr(line, "4.0 KiB    4.0 KiB") && strstr(line, "p1"), "p1's row: %s", line);
+    line_with(r.out, "0x7d0000400000", line, sizeof line);
+    CHECK(strstr(line, "1.0 MiB    2.0 MiB") && strstr(line, "p4"), "p4's row: %s", line);
+    /* 1000 + 4096 + 65536 + 5000 + 1 MiB requested; 4 + 4 + 64 + 8 KiB + 2 MiB held */
+    CHECK(strstr(r.out, "\n5 allocations, 1.1 MiB requested, 2.1 MiB mapped\n") != NULL, "packed footer: %s", r.out);
+    RUN(&r, no_env, reg_opt, "ps");
+    line_with(r.out, pidbuf, line, sizeof line);
+    CHECK(strstr(line, "1.1 MiB") && strstr(line, "2.1 MiB"), "ps row of the packed child: %s", line);
+
+    RUN(&r, no_env, reg_opt, "list", "--json", "--pid", pidbuf);
+    CHECK(r.status == 0 && json_array_len(r.out) == 5, "packed json: %s", r.out);
+    CHECK(strstr(r.out, "\"mapped_size\": 2097152, \"chunk_id\": 9, \"chunk_offset\": 4096, \"extent\": 4096, "
+                        "\"shared_chunk\": true,") != NULL,
+          "p1's chunk in json: %s", r.out);
+    CHECK(strstr(r.out, "\"chunk_id\": 0, \"chunk_offset\": 0, \"extent\": 2097152, \"shared_chunk\": false,") != NULL,
+          "p4's own chunk in json: %s", r.out);
+    CHECK_EQ(count_matching(r.out, "\"chunk_id\": 9,"), 3);
+
+    /* show: the chunk, and how many other live allocations share it */
+    snprintf(addr, sizeof addr, "0x%llx", (unsigned long long)packed_address(1) + 10);
+    RUN(&r, no_env, reg_opt, "show", pidbuf, addr);
+    CHECK(r.status == 0 && strstr(r.out, "size         4.0 KiB requested, extent 4.0 KiB\n") &&
+              strstr(r.out, "chunk        id 9 at 0x7d0000000000, offset 4096 (0x1000), chunk size 2.0 MiB\n") &&
+              strstr(r.out, "sharing      shares its chunk with 2 other live allocations\n") &&
+              strstr(r.out, "(offset 10 of the given address)"),
+          "show p1: %d %s %s", r.status, r.out, r.err);
+    snprintf(addr, sizeof addr, "0x%llx", (unsigned long long)packed_address(3) + 8191);
+    RUN(&r, no_env, reg_opt, "show", pidbuf, addr);
+    CHECK(r.status == 0 &&
+              strstr(r.out, "chunk        id 10 at 0x7d0000200000, offset 0 (0x0), chunk size 2.0 MiB\n") &&
+              strstr(r.out, "sharing      alone in its chunk (others may join it)\n"),
+          "show p3: %s", r.out);
+    snprintf(addr, sizeof addr, "0x%llx", (unsigned long long)packed_address(4));
+    RUN(&r, no_env, reg_opt, "show", pidbuf, addr);
+    CHECK(r.status == 0 && strstr(r.out, "chunk        its own, chunk size 2.0 MiB\n") && !strstr(r.out, "sharing"),
+          "show p4: %s", r.out);
+    /* past p0's extent and before p1: nobody's */
+    snprintf(addr, sizeof addr, "0x%llx", (unsigned long long)packed_address(2) - 1);
+    RUN(&r, no_env, reg_opt, "show", pidbuf, addr);
+    CHECK(r.status == 1 && one_error_line(&r) && strstr(r.err, "no live allocation"), "show between allocations: %d %s",
+          r.status, r.err);
+    /* LEN is bounded by the allocation, never by its chunk (checked before any import) */
+    snprintf(addr, sizeof addr, "0x%llx", (unsigned long long)packed_address(1));
+    RUN(&r, no_env, reg_opt, "import-test", pidbuf, addr, "4097");
+    CHECK(r.status == 2 && one_error_line(&r) && strstr(r.err, "runs past the allocation (4096 bytes"),
+          "import-test LEN past p1: %d %s", r.status, r.err);
+
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+    RUN(&r, no_env, reg_opt, "gc");
+    CHECK(r.status == 0 && strstr(r.out, "reclaimed 5 records from 1 dead process"), "gc of the packed child: %s",
+          r.out);
+}
+
 int main(void)
 {
     const char *b = getenv("VMMSHIM_TEST_BUILD");
@@ -493,6 +633,8 @@ int main(void)
         CHECK(strstr(r.out, "1 process (1 alive, 0 dead, 0 unknown), 3 allocations") != NULL, "ps after gc: %s",
               r.out);
     }
+
+    test_packed(reg_opt);
 
     /* ---- config ---- */
     const char *const env_cfg[] = {"VMMSHIM_CACHE_SIZE=2G", "VMMSHIM_CONFIG", NULL};

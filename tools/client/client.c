@@ -486,6 +486,26 @@ VMM_PUBLIC vmm_status vmm_find(vmm_registry *reg, uint32_t pid, uint64_t address
     return VMM_OK;
 }
 
+vmm_status vmm__client_read_slot(vmm_registry *reg, uint64_t slot, vmm_alloc_info *out)
+{
+    const vmm__reg *r = &reg->r;
+    if (slot >= r->hdr->capacity)
+        return set_error(VMM_ERR_INVALID, "slot %llu is beyond the registry's capacity", (unsigned long long)slot);
+    /* A record chunk nobody owns may be a hole of the sparse segment: reading it would back it. */
+    if (__atomic_load_n(&chunk_table(r)[slot / r->hdr->chunk_records], __ATOMIC_ACQUIRE) == 0)
+        return set_error(VMM_ERR_STALE, "allocation was freed (slot %llu is no longer in use)",
+                         (unsigned long long)slot);
+    vmm_reg_alloc rec;
+    int rc = vmm__reg_read_alloc(r, slot, &rec);
+    if (rc == -EAGAIN)
+        return set_error(VMM_ERR_BUSY, "registry %s: record %llu stayed mid-update", r->name, (unsigned long long)slot);
+    if (rc) return reg_error(rc, NULL, false);
+    if (rec.state != VMM_REG_LIVE)
+        return set_error(VMM_ERR_STALE, "allocation was freed (slot %llu is no longer live)", (unsigned long long)slot);
+    alloc_info_from(out, slot, &rec, VMM_OWNER_UNKNOWN);
+    return VMM_OK;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Check (read-only; mirrors vmm__reg_gc's decisions) and gc                                   */
 

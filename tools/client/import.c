@@ -3,8 +3,10 @@
  * The fd comes from the owner's broker (VMM_KIND_BROKER: one SOCK_SEQPACKET request, the reply
  * carries the fd with SCM_RIGHTS; wire format in shim/broker/protocol.h) or straight out of the
  * owner's fd table (VMM_KIND_PIDFD: pidfd_getfd, which needs ptrace permission over the owner).
- * The CUDA driver is dlopen'ed on first use; this library links none.  Rules as in client.c:
- * never print, never exit, every failure leaves a one-line reason in vmm_last_error(). */
+ * Either way the fd is the allocation's chunk: it is mapped whole, once per process, and shared
+ * by every import of an allocation in it (see "Imported chunks").  The CUDA driver is dlopen'ed
+ * on first use; this library links none.  Rules as in client.c: never print, never exit, every
+ * failure leaves a one-line reason in vmm_last_error(). */
 #include "vmmshim.h"
 
 #include "broker/protocol.h"
@@ -279,7 +281,7 @@ static int broker_recv(int s, vmm_broker_reply *rep, int *fd)
     return 0;
 }
 
-static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *fd_out, uint64_t *mapped)
+static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *fd_out)
 {
     vmm_proc_info proc;
     proc_match m = {.alloc = a, .out = &proc};
@@ -358,8 +360,14 @@ static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *
                        rep.status < 0 && rep.status > -4096 ? strerror(-rep.status) : "unknown status");
     }
     if (fd < 0) return set_err(VMM_ERR_IO, "owner pid %u's broker replied without an fd", a->pid);
+    /* The fd is the allocation's chunk; an importer maps the size the record gives.  (0: an owner
+     * that does not say.) */
+    if (rep.mapped_size && rep.mapped_size != a->mapped_size) {
+        close(fd);
+        return set_err(VMM_ERR_IO, "owner pid %u's broker sent a chunk of %llu bytes; the record says %llu", a->pid,
+                       (unsigned long long)rep.mapped_size, (unsigned long long)a->mapped_size);
+    }
     *fd_out = fd;
-    if (rep.mapped_size) *mapped = rep.mapped_size;
     return VMM_OK;
 }
 
@@ -416,22 +424,258 @@ static vmm_status pidfd_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *f
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Imported chunks                                                                             */
+
+/* Every import maps its allocation's whole chunk; allocations of one chunk share one mapping.
+ * A pooled chunk is named by its owner and chunk_id (never reused by that owner), with its
+ * mapped size as a second guard; a record without a chunk id (its own chunk, older writers) by
+ * its owner, slot and generation, which change whenever the slot is published again.  Never by
+ * fd number or address: both are reused. */
+typedef struct chunk_key {
+    uint32_t pid;
+    uint32_t by_slot; /* 1: id is the record's slot and generation its generation (chunk_id 0) */
+    uint64_t start_time, pidns;
+    uint64_t id, generation, mapped_size;
+} chunk_key;
+
+/* An owner this process holds chunks of.  A pidfd tells in one poll() whether it has exited,
+ * where reading /proc/<pid>/stat costs more than the rest of a cached import together. */
+typedef struct owner_ref {
+    uint32_t pid;
+    uint64_t start_time, pidns;
+    int pidfd;              /* -1: judged through /proc each time (another pid namespace, no pidfd_open) */
+    unsigned long chunks;   /* chunks of it mapped here; the entry (and the pidfd) goes with the last */
+    struct owner_ref *next;
+} owner_ref;
+
+typedef struct chunk {
+    chunk_key key;
+    owner_ref *owner;
+    CUdeviceptr base;
+    size_t size;
+    CUmemGenericAllocationHandle handle;
+    CUcontext ctx;     /* current when it was mapped: released from it */
+    uint64_t devices;  /* bit d: device d was granted access (devices 0..63) */
+    unsigned long refs; /* vmm_imported handles on it; the mapping goes with the last */
+    struct chunk *next;
+} chunk;
+
+/* A fixed table of chains: no growth path, so no allocation that could fail besides the entry's
+ * own (a table library would exit on out-of-memory, and this library never exits).  Lookups and
+ * the reference counts are under chunks_lock; driver and broker calls never are, so a slow
+ * owner stalls only the imports that wait for it. */
+#define CHUNK_BUCKETS 1024u
+static chunk *chunk_table[CHUNK_BUCKETS];
+static owner_ref *owners; /* a short list: the owners this process imports from */
+static pthread_mutex_t chunks_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static chunk_key key_of(const vmm_alloc_info *a)
+{
+    chunk_key k;
+    memset(&k, 0, sizeof k);
+    k.pid = a->pid;
+    k.start_time = a->owner_start_time;
+    k.pidns = a->owner_pidns;
+    k.mapped_size = a->mapped_size;
+    if (a->chunk_id) {
+        k.id = a->chunk_id;
+    } else {
+        k.by_slot = 1;
+        k.id = a->slot;
+        k.generation = a->generation;
+    }
+    return k;
+}
+
+static bool same_key(const chunk_key *x, const chunk_key *y)
+{
+    return x->pid == y->pid && x->by_slot == y->by_slot && x->start_time == y->start_time && x->pidns == y->pidns &&
+           x->id == y->id && x->generation == y->generation && x->mapped_size == y->mapped_size;
+}
+
+static chunk **bucket_of(const chunk_key *k)
+{
+    uint64_t h = vmm_reg_hash(k->pid, k->id ^ (k->generation * 0x9e3779b97f4a7c15ull) ^ k->start_time ^ k->pidns ^
+                                          (k->mapped_size << 1) ^ k->by_slot);
+    return &chunk_table[h % CHUNK_BUCKETS];
+}
+
+/* Lock held.  The entry for k with one more reference, or NULL. */
+static chunk *chunk_ref_locked(const chunk_key *k)
+{
+    for (chunk *c = *bucket_of(k); c; c = c->next)
+        if (same_key(&c->key, k)) {
+            c->refs++;
+            return c;
+        }
+    return NULL;
+}
+
+/* Unmap, release and free the address range of a mapping no reference points to any more. */
+static vmm_status unmap_chunk(CUdeviceptr base, size_t size, CUmemGenericAllocationHandle handle, CUcontext ctx)
+{
+    /* cuda_ready() succeeded when the chunk was mapped; the table never changes after. */
+    CUcontext cur = NULL;
+    bool switched = false;
+    if (cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur != ctx && cu.CtxSetCurrent(ctx) == CUDA_SUCCESS) switched = true;
+    vmm_status st = VMM_OK;
+    CUresult r;
+    if ((r = cu.MemUnmap(base, size)) != CUDA_SUCCESS) st = cu_fail("cuMemUnmap", r);
+    if ((r = cu.MemRelease(handle)) != CUDA_SUCCESS && st == VMM_OK) st = cu_fail("cuMemRelease", r);
+    if ((r = cu.MemAddressFree(base, size)) != CUDA_SUCCESS && st == VMM_OK) st = cu_fail("cuMemAddressFree", r);
+    if (switched) (void)cu.CtxSetCurrent(cur);
+    return st;
+}
+
+/* A pidfd of the allocation's owner, or -1.  Opened first and judged after: if the process
+ * behind the pid is the owner now, the pidfd is the owner's for good (it never follows a reused
+ * pid). */
+static int owner_pidfd(const vmm_alloc_info *a)
+{
+    int fd = (int)syscall(SYS_pidfd_open, (pid_t)a->pid, 0); /* close-on-exec */
+    if (fd >= 0 && owner_liveness(a) != VMM__ALIVE) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+/* Lock held. */
+static bool owner_known_locked(const vmm_alloc_info *a)
+{
+    for (owner_ref *o = owners; o; o = o->next)
+        if (o->pid == a->pid && o->start_time == a->owner_start_time && o->pidns == a->owner_pidns) return true;
+    return false;
+}
+
+/* Lock held.  The owner entry of a, taking *pidfd when a new entry needs it. */
+static owner_ref *owner_ref_locked(const vmm_alloc_info *a, owner_ref *spare, int *pidfd)
+{
+    for (owner_ref *o = owners; o; o = o->next)
+        if (o->pid == a->pid && o->start_time == a->owner_start_time && o->pidns == a->owner_pidns) {
+            o->chunks++;
+            return o;
+        }
+    /* (a pidfd -1 here, when the entry went away meanwhile, only makes its checks slower) */
+    spare->pid = a->pid;
+    spare->start_time = a->owner_start_time;
+    spare->pidns = a->owner_pidns;
+    spare->pidfd = *pidfd;
+    *pidfd = -1;
+    spare->chunks = 1;
+    spare->next = owners;
+    owners = spare;
+    return spare;
+}
+
+static bool owner_exited(const owner_ref *o)
+{
+    if (o->pidfd < 0) return vmm__reg_liveness(o->pid, o->start_time, o->pidns) == VMM__DEAD;
+    struct pollfd p = {.fd = o->pidfd, .events = POLLIN};
+    int n;
+    do n = poll(&p, 1, 0);
+    while (n < 0 && errno == EINTR);
+    return n > 0; /* a pidfd turns readable when its process exits */
+}
+
+/* Drop one reference; the last one unmaps the chunk (outside the lock).  Unreferenced mappings
+ * are not kept: an importer that releases everything gets its address space and the owner's
+ * memory back at once, and a later import asks the broker again. */
+static vmm_status chunk_unref(chunk *c)
+{
+    owner_ref *gone = NULL;
+    pthread_mutex_lock(&chunks_lock);
+    bool last = --c->refs == 0;
+    if (last) {
+        for (chunk **pp = bucket_of(&c->key); *pp; pp = &(*pp)->next)
+            if (*pp == c) {
+                *pp = c->next;
+                break;
+            }
+        if (--c->owner->chunks == 0) {
+            gone = c->owner;
+            for (owner_ref **pp = &owners; *pp; pp = &(*pp)->next)
+                if (*pp == gone) {
+                    *pp = gone->next;
+                    break;
+                }
+        }
+    }
+    pthread_mutex_unlock(&chunks_lock);
+    if (!last) return VMM_OK;
+    vmm_status st = unmap_chunk(c->base, c->size, c->handle, c->ctx);
+    free(c);
+    if (gone) {
+        if (gone->pidfd >= 0) close(gone->pidfd);
+        free(gone);
+    }
+    return st;
+}
+
+static void access_for(CUmemAccessDesc *acc, CUdevice dev)
+{
+    memset(acc, 0, sizeof *acc);
+    acc->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    acc->location.id = (int)dev;
+    acc->flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+}
+
+/* A chunk mapped for one device, imported by a thread of another: that device needs access too
+ * (one address range serves every device of the process). */
+static vmm_status grant_device(chunk *c, CUdevice dev)
+{
+    uint64_t bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+    pthread_mutex_lock(&chunks_lock);
+    bool has = bit && (c->devices & bit);
+    pthread_mutex_unlock(&chunks_lock);
+    if (has) return VMM_OK;
+    CUmemAccessDesc acc;
+    access_for(&acc, dev);
+    CUresult r = cu.MemSetAccess(c->base, c->size, &acc, 1);
+    if (r != CUDA_SUCCESS) return cu_fail("cuMemSetAccess", r);
+    pthread_mutex_lock(&chunks_lock);
+    c->devices |= bit;
+    pthread_mutex_unlock(&chunks_lock);
+    return VMM_OK;
+}
+
+/* The chunk is mapped here already, so the owner's broker is not asked: the registry must still
+ * show this very allocation, live, in that chunk, and its owner alive (what the broker would
+ * have checked). */
+static vmm_status still_live(vmm_registry *reg, const vmm_alloc_info *a, const owner_ref *owner)
+{
+    vmm_alloc_info now;
+    vmm_status st = vmm__client_read_slot(reg, a->slot, &now);
+    bool same = st == VMM_OK && now.generation == a->generation &&
+                memcmp(now.alloc_id, a->alloc_id, sizeof now.alloc_id) == 0 && now.pid == a->pid &&
+                now.owner_start_time == a->owner_start_time;
+    if (st == VMM_ERR_STALE || (st == VMM_OK && !same))
+        return set_err(VMM_ERR_STALE, "allocation was freed (generation %llu is gone)",
+                       (unsigned long long)a->generation);
+    if (st != VMM_OK) return st;
+    if (now.chunk_id != a->chunk_id || now.chunk_offset != a->chunk_offset || now.mapped_size != a->mapped_size)
+        return set_err(VMM_ERR_STALE, "the registry places this allocation at offset %llu of chunk %llu (%llu bytes), "
+                                      "not as described",
+                       (unsigned long long)now.chunk_offset, (unsigned long long)now.chunk_id,
+                       (unsigned long long)now.mapped_size);
+    if (owner_exited(owner)) return owner_dead(a);
+    return VMM_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Public                                                                                      */
 
 struct vmm_imported {
-    CUdeviceptr ptr;
-    size_t mapped_size;
+    chunk *c;
+    uint64_t ptr;            /* c->base + the allocation's chunk_offset */
     uint64_t requested_size;
-    CUmemGenericAllocationHandle handle;
-    CUcontext ctx;
 };
 
-static vmm_status fetch_fd(vmm_registry *reg, const vmm_alloc_info *a, int *fd, uint64_t *mapped)
+static vmm_status fetch_fd(vmm_registry *reg, const vmm_alloc_info *a, int *fd)
 {
     *fd = -1;
-    *mapped = a->mapped_size;
     if (a->handle_kinds & VMM_KIND_BROKER) {
-        vmm_status st = broker_fetch(reg, a, fd, mapped);
+        vmm_status st = broker_fetch(reg, a, fd);
         /* a broker that has not started yet is no reason to give up when pidfd works too */
         if (st == VMM_ERR_NOT_FOUND && (a->handle_kinds & VMM_KIND_PIDFD)) return pidfd_fetch(reg, a, fd);
         return st;
@@ -449,8 +693,58 @@ VMM_PUBLIC vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *all
     NEED(fd, "fd is NULL");
     *fd = -1;
     NEED(alloc->pid != 0, "alloc->pid is 0");
-    uint64_t mapped;
-    return fetch_fd(reg, alloc, fd, &mapped);
+    return fetch_fd(reg, alloc, fd);
+}
+
+/* The calling thread's context, or device 0's primary context made current; and its device. */
+static vmm_status current_context(CUcontext *ctx, CUdevice *dev)
+{
+    CUresult r;
+    *ctx = NULL;
+    if ((r = cu.Init(0)) != CUDA_SUCCESS) return cu_fail("cuInit", r);
+    if ((r = cu.CtxGetCurrent(ctx)) != CUDA_SUCCESS) return cu_fail("cuCtxGetCurrent", r);
+    if (!*ctx) {
+        /* no context on this thread: device 0's primary one (retained for the process's life) */
+        CUdevice d0 = 0;
+        if (cu.DeviceGet && (r = cu.DeviceGet(&d0, 0)) != CUDA_SUCCESS) return cu_fail("cuDeviceGet", r);
+        if ((r = cu.DevicePrimaryCtxRetain(ctx, d0)) != CUDA_SUCCESS) return cu_fail("cuDevicePrimaryCtxRetain", r);
+        if ((r = cu.CtxSetCurrent(*ctx)) != CUDA_SUCCESS) return cu_fail("cuCtxSetCurrent", r);
+    }
+    if ((r = cu.CtxGetDevice(dev)) != CUDA_SUCCESS) return cu_fail("cuCtxGetDevice", r);
+    return VMM_OK;
+}
+
+/* Import the chunk behind fd (consumed) and map all of it read-write for dev. */
+static vmm_status map_chunk(int fd, size_t size, CUdevice dev, chunk *c)
+{
+    CUresult r =
+        cu.MemImportFromShareableHandle(&c->handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    close(fd); /* the driver keeps its own reference */
+    if (r != CUDA_SUCCESS) return cu_fail("cuMemImportFromShareableHandle", r);
+    const char *what;
+    if ((r = cu.MemAddressReserve(&c->base, size, 0, 0, 0)) != CUDA_SUCCESS) {
+        what = "cuMemAddressReserve";
+        goto release;
+    }
+    if ((r = cu.MemMap(c->base, size, 0, c->handle, 0)) != CUDA_SUCCESS) {
+        what = "cuMemMap";
+        goto free_range;
+    }
+    CUmemAccessDesc acc;
+    access_for(&acc, dev);
+    if ((r = cu.MemSetAccess(c->base, size, &acc, 1)) != CUDA_SUCCESS) {
+        what = "cuMemSetAccess";
+        (void)cu.MemUnmap(c->base, size);
+        goto free_range;
+    }
+    c->size = size;
+    c->devices = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+    return VMM_OK;
+free_range:
+    (void)cu.MemAddressFree(c->base, size);
+release:
+    (void)cu.MemRelease(c->handle);
+    return cu_fail(what, r);
 }
 
 VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out)
@@ -461,113 +755,92 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
     NEED(alloc, "alloc is NULL");
     NEED(alloc->pid != 0, "alloc->pid is 0");
     NEED(alloc->mapped_size != 0, "alloc->mapped_size is 0");
+    uint64_t span = alloc->extent > alloc->requested_size ? alloc->extent : alloc->requested_size;
+    NEED(alloc->chunk_offset < alloc->mapped_size && span <= alloc->mapped_size - alloc->chunk_offset,
+         "the allocation does not lie inside its chunk (chunk_offset, extent, mapped_size)");
+    if (!(alloc->handle_kinds & (VMM_KIND_BROKER | VMM_KIND_PIDFD))) {
+        int unused;
+        return fetch_fd(reg, alloc, &unused); /* its reason */
+    }
     vmm_status st = cuda_ready();
     if (st != VMM_OK) return st;
     vmm_imported *imp = calloc(1, sizeof *imp);
     if (!imp) return set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
-
-    int fd = -1;
-    uint64_t mapped = 0;
-    if ((st = fetch_fd(reg, alloc, &fd, &mapped)) != VMM_OK) {
+    CUcontext ctx;
+    CUdevice dev = 0;
+    if ((st = current_context(&ctx, &dev)) != VMM_OK) {
         free(imp);
         return st;
     }
 
-    CUresult r;
-    CUcontext ctx = NULL;
-    CUdevice dev = 0;
-    const char *what = NULL;
-    bool imported = false, reserved = false, mapped_ok = false;
-    if ((r = cu.Init(0)) != CUDA_SUCCESS) {
-        what = "cuInit";
-        goto fail;
-    }
-    if ((r = cu.CtxGetCurrent(&ctx)) != CUDA_SUCCESS) {
-        what = "cuCtxGetCurrent";
-        goto fail;
-    }
-    if (!ctx) {
-        /* no context on this thread: device 0's primary one (retained for the process's life) */
-        CUdevice d0 = 0;
-        if (cu.DeviceGet && (r = cu.DeviceGet(&d0, 0)) != CUDA_SUCCESS) {
-            what = "cuDeviceGet";
-            goto fail;
+    chunk_key k = key_of(alloc);
+    pthread_mutex_lock(&chunks_lock);
+    chunk *c = chunk_ref_locked(&k);
+    pthread_mutex_unlock(&chunks_lock);
+    if (c) { /* mapped already: no broker, no import, no mapping */
+        if ((st = still_live(reg, alloc, c->owner)) != VMM_OK || (st = grant_device(c, dev)) != VMM_OK) {
+            (void)chunk_unref(c);
+            free(imp);
+            return st;
         }
-        if ((r = cu.DevicePrimaryCtxRetain(&ctx, d0)) != CUDA_SUCCESS) {
-            what = "cuDevicePrimaryCtxRetain";
-            goto fail;
+    } else {
+        int fd = -1;
+        chunk *fresh = calloc(1, sizeof *fresh);
+        owner_ref *spare = calloc(1, sizeof *spare);
+        if (!fresh || !spare) st = set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
+        if (st == VMM_OK) st = fetch_fd(reg, alloc, &fd);
+        if (st == VMM_OK) st = map_chunk(fd, (size_t)alloc->mapped_size, dev, fresh);
+        if (st != VMM_OK) {
+            free(fresh);
+            free(spare);
+            free(imp);
+            return st;
         }
-        if ((r = cu.CtxSetCurrent(ctx)) != CUDA_SUCCESS) {
-            what = "cuCtxSetCurrent";
-            goto fail;
+        fresh->key = k;
+        fresh->ctx = ctx;
+        fresh->refs = 1;
+        pthread_mutex_lock(&chunks_lock);
+        bool known = owner_known_locked(alloc);
+        pthread_mutex_unlock(&chunks_lock);
+        int pidfd = known ? -1 : owner_pidfd(alloc);
+        pthread_mutex_lock(&chunks_lock);
+        c = chunk_ref_locked(&k);
+        if (!c) {
+            chunk **b = bucket_of(&k);
+            fresh->next = *b;
+            *b = fresh;
+            fresh->owner = owner_ref_locked(alloc, spare, &pidfd);
+            if (fresh->owner == spare) spare = NULL;
+            c = fresh;
+        }
+        pthread_mutex_unlock(&chunks_lock);
+        if (pidfd >= 0) close(pidfd);
+        free(spare);
+        if (c != fresh) { /* another thread mapped it meanwhile: use that mapping, drop ours */
+            (void)unmap_chunk(fresh->base, fresh->size, fresh->handle, fresh->ctx);
+            free(fresh);
+            if ((st = grant_device(c, dev)) != VMM_OK) {
+                (void)chunk_unref(c);
+                free(imp);
+                return st;
+            }
         }
     }
-    if ((r = cu.CtxGetDevice(&dev)) != CUDA_SUCCESS) {
-        what = "cuCtxGetDevice";
-        goto fail;
-    }
-    r = cu.MemImportFromShareableHandle(&imp->handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    close(fd); /* the driver keeps its own reference */
-    fd = -1;
-    if (r != CUDA_SUCCESS) {
-        what = "cuMemImportFromShareableHandle";
-        goto fail;
-    }
-    imported = true;
-    if ((r = cu.MemAddressReserve(&imp->ptr, (size_t)mapped, 0, 0, 0)) != CUDA_SUCCESS) {
-        what = "cuMemAddressReserve";
-        goto fail;
-    }
-    reserved = true;
-    if ((r = cu.MemMap(imp->ptr, (size_t)mapped, 0, imp->handle, 0)) != CUDA_SUCCESS) {
-        what = "cuMemMap";
-        goto fail;
-    }
-    mapped_ok = true;
-    CUmemAccessDesc acc;
-    memset(&acc, 0, sizeof acc);
-    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    acc.location.id = (int)dev;
-    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    if ((r = cu.MemSetAccess(imp->ptr, (size_t)mapped, &acc, 1)) != CUDA_SUCCESS) {
-        what = "cuMemSetAccess";
-        goto fail;
-    }
-    imp->mapped_size = (size_t)mapped;
-    imp->requested_size = alloc->requested_size ? alloc->requested_size : mapped;
-    imp->ctx = ctx;
+    imp->c = c;
+    imp->ptr = (uint64_t)c->base + alloc->chunk_offset;
+    imp->requested_size = alloc->requested_size ? alloc->requested_size : span;
     *out = imp;
     return VMM_OK;
-
-fail:
-    st = cu_fail(what, r);
-    if (fd >= 0) close(fd);
-    if (mapped_ok) (void)cu.MemUnmap(imp->ptr, (size_t)mapped);
-    if (reserved) (void)cu.MemAddressFree(imp->ptr, (size_t)mapped);
-    if (imported) (void)cu.MemRelease(imp->handle);
-    free(imp);
-    return st;
 }
 
-VMM_PUBLIC uint64_t vmm_import_ptr(const vmm_imported *imp) { return imp ? (uint64_t)imp->ptr : 0; }
+VMM_PUBLIC uint64_t vmm_import_ptr(const vmm_imported *imp) { return imp ? imp->ptr : 0; }
 
 VMM_PUBLIC uint64_t vmm_import_size(const vmm_imported *imp) { return imp ? imp->requested_size : 0; }
 
 VMM_PUBLIC vmm_status vmm_import_release(vmm_imported *imp)
 {
     if (!imp) return VMM_OK;
-    /* cuda_ready() succeeded when imp was made; the table never changes after. */
-    CUcontext cur = NULL;
-    bool switched = false;
-    if (cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur != imp->ctx && cu.CtxSetCurrent(imp->ctx) == CUDA_SUCCESS)
-        switched = true;
-    vmm_status st = VMM_OK;
-    CUresult r;
-    if ((r = cu.MemUnmap(imp->ptr, imp->mapped_size)) != CUDA_SUCCESS) st = cu_fail("cuMemUnmap", r);
-    if ((r = cu.MemRelease(imp->handle)) != CUDA_SUCCESS && st == VMM_OK) st = cu_fail("cuMemRelease", r);
-    if ((r = cu.MemAddressFree(imp->ptr, imp->mapped_size)) != CUDA_SUCCESS && st == VMM_OK)
-        st = cu_fail("cuMemAddressFree", r);
-    if (switched) (void)cu.CtxSetCurrent(cur);
+    vmm_status st = chunk_unref(imp->c);
     free(imp);
     return st;
 }

@@ -144,19 +144,34 @@ vmm_status vmm_gc(vmm_registry *reg, vmm_gc_report *out);
  * (libcuda.so.1) is loaded on first use.  The mapping keeps the memory alive even after its
  * owner frees it or exits.  Failures: VMM_ERR_STALE (freed since it was read), VMM_ERR_OWNER_DEAD,
  * VMM_ERR_ACCESS (broker refused this uid, or no ptrace permission), VMM_ERR_CUDA (the message
- * names the driver call and its CUDA_ERROR_*), VMM_ERR_IO. */
+ * names the driver call and its CUDA_ERROR_*), VMM_ERR_IO (also: the owner's chunk size differs
+ * from the record's).
+ *
+ * What is mapped is the allocation's whole chunk (mapped_size bytes); the pointer handed back is
+ * the chunk's base + chunk_offset.  Imported chunks are shared within this process: while any
+ * vmm_imported of a chunk is held, importing another allocation of it (or the same one again)
+ * asks neither the owner's broker nor the driver to import or map anything -- it re-reads the
+ * allocation's record (still live, same generation, same chunk) and the owner's liveness, and
+ * costs microseconds.  The chunk is unmapped when its last vmm_imported is released.  While
+ * chunks of an owner are mapped, the library keeps one pidfd of that owner open (close-on-exec)
+ * to tell its exit cheaply.  Imports are thread-safe.  Since the whole chunk is mapped, the
+ * bytes of other allocations sharing it are reachable through the mapping too (the broker hands
+ * them to the same users anyway). */
 /* (The handle type cannot share the function's name in C: it is vmm_imported.) */
 typedef struct vmm_imported vmm_imported;
 /* Import into the calling thread's CUDA context, or into device 0's primary context (made
  * current on this thread) when it has none: cuMemImportFromShareableHandle, cuMemAddressReserve,
- * cuMemMap, cuMemSetAccess (read-write for that context's device). */
+ * cuMemMap, cuMemSetAccess (read-write for that context's device; a chunk imported already gets
+ * access for a further device with one cuMemSetAccess). */
 vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out);
-uint64_t vmm_import_ptr(const vmm_imported *imp);  /* device pointer in this process */
+uint64_t vmm_import_ptr(const vmm_imported *imp);  /* the allocation's device pointer here */
 uint64_t vmm_import_size(const vmm_imported *imp); /* the owner's requested size */
-/* Unmap, release the handle and free the reservation; NULL is fine.  imp is freed either way. */
+/* Drop this handle's reference to the chunk; the last one unmaps it, releases the handle and
+ * frees the reservation.  NULL is fine.  imp is freed either way. */
 vmm_status vmm_import_release(vmm_imported *imp);
-/* Just the fd (a POSIX file descriptor, close-on-exec), for companions that import it
- * themselves; the caller closes it. */
+/* Just the fd of the allocation's chunk (a POSIX file descriptor, close-on-exec), for companions
+ * that import it themselves: map alloc->mapped_size bytes and add alloc->chunk_offset.  Each call
+ * asks the owner again; the caller closes the fd. */
 vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd);
 
 #ifdef __cplusplus

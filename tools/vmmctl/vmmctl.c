@@ -35,10 +35,11 @@ static const char usage_text[] =
     "  check          validate the registry; exit 1 if dead owners' records, torn records\n"
     "                 or a damaged segment are found\n"
     "  gc             reclaim the records of dead processes\n"
-    "  show PID ADDR  one allocation (any address inside it) in full\n"
+    "  show PID ADDR  one allocation (any address inside it) in full, with its chunk and the\n"
+    "                 other live allocations sharing it\n"
     "  import-test PID ADDR [LEN]\n"
     "                 import it as a companion does, print the FNV-1a checksum of LEN bytes\n"
-    "                 from ADDR (default: to the end of the allocation) and the import time\n"
+    "                 from ADDR (default: to the end of the allocation) and the import times\n"
     "  config         every VMMSHIM_* option: its value and where it came from\n"
     "\n"
     "options:\n"
@@ -275,6 +276,10 @@ typedef struct {
     uint64_t now, n, requested, mapped, hidden;
 } list_ctx;
 
+/* The bytes an allocation holds: its extent of a shared chunk (the whole chunk is mapped_size,
+ * and adding that up would count a shared chunk once per allocation in it). */
+static uint64_t held_bytes(const vmm_alloc_info *a) { return a->extent ? a->extent : a->mapped_size; }
+
 static int list_row(void *ctx, const vmm_alloc_info *a)
 {
     list_ctx *c = ctx;
@@ -291,12 +296,16 @@ static int list_row(void *ctx, const vmm_alloc_info *a)
         printf("%s\n  {\"id\": \"%s\", \"slot\": %llu, \"generation\": %llu, \"pid\": %u, \"owner\": \"%s\", "
                "\"owner_start_time\": %llu, \"owner_pidns\": %llu, \"device\": %u, \"device_uuid\": \"%s\", "
                "\"address\": %llu, \"address_hex\": \"0x%llx\", \"requested_size\": %llu, \"mapped_size\": %llu, "
+               "\"chunk_id\": %llu, \"chunk_offset\": %llu, \"extent\": %llu, \"shared_chunk\": %s, "
                "\"stream\": %llu, \"created_ns\": %llu, \"age_s\": %llu, \"api\": \"%s\", \"handle_kinds\": [",
                c->n ? "," : "", id, (unsigned long long)a->slot, (unsigned long long)a->generation, a->pid,
                owner_name(a->owner_alive, true), (unsigned long long)a->owner_start_time,
                (unsigned long long)a->owner_pidns, a->device, uuid, (unsigned long long)a->address,
                (unsigned long long)a->address, (unsigned long long)a->requested_size,
-               (unsigned long long)a->mapped_size, (unsigned long long)a->stream, (unsigned long long)a->created_ns,
+               (unsigned long long)a->mapped_size, (unsigned long long)a->chunk_id,
+               (unsigned long long)a->chunk_offset, (unsigned long long)held_bytes(a),
+               a->flags & VMM_ALLOC_SHARED_CHUNK ? "true" : "false", (unsigned long long)a->stream,
+               (unsigned long long)a->created_ns,
                (unsigned long long)age_s(a->created_ns, c->now), api_name(a->api));
         const char *sep = "";
         if (a->handle_kinds & VMM_KIND_BROKER) printf("%s\"broker\"", sep), sep = ", ";
@@ -314,13 +323,13 @@ static int list_row(void *ctx, const vmm_alloc_info *a)
         /* The short id is the last 8 bytes: the registry makes the first 8 a per-process nonce,
          * the same on every row of a process. */
         printf("%7u %3u 0x%012llx %10s %10s %-15s %-19s %-5s %7s %-16s %s\n", a->pid, a->device,
-               (unsigned long long)a->address, human(a->requested_size, &req), human(a->mapped_size, &map),
+               (unsigned long long)a->address, human(a->requested_size, &req), human(held_bytes(a), &map),
                api_name(a->api), kinds_text(a->handle_kinds, kinds, sizeof kinds), owner_name(a->owner_alive, false),
                age, cell(a->tag, tag, sizeof tag), id + 16);
     }
     c->n++;
     c->requested += a->requested_size;
-    c->mapped += a->mapped_size;
+    c->mapped += held_bytes(a);
     return 0;
 }
 
@@ -588,6 +597,21 @@ static int find_alloc(int argc, char **argv, const char *cmd, vmm_registry **reg
     return EXIT_OK;
 }
 
+typedef struct {
+    const vmm_alloc_info *self;
+    uint64_t n;
+} sharers;
+
+static int count_sharers(void *ctx, const vmm_alloc_info *o)
+{
+    sharers *s = ctx;
+    const vmm_alloc_info *a = s->self;
+    if (o->chunk_id == a->chunk_id && o->pid == a->pid && o->owner_start_time == a->owner_start_time &&
+        o->owner_pidns == a->owner_pidns && o->slot != a->slot)
+        s->n++;
+    return 0;
+}
+
 static int cmd_show(int argc, char **argv)
 {
     vmm_registry *reg;
@@ -606,7 +630,23 @@ static int cmd_show(int argc, char **argv)
     printf("device       %u (uuid %s)\n", a.device, uuid);
     printf("address      0x%llx (offset %llu of the given address)\n", (unsigned long long)a.address,
            (unsigned long long)(addr - a.address));
-    printf("size         %s requested, %s mapped\n", human(a.requested_size, &h1), human(a.mapped_size, &h2));
+    printf("size         %s requested, extent %s\n", human(a.requested_size, &h1), human(held_bytes(&a), &h2));
+    if (a.chunk_id) {
+        /* the others in the chunk: a walk of the registry, which is fine for a tool */
+        sharers sh = {.self = &a};
+        vmm_foreach_alloc(reg, count_sharers, &sh);
+        printf("chunk        id %llu at 0x%llx, offset %llu (0x%llx), chunk size %s\n", (unsigned long long)a.chunk_id,
+               (unsigned long long)(a.address - a.chunk_offset), (unsigned long long)a.chunk_offset,
+               (unsigned long long)a.chunk_offset, human(a.mapped_size, &h1));
+        if (sh.n)
+            printf("sharing      shares its chunk with %llu other live allocation%s\n", (unsigned long long)sh.n,
+                   sh.n == 1 ? "" : "s");
+        else
+            printf("sharing      alone in its chunk%s\n",
+                   a.flags & VMM_ALLOC_SHARED_CHUNK ? " (others may join it)" : "");
+    } else {
+        printf("chunk        its own, chunk size %s\n", human(a.mapped_size, &h1));
+    }
     printf("made by      %s", api_name(a.api));
     if (a.stream) printf(" on stream 0x%llx", (unsigned long long)a.stream);
     printf("\nexport       %s", kinds_text(a.handle_kinds, kinds, sizeof kinds));
@@ -628,11 +668,17 @@ static int cmd_import_test(int argc, char **argv)
     uint64_t len_arg;
     int rc = find_alloc(argc, argv, "import-test", &reg, &a, &addr, &len_arg);
     if (rc) return rc;
-    uint64_t off = addr - a.address, len = len_arg ? len_arg : a.requested_size - off;
-    if (off + len > a.mapped_size) usage_error("import-test: LEN runs past the allocation");
-    /* The first import also starts CUDA in this process; time a second one on its own. */
-    struct timespec t0, t1, t2;
-    vmm_imported *imp;
+    /* The allocation's bytes, never the rest of its chunk: to the end of what was requested, or
+     * of its extent when ADDR lies in the padding past that. */
+    uint64_t off = addr - a.address, end = off < a.requested_size ? a.requested_size : held_bytes(&a);
+    if (len_arg > end - off) usage_error("import-test: LEN runs past the allocation (%llu bytes from ADDR at most)",
+                                         (unsigned long long)(end - off));
+    uint64_t len = len_arg ? len_arg : end - off;
+    /* The first import also starts CUDA in this process; time a second one on its own (after a
+     * release, so the chunk is imported again), and a third while the second holds the chunk
+     * (served by this process's chunk cache). */
+    struct timespec t0, t1, t2, t3;
+    vmm_imported *imp = NULL, *again = NULL;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     vmm_status st = vmm_import(reg, &a, &imp);
     clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -642,7 +688,17 @@ static int cmd_import_test(int argc, char **argv)
         st = vmm_import(reg, &a, &imp);
     }
     clock_gettime(CLOCK_MONOTONIC, &t2);
+    if (st == VMM_OK) st = vmm_import(reg, &a, &again);
+    clock_gettime(CLOCK_MONOTONIC, &t3);
+    if (st == VMM_OK && vmm_import_ptr(again) != vmm_import_ptr(imp)) {
+        vmm_import_release(again);
+        vmm_import_release(imp);
+        vmm_close(reg);
+        return error("a second import of pid %u 0x%llx landed elsewhere", a.pid, (unsigned long long)a.address);
+    }
+    vmm_import_release(again);
     if (st != VMM_OK) {
+        vmm_import_release(imp);
         vmm_close(reg);
         return api_error(st);
     }
@@ -668,10 +724,14 @@ static int cmd_import_test(int argc, char **argv)
     }
     double cold = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
     double warm = (double)(t2.tv_sec - t1.tv_sec) * 1e6 + (double)(t2.tv_nsec - t1.tv_nsec) / 1e3;
-    printf("imported pid %u 0x%llx (%llu bytes mapped) in %.0f us (first import, with CUDA start-up: %.1f ms); "
-           "%llu bytes from 0x%llx: fnv %016llx\n",
-           a.pid, (unsigned long long)a.address, (unsigned long long)a.mapped_size, warm, cold, (unsigned long long)len,
-           (unsigned long long)addr, (unsigned long long)fnv);
+    double cached = (double)(t3.tv_sec - t2.tv_sec) * 1e6 + (double)(t3.tv_nsec - t2.tv_nsec) / 1e3;
+    char where[64] = "its own chunk";
+    if (a.chunk_id) snprintf(where, sizeof where, "offset %llu of chunk %llu", (unsigned long long)a.chunk_offset,
+                             (unsigned long long)a.chunk_id);
+    printf("imported pid %u 0x%llx (%s, %llu bytes mapped) in %.0f us (first import, with CUDA start-up: %.1f ms; "
+           "again while mapped: %.1f us); %llu bytes from 0x%llx: fnv %016llx\n",
+           a.pid, (unsigned long long)a.address, where, (unsigned long long)a.mapped_size, warm, cold, cached,
+           (unsigned long long)len, (unsigned long long)addr, (unsigned long long)fnv);
     return EXIT_OK;
 }
 
