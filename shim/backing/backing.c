@@ -169,6 +169,14 @@ static void on_exit_detach(void)
 {
     /* Pure shared-memory work: CUDA may already be torn down at exit. */
     if (S.registry_ok) vmm__reg_detach(&S.reg);
+    if (vmm__opt_bool(VMM__OPT_VERBOSE))
+        for (int i = 0; i < MAX_DEVICES; i++) {
+            const vmm__pool *p = &S.dev[i].pool;
+            if (S.dev[i].pool_ready)
+                vmm__log(VMM__LOG_INFO, "device %d pool: %llu chunks made, %llu given back; peak %llu MiB reserved, %llu MiB used",
+                         i, (unsigned long long)p->chunks_made, (unsigned long long)p->chunks_released,
+                         (unsigned long long)(p->reserved_high >> 20), (unsigned long long)(p->used_high >> 20));
+        }
 }
 
 static void after_fork_child(void)
@@ -290,6 +298,7 @@ static int device_usable(int dev)
     if (__atomic_load_n(&d->checked, __ATOMIC_ACQUIRE)) return d->usable;
     pthread_mutex_lock(&S.lock);
     if (!d->checked) {
+        d->index = dev;
         int vmm = 0, posix = 0;
         cu.DeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
         cu.DeviceGetAttribute(&posix, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);

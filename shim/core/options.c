@@ -80,7 +80,7 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
         "instead of 0600)."),
     OPT(REGISTRY_CAPACITY, T_INT, "1048576", 1024, 16777216, NULL, NULL,
         "Allocation records the registry can hold."),
-    OPT(CACHE_SIZE, T_SIZE, "1G", 0, TiB, NULL, NULL,
+    OPT(CACHE_SIZE, T_SIZE, "4G", 0, TiB, NULL, NULL,
         "Bytes of empty chunks kept per device for reuse (or the pool's release threshold, if larger)."),
     OPT(ISOLATE, T_BOOL, "0", 0, 0, NULL, NULL,
         "1 gives every allocation a chunk of its own, so an importer maps nothing of its neighbours."),

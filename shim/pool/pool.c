@@ -82,16 +82,18 @@ static int usable(vmm__pool *p, vmm__block *b, int ordered, uint64_t stream)
     return 1;
 }
 
-static vmm__block *find_free(vmm__pool *p, uint64_t need, int small, int ordered, uint64_t stream)
+static uint64_t front_gap(const vmm__block *b, uint64_t align) { return round_up(b->addr, align) - b->addr; }
+
+static vmm__block *find_free(vmm__pool *p, uint64_t need, uint64_t align, int small, int ordered, uint64_t stream)
 {
     vmm__pool_bins *bins = &p->bins[small];
     int c = class_of(need);
     for (vmm__block *b = bins->head[c]; b; b = b->fnext)
-        if ((p->isolate ? b->size == need : b->size >= need) && usable(p, b, ordered, stream)) return b;
+        if ((p->isolate ? b->size == need : b->size >= need + front_gap(b, align)) && usable(p, b, ordered, stream)) return b;
     if (p->isolate) return NULL; /* a chunk is never shared, so only its own size will do */
     for (c = next_class(bins, c + 1); c >= 0; c = next_class(bins, c + 1))
         for (vmm__block *b = bins->head[c]; b; b = b->fnext)
-            if (usable(p, b, ordered, stream)) return b;
+            if (b->size >= need + front_gap(b, align) && usable(p, b, ordered, stream)) return b;
     return NULL;
 }
 
@@ -101,10 +103,29 @@ static void note_used(vmm__pool *p, int64_t delta)
     if (p->used > p->used_high) p->used_high = p->used;
 }
 
-/* Take `need` bytes from the start of free block b, leaving the rest free where it is worth it. */
-static vmm__block *carve(vmm__pool *p, vmm__block *b, uint64_t need)
+/* Take `need` bytes from free block b at the first `align`ed address, leaving what is before and
+ * after free where it is worth it.  NULL (b untouched) only when no block struct can be had. */
+static vmm__block *carve(vmm__pool *p, vmm__block *b, uint64_t need, uint64_t align)
 {
+    uint64_t front = front_gap(b, align);
     bin_remove(p, b);
+    if (front) { /* the gap stays free, with whatever event it waits on; the rest is used now */
+        vmm__block *nb = block_new(p);
+        if (!nb) {
+            bin_insert(p, b);
+            return NULL;
+        }
+        nb->addr = b->addr + front;
+        nb->size = b->size - front;
+        nb->chunk = b->chunk;
+        nb->prev = b;
+        nb->next = b->next;
+        if (b->next) b->next->prev = nb;
+        b->next = nb;
+        b->size = front;
+        bin_insert(p, b);
+        b = nb;
+    }
     uint64_t rest = b->size - need;
     /* A small chunk's rest serves any small request; a large rest under 1 MiB would only ever
      * serve requests that go to small chunks, so it stays with the block. */
@@ -209,6 +230,13 @@ static void settle_events(vmm__pool *p)
                 }
 }
 
+static vmm__block *carve_or_fail(vmm__pool *p, vmm__block *b, uint64_t need, uint64_t align, int *err)
+{
+    vmm__block *got = carve(p, b, need, align);
+    if (!got) *err = -ENOMEM;
+    return got;
+}
+
 vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uint64_t stream, int *err)
 {
     *err = 0;
@@ -218,8 +246,15 @@ vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uin
     }
     uint64_t need = p->isolate ? round_up(size, p->granule) : round_up(size, VMM_POOL_ALIGN);
     int small = !p->isolate && need <= VMM_POOL_SMALL_MAX;
-    vmm__block *b = find_free(p, need, small, stream_ordered, stream);
-    if (b) return carve(p, b, need);
+    /* Native cudaMalloc gives requests over 1 MiB whole 2 MiB pages; cudaMallocAsync packs them at
+     * 512 bytes (measured, README.md).  Each gets at least what native gives it. */
+    uint64_t align = VMM_POOL_ALIGN;
+    if (!small && !stream_ordered) {
+        need = round_up(need, p->granule);
+        align = p->granule;
+    }
+    vmm__block *b = find_free(p, need, align, small, stream_ordered, stream);
+    if (b) return carve_or_fail(p, b, need, align, err);
 
     uint64_t exact = round_up(need, p->granule);
     uint64_t chunk = small ? round_up(p->granule, VMM_POOL_ALIGN)
@@ -233,29 +268,32 @@ vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uin
          * chunk, and look again before asking once more. */
         settle_events(p);
         release_empty(p, 0, 0);
-        if ((b = find_free(p, need, small, stream_ordered, stream))) return carve(p, b, need);
+        if ((b = find_free(p, need, align, small, stream_ordered, stream))) return carve_or_fail(p, b, need, align, err);
         rc = chunk_add(p, exact, small, &b);
     }
     if (rc) {
         *err = rc;
         return NULL;
     }
-    return carve(p, b, need);
+    return carve_or_fail(p, b, need, align, err); /* a new chunk's base is aligned: no gap */
 }
 
+/* Free neighbours merge unless they wait on different streams: a settled block joins a pending
+ * one (the whole then waits on that stream's event, a short wait that keeps free space whole). */
 static int compatible(vmm__pool *p, vmm__block *a, const vmm__block *b)
 {
     if (a->event && p->ops.event_done(p->ops.ctx, a->event)) event_clear(p, a);
-    return (!a->event && !b->event) || (a->event && b->event && a->stream == b->stream);
+    return !a->event || !b->event || a->stream == b->stream;
 }
 
-/* b absorbs its free neighbour n (n follows b); the newer free's event is kept: on one stream,
+/* b absorbs its free neighbour n (n follows b).  Of two events on one stream the newer is kept:
  * reaching it means reaching the older one too. */
 static void absorb(vmm__pool *p, vmm__block *b, vmm__block *n, int n_is_newer)
 {
-    if (n_is_newer) {
+    if (n->event && (!b->event || n_is_newer)) {
         if (b->event) p->ops.event_release(p->ops.ctx, b->event);
         b->event = n->event;
+        b->stream = n->stream;
     } else if (n->event) {
         p->ops.event_release(p->ops.ctx, n->event);
     }

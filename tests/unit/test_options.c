@@ -71,7 +71,7 @@ static void test_table(void)
     CHECK(strcmp(vmm__opt_str(VMM__OPT_LOG_FILE), "") == 0, "log file");
     CHECK_EQ(vmm__opt_bool(VMM__OPT_ENABLE), 1);
     CHECK_EQ(vmm__opt_int(VMM__OPT_REGISTRY_CAPACITY), 1048576);
-    CHECK(vmm__opt_size(VMM__OPT_CACHE_SIZE) == 1ULL << 30, "cache %llu", vmm__opt_size(VMM__OPT_CACHE_SIZE));
+    CHECK(vmm__opt_size(VMM__OPT_CACHE_SIZE) == 4ULL << 30, "cache %llu", vmm__opt_size(VMM__OPT_CACHE_SIZE));
     CHECK_EQ(vmm__opt_enum(VMM__OPT_EXPORT), VMM__EXPORT_BROKER);
     CHECK_EQ(vmm__opt_enum(VMM__OPT_FABRIC), VMM__FABRIC_AUTO);
     CHECK_EQ(vmm__opt_int(VMM__OPT_FRAMES), 0);
@@ -80,7 +80,7 @@ static void test_table(void)
     CHECK(strcmp(vmm__opt_type_name(VMM__OPT_CACHE_SIZE), "size") == 0, "type");
     CHECK(strcmp(vmm__opt_type_name(VMM__OPT_FABRIC), "enum") == 0, "type");
     CHECK(strcmp(vmm__opt_type_name(VMM__OPT_TAG), "string") == 0, "type");
-    CHECK(strcmp(vmm__opt_default_text(VMM__OPT_CACHE_SIZE), "1G") == 0, "default text");
+    CHECK(strcmp(vmm__opt_default_text(VMM__OPT_CACHE_SIZE), "4G") == 0, "default text");
     CHECK(vmm__opt_str(VMM__OPT_COUNT) != NULL && vmm__opt_str(VMM__OPT_STRICT)[0] == 0, "str never NULL");
     CHECK_EQ(vmm__opt_init(), 0);
 }
@@ -210,7 +210,7 @@ static void test_bad_values(void)
     setenv("VMMSHIM_CACHE_SIZE", "12Q", 1);
     CHECK_EQ(reload(), 0);
     CHECK(strcmp(cap_text(), "vmmshim: warning: VMMSHIM_CACHE_SIZE='12Q' is not a size (use bytes or K/M/G/T "
-                             "suffix, 0..1T); using default 1G\n") == 0, "%s", cap_buf);
+                             "suffix, 0..1T); using default 4G\n") == 0, "%s", cap_buf);
 
     bad(VMM__OPT_VERBOSE, "maybe", "is not a boolean (use 1/0, true/false, yes/no, on/off)");
     bad(VMM__OPT_ENABLE, "2", "is not a boolean");
@@ -366,7 +366,7 @@ static void test_strict(void)
     CHECK_EQ(reload(), -1);
     CHECK(strcmp(cap_text(), "vmmshim: error: VMMSHIM_CACHE_SIZE='12Q' is not a size (use bytes or K/M/G/T "
                              "suffix, 0..1T); refused (VMMSHIM_STRICT=1)\n") == 0, "%s", cap_buf);
-    CHECK(vmm__opt_size(VMM__OPT_CACHE_SIZE) == 1ULL << 30, "default kept");
+    CHECK(vmm__opt_size(VMM__OPT_CACHE_SIZE) == 4ULL << 30, "default kept");
     CHECK_EQ(vmm__opt_bool(VMM__OPT_STRICT), 1);
     CHECK_EQ(vmm__opt_init(), -1);
 

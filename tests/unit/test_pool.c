@@ -171,34 +171,60 @@ static void test_split_coalesce(void)
     vmm__pool_destroy(&p);
 }
 
+/* Native cudaMalloc gives requests over 1 MiB whole 2 MiB pages; cudaMallocAsync packs at 512 B. */
+static void test_alignment(void)
+{
+    vmm__pool p;
+    setup(&p, 256 * MiB, 1ull << 40, 0);
+    vmm__block *a = take(&p, MiB + 512, 1, 1);
+    vmm__block *s = take(&p, 3 * MiB, 0, 0);
+    CHECK(a && a->size == MiB + 512 && a->addr % VMM_POOL_ALIGN == 0, "stream-ordered: 512-byte packing");
+    CHECK(s && s->chunk == a->chunk && s->addr % GRANULE == 0 && s->size == 4 * MiB,
+          "synchronous over 1 MiB: a 2 MiB-aligned, 2 MiB-rounded block in the same chunk (at %#" PRIx64 ", %" PRIu64 " bytes)",
+          s ? s->addr : 0, s ? s->size : 0);
+    vmm__block *gap = s ? s->prev : NULL;
+    CHECK(gap && gap->free && gap->addr == a->addr + a->size && gap->addr + gap->size == s->addr, "the gap before it stays free");
+    vmm__block *fill = take(&p, MiB / 2 + 1024, 1, 1); /* large-pool requests are > 1 MiB: this goes to a small chunk */
+    CHECK(fill && fill->chunk->small, "a small request does not land in a large chunk's gap");
+    uint64_t base = a->addr;
+    vmm__pool_free(&p, a, 0, NULL); /* joins the gap: 2 MiB free before s */
+    vmm__block *g2 = take(&p, 2 * MiB, 1, 1);
+    CHECK(g2 && g2->addr == base, "the gap rejoins its neighbour when that is freed");
+    CHECK(consistent(&p), "bookkeeping");
+    vmm__pool_destroy(&p);
+}
+
 static void test_streams(void)
 {
     vmm__pool p;
     setup(&p, 64 * MiB, 1ull << 40, 0);
     vmm__block *x = take(&p, 8192, 1, 1);
     uint64_t at = x->addr;
+    vmm__chunk *a = x->chunk;
     fake_event *e1 = ev_new();
     vmm__pool_free(&p, x, 1, e1);
     vmm__block *y = take(&p, 8192, 1, 1);
-    CHECK(y && y->addr == at, "the freeing stream reuses its block at once");
-    CHECK_EQ(live_events, 0); /* the whole block went back to stream 1: its event too */
+    CHECK(y && y->addr == at && !y->event, "the freeing stream reuses its block at once");
     fake_event *e2 = ev_new();
-    vmm__pool_free(&p, y, 1, e2);
-    vmm__block *z = take(&p, 8192, 1, 2);
-    CHECK(z && z->addr != at, "another stream does not, before the event");
-    vmm__block *s = take(&p, 8192, 0, 0);
-    CHECK(s && s->addr != at, "nor does a synchronous allocation");
+    vmm__pool_free(&p, y, 1, e2); /* the chunk's free space now waits on e2, the newer event */
+    CHECK_EQ(live_events, 1);
+    vmm__block *z = take(&p, MiB, 1, 2);
+    CHECK(z && z->chunk != a, "another stream does not, before the event");
+    vmm__block *s = take(&p, 512 * 1024, 0, 0);
+    CHECK(s && s->chunk != a, "nor does a synchronous allocation");
     e2->done = 1;
-    vmm__block *w = take(&p, 8192, 1, 2);
+    vmm__block *w = take(&p, MiB, 1, 2); /* fits only in the first chunk */
     CHECK(w && w->addr == at, "another stream does once the event is reached");
     CHECK_EQ(live_events, 0);
-    /* a pending block does not coalesce with a neighbour free for every stream */
+    /* a settled block and a pending neighbour merge; the whole waits on the pending one's event */
     vmm__block *n1 = take(&p, 4096, 0, 0), *n2 = take(&p, 4096, 0, 0);
+    CHECK(n1 && n2 && n2->addr == n1->addr + n1->size, "neighbours");
+    uint64_t n1_addr = n1->addr;
     vmm__pool_free(&p, n1, 0, NULL);
     fake_event *e3 = ev_new();
     vmm__pool_free(&p, n2, 3, e3);
-    CHECK(!n1->next || n1->next == n2 || n1->next->addr != n1->addr + n1->size || n1->size == 4096,
-          "pending and settled blocks stay apart");
+    vmm__block *m = vmm__pool_block_at(&p, n1->chunk, n1_addr);
+    CHECK(m && m->free && m->event == e3 && m->stream == 3 && m->size >= 8192, "settled and pending neighbours merged");
     CHECK(consistent(&p), "bookkeeping");
     vmm__pool_destroy(&p);
     CHECK_EQ(live_events, 0);
@@ -332,6 +358,7 @@ int main(void)
 {
     test_packing();
     test_split_coalesce();
+    test_alignment();
     test_streams();
     test_oom_gives_back();
     test_isolate();

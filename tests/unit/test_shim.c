@@ -189,7 +189,7 @@ static void test_publish_and_import(void)
     if (!reg) return;
     vmm_alloc_info a, b;
     CHECK(vmm_find(reg, (uint32_t)o.pid, o.addr[0] + 12345, &a) == VMM_OK, "find: %s", vmm_last_error());
-    CHECK(a.address == o.addr[0] && a.requested_size == 3u << 20 && a.mapped_size == 20u << 20 && a.extent == 3u << 20, "record %llx %llu %llu",
+    CHECK(a.address == o.addr[0] && a.requested_size == 3u << 20 && a.mapped_size == 20u << 20 && a.extent == 4u << 20, "record %llx %llu %llu",
           (unsigned long long)a.address, (unsigned long long)a.requested_size, (unsigned long long)a.mapped_size);
     CHECK(a.api == VMM_FROM_CUDA_MALLOC && (a.handle_kinds & VMM_KIND_BROKER), "api %u kinds %u", a.api, a.handle_kinds);
     CHECK(vmm_find(reg, (uint32_t)o.pid, o.addr[1], &b) == VMM_OK && b.api == VMM_FROM_CUDA_MALLOC_ASYNC, "async record");
@@ -309,6 +309,71 @@ static void test_owner_killed(void)
 }
 
 
+/* 50,000 live 4 KiB allocations on a 1 GiB device: natively none fails, and none may under the shim,
+ * which must take no more than 1.1x native's memory + 64 MiB. */
+static void test_many_small(void)
+{
+    char prog[600], nat[512], sh[512], e1[4096], e2[4096];
+    snprintf(prog, sizeof prog, "%s/progs/many", build);
+    char *argv[] = {prog, "50000", "4096", NULL};
+    const char *env_native[] = {"FAKECUDA_MEM_BYTES=1073741824", NULL};
+    const char *env_shim[] = {"FAKECUDA_MEM_BYTES=1073741824", preload, NULL};
+    int r1 = run(argv, env_native, nat, sizeof nat, e1, sizeof e1);
+    int r2 = run(argv, env_shim, sh, sizeof sh, e2, sizeof e2);
+    int n1 = -1, f1 = -1, n2 = -1, f2 = -1;
+    unsigned long long u1 = 0, u2 = 0;
+    CHECK(r1 == 0 && sscanf(nat, "allocated=%d failures=%d used=%llu", &n1, &f1, &u1) == 3, "native: %s%s", nat, e1);
+    CHECK(r2 == 0 && sscanf(sh, "allocated=%d failures=%d used=%llu", &n2, &f2, &u2) == 3, "shim: %s%s", sh, e2);
+    CHECK(f1 == 0 && f2 == 0, "50,000 x 4 KiB on 1 GiB: %d failed natively, %d under the shim", f1, f2);
+    CHECK(u2 <= u1 + u1 / 10 + (64ull << 20), "50,000 x 4 KiB: %llu bytes under the shim, %llu natively", u2, u1);
+    printf("stat: 50,000 x 4 KiB on a 1 GiB emulated device: native %d failed, %.1f MiB; shim %d failed, %.1f MiB\n", f1,
+           (double)u1 / 1048576, f2, (double)u2 / 1048576);
+}
+
+/* Three 4 KiB allocations share one chunk, each found from its interior and imported at its own
+ * offset; with VMMSHIM_ISOLATE=1 each has a chunk of its own. */
+static void test_packed_and_isolated(void)
+{
+    for (int isolate = 0; isolate < 2; isolate++) {
+        owner o;
+        const char *env[] = {"VMMSHIM_ISOLATE=1", NULL};
+        CHECK(owner_start(&o, isolate ? env : NULL, "0.00390625 0.00390625 0.00390625") == 0, "owner did not start");
+        if (o.n != 3) continue;
+        vmm_registry *reg = NULL;
+        CHECK(vmm_open(registry, &reg) == VMM_OK, "open: %s", vmm_last_error());
+        if (!reg) continue;
+        vmm_alloc_info a[3];
+        int found = 0;
+        for (int i = 0; i < 3; i++)
+            found += vmm_find(reg, (uint32_t)o.pid, o.addr[i] + 4000, &a[i]) == VMM_OK && a[i].address == o.addr[i];
+        CHECK_EQ(found, 3);
+        if (found == 3 && !isolate) {
+            CHECK(a[0].chunk_id && a[0].chunk_id == a[1].chunk_id && a[1].chunk_id == a[2].chunk_id, "one chunk for three");
+            for (int i = 0; i < 3; i++)
+                CHECK(a[i].mapped_size == 2u << 20 && a[i].extent == 4096 && a[i].address - a[i].chunk_offset == a[0].address - a[0].chunk_offset &&
+                          (a[i].flags & VMM_ALLOC_SHARED_CHUNK) && a[i].address % 512 == 0,
+                      "packed %d: mapped %llu extent %llu offset %llu flags %u", i, (unsigned long long)a[i].mapped_size,
+                      (unsigned long long)a[i].extent, (unsigned long long)a[i].chunk_offset, a[i].flags);
+            vmm_alloc_info out;
+            CHECK(vmm_find(reg, (uint32_t)o.pid, o.addr[2] + 4096, &out) != VMM_OK || out.address != o.addr[2],
+                  "an address past the third is not the third");
+            vmm_imported *imp = NULL;
+            CHECK(vmm_import(reg, &a[1], &imp) == VMM_OK, "import of a packed one: %s", vmm_last_error());
+            if (imp) {
+                CHECK(pattern_ok((const uint8_t *)(uintptr_t)vmm_import_ptr(imp), 4096, 1), "the packed one's own bytes");
+                vmm_import_release(imp);
+            }
+        }
+        if (found == 3 && isolate)
+            CHECK(a[0].chunk_id != a[1].chunk_id && a[1].chunk_id != a[2].chunk_id && a[0].chunk_id != a[2].chunk_id &&
+                      a[0].chunk_offset == 0 && a[1].extent == 2u << 20 && !(a[2].flags & VMM_ALLOC_SHARED_CHUNK),
+                  "VMMSHIM_ISOLATE=1: chunk ids %llu %llu %llu", (unsigned long long)a[0].chunk_id,
+                  (unsigned long long)a[1].chunk_id, (unsigned long long)a[2].chunk_id);
+        owner_end(&o);
+        vmm_close(reg);
+    }
+}
+
 int main(void)
 {
     const char *b = getenv("VMMSHIM_TEST_BUILD");
@@ -323,6 +388,8 @@ int main(void)
     test_rtld_next();
     test_fallback_and_strict();
     test_publish_and_import();
+    test_packed_and_isolated();
+    test_many_small();
     test_capture();
     test_owner_killed();
     shm_unlink(registry);
