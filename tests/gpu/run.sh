@@ -49,6 +49,15 @@ read -r _ opid oaddr _ _ osum <&"${OWN2[0]}"; read -r _ <&"${OWN2[0]}"
 check "import-test reads the owner's bytes (fnv $osum)" "grep -q 'fnv $osum' '$W/it'"
 echo quit >&"${OWN2[1]}"; wait $OWN2_PID 2>/dev/null
 
+echo "== a companion reads a packed small allocation (three 4 KiB buffers in one chunk)"
+coproc OWN3 { env $SHIM "$W/owner" 0.00390625 0.00390625 0.00390625; }
+for i in 0 1 2; do read -r _ opid oaddr _ _ osum <&"${OWN3[0]}"; done   # the third buffer
+"$B/vmmctl" show "$opid" "$oaddr" | tee "$W/show3"
+"$B/vmmctl" import-test "$opid" "$oaddr" | tee "$W/it3"
+check "the small buffers share one chunk" "grep -q 'shares its chunk with 2 other' '$W/show3'"
+check "import-test reads the packed buffer's bytes (fnv $osum)" "grep -q 'fnv $osum' '$W/it3'"
+echo quit >&"${OWN3[1]}"; wait $OWN3_PID 2>/dev/null
+
 echo "== out of memory: 64 MiB blocks until failure"
 "$W/oom" > "$W/oom.native" 2>&1; env $SHIM "$W/oom" > "$W/oom.shim" 2>&1; rc=$?
 if [ $rc -ge 128 ] && command -v cuda-gdb >/dev/null; then   # a crash: show where
