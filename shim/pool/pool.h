@@ -9,7 +9,7 @@
 #include <uthash.h>
 
 /* Every block starts on, and is a multiple of, this many bytes: what native cudaMalloc gives
- * (measured on H100 and H200, see shim/pool/README.md). */
+ * (measured on an H100; README.md, "The pool"). */
 #define VMM_POOL_ALIGN 512u
 /* Requests up to this size share small chunks of one granule (2 MiB). */
 #define VMM_POOL_SMALL_MAX (1u << 20)

@@ -462,8 +462,8 @@ int vmm__reg_set_broker(vmm__reg *r, const char *broker_path)
     return 0;
 }
 
-/* OFD locks belong to the open file description, which all threads of a process share: these
- * serialise the threads of this process before the OFD lock serialises the processes. */
+/* The index lock word and the OFD gc lock both name a process, not a thread: these serialise the
+ * threads of this process before the shared lock serialises the processes. */
 static pthread_mutex_t index_mutex = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t gc_mutex = PTHREAD_MUTEX_INITIALIZER;
 

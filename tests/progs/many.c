@@ -24,5 +24,6 @@ int main(int argc, char **argv)
     cudaMemGetInfo(&free1, &total);
     printf("allocated=%d failures=%d used=%zu\n", n - failed, failed, free0 - free1);
     for (int i = 0; i < n; i++) cudaFree(p[i]);
+    free(p);
     return 0;
 }
