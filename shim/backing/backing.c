@@ -20,6 +20,7 @@
 #include <libgen.h>
 #include <limits.h>
 
+#include "backing/adopt.h"
 #include "broker/broker.h"
 #include "core/log.h"
 #include "core/options.h"
@@ -384,7 +385,7 @@ static int chunk_create(void *ctx, vmm__chunk *pc)
     c->handle = h;
     c->dev = dev;
     c->exported_fd = -1;
-    c->id = ++S.next_chunk_id;
+    c->id = vmm__new_chunk_id();
     c->pool_chunk = pc;
     export_chunk(c);
     HASH_ADD(hh, S.chunks, base, sizeof(uint64_t), c);
@@ -479,7 +480,11 @@ static int broker_export(uint64_t slot, uint64_t generation, const uint8_t id[16
     uint32_t key = (uint32_t)slot;
     HASH_FIND(hs, S.by_slot, &key, sizeof key, b);
     int rc;
-    if (!b || !b->live)
+    if (!b) {
+        pthread_mutex_unlock(&S.lock);
+        return vmm__adopt_export(slot, generation, id, fd, mapped, device); /* a range the program mapped */
+    }
+    if (!b->live)
         rc = -ENOENT;
     else if (b->generation != generation || memcmp(b->alloc_id, id, 16) != 0)
         rc = -ESTALE;
@@ -797,6 +802,44 @@ void vmm__peer_access(int accessor, int owner, int enable)
     pthread_mutex_unlock(&S.lock);
     if (failed) vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be %s", accessor, owner, failed,
                          enable ? "granted" : "revoked");
+}
+
+/* ---- ranges the program maps itself (adopt.c) ---- */
+
+int vmm__device_exportable(int dev)
+{
+    return ensure_init() && dev >= 0 && dev < MAX_DEVICES && device_usable(dev);
+}
+
+uint64_t vmm__new_chunk_id(void) { return __atomic_add_fetch(&S.next_chunk_id, 1, __ATOMIC_RELAXED); }
+
+void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size, uint64_t handle_offset,
+                        uint64_t chunk_id, int dev, int exportable, vmm__published *out)
+{
+    out->slot = NO_SLOT;
+    if (!S.registry_ok || vmm__reg_bind(&S.reg, address, extent, &out->slot) != 0) {
+        out->slot = NO_SLOT;
+        return;
+    }
+    start_broker();
+    vmm_reg_alloc d;
+    fill_common(&d, dev, VMM_API_CU_MEM_MAP, NULL, extent);
+    d.mapped_size = handle_size;
+    d.chunk_id = chunk_id;
+    d.chunk_offset = handle_offset;
+    if (exportable) d.handle_kinds = __atomic_load_n(&S.broker_started, __ATOMIC_ACQUIRE) > 0 ? VMM_HANDLE_BROKER : 0;
+    else d.flags = VMM_REG_F_NOT_EXPORTABLE;
+    vmm_reg_alloc pub;
+    if (vmm__reg_publish(&S.reg, out->slot, &d, &pub) == 0) {
+        out->generation = pub.generation;
+        memcpy(out->alloc_id, pub.alloc_id, 16);
+    }
+}
+
+void vmm__retract_range(vmm__published *pub)
+{
+    if (pub->slot != NO_SLOT) vmm__reg_unbind(&S.reg, pub->slot);
+    pub->slot = NO_SLOT;
 }
 
 /* ---- the default memory pool as the program sees it ---- */

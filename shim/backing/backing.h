@@ -62,6 +62,21 @@ void vmm__pool_set_release_threshold(int dev, uint64_t bytes);
 /* The program made another pool current on dev (cudaDeviceSetMemPool): while is_default is 0,
  * stream-ordered allocations on dev pass through to that pool untouched. */
 void vmm__pool_current_is_default(int dev, int is_default);
+/* ---- for adopt.c: ranges the program maps itself ---- */
+/* ensure_init, and dev's memory can be exported as a POSIX fd (VMM and export supported). */
+int vmm__device_exportable(int dev);
+/* An id for a chunk, unique in this process and never reused (the pool's chunks use the same). */
+uint64_t vmm__new_chunk_id(void);
+typedef struct vmm__published {
+    uint32_t slot; /* UINT32_MAX: not published (no registry, or it is full) */
+    uint64_t generation;
+    uint8_t alloc_id[16];
+} vmm__published;
+/* Publish [address, address+extent), which maps `handle_size` bytes of a handle from
+ * `handle_offset` on: one record, found by any interior address, imported through the broker. */
+void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size, uint64_t handle_offset,
+                        uint64_t chunk_id, int dev, int exportable, vmm__published *out);
+void vmm__retract_range(vmm__published *pub);
 /* True when stream is being captured into a graph. */
 int vmm__stream_capturing(CUstream stream);
 #endif

@@ -84,6 +84,8 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
         "Bytes of empty chunks kept per device for reuse (or the pool's release threshold, if larger)."),
     OPT(ISOLATE, T_BOOL, "0", 0, 0, NULL, NULL,
         "1 gives every allocation a chunk of its own, so an importer maps nothing of its neighbours."),
+    OPT(ADOPT, T_BOOL, "1", 0, 0, NULL, NULL,
+        "Make memory the program maps itself (cuMemCreate + cuMemMap) exportable and publish it; 0 leaves it alone."),
     OPT(EXPORT, T_ENUM, "broker", 0, 0, export_modes, NULL,
         "How companions get an allocation's fd: `broker`, or `pidfd` (every fd pre-exported "
         "above 1023 for pidfd_getfd)."),

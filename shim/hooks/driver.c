@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <string.h>
 
+#include "backing/adopt.h"
 #include "backing/backing.h"
 #include "backing/mempool.h"
 #include "hooks/real.h"
@@ -319,4 +320,48 @@ VMM_HOOK CUresult cuMemSetMemPool(CUmemLocation *location, CUmemAllocationType t
 {
     VMM_REAL_DRIVER(cuMemSetMemPool, CUDA_ERROR_NOT_INITIALIZED);
     REAL_THEN(real_(location, type, pool), vmm__mempool_location_current_set(location, type, pool));
+}
+
+/* ---- the program's own VMM memory: made exportable and published (backing/adopt.c) ---- */
+
+VMM_HOOK CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                              unsigned long long flags)
+{
+    VMM_REAL_DRIVER(cuMemCreate, CUDA_ERROR_NOT_INITIALIZED);
+    if (vmm__in_shim()) return real_(handle, size, prop, flags);
+    return vmm__adopt_create(real_, handle, size, prop, flags);
+}
+
+VMM_HOOK CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle)
+{
+    VMM_REAL_DRIVER(cuMemGetAllocationPropertiesFromHandle, CUDA_ERROR_NOT_INITIALIZED);
+    if (vmm__in_shim()) return real_(prop, handle);
+    REAL_THEN(real_(prop, handle), vmm__adopt_props(prop, handle));
+}
+
+VMM_HOOK CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                           unsigned long long flags)
+{
+    VMM_REAL_DRIVER(cuMemMap, CUDA_ERROR_NOT_INITIALIZED);
+    if (vmm__in_shim()) return real_(ptr, size, offset, handle, flags);
+    REAL_THEN(real_(ptr, size, offset, handle, flags), vmm__adopt_mapped(ptr, size, offset, handle));
+}
+
+VMM_HOOK CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    VMM_REAL_DRIVER(cuMemUnmap, CUDA_ERROR_NOT_INITIALIZED);
+    if (vmm__in_shim()) return real_(ptr, size);
+    vmm__adopt_unmapping(ptr, size);
+    vmm__enter();
+    CUresult rc = real_(ptr, size);
+    vmm__leave();
+    vmm__adopt_unmapped(ptr, size, rc == CUDA_SUCCESS);
+    return rc;
+}
+
+VMM_HOOK CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    VMM_REAL_DRIVER(cuMemRelease, CUDA_ERROR_NOT_INITIALIZED);
+    if (vmm__in_shim()) return real_(handle);
+    REAL_THEN(real_(handle), vmm__adopt_released(handle));
 }

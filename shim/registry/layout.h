@@ -112,6 +112,7 @@ enum {
     VMM_API_CU_MEM_ALLOC = 3,
     VMM_API_CU_MEM_ALLOC_ASYNC = 4,
     VMM_API_CU_MEM_ALLOC_PITCH = 5,
+    VMM_API_CU_MEM_MAP = 6, /* a range the program mapped itself (cuMemCreate + cuMemMap) */
     VMM_API_TEST = 15
 };
 

@@ -71,7 +71,7 @@ static const query queries[] = {
     {Q_DLSYM, "cuMemAlloc", 0, 0, NULL}, /* the 32-bit legacy entry point is not the shim's */
     {Q_DLSYM, "cuMemcpy", 0, 0, NULL},
     {Q_DLSYM, "cuCtxGetCurrent", 0, 0, NULL},
-    {Q_DLSYM, "cuMemCreate", 0, 0, NULL},
+    {Q_DLSYM, "cuMemCreate", 0, 0, "cuMemCreate"},
     {Q_DLSYM, "cuMemAllocManaged", 0, 0, NULL},
     {Q_DLSYM, "cuIpcOpenMemHandle", 0, 0, NULL},
     {Q_DLSYM, "cudnnCreate", 0, 0, NULL}, /* absent: NULL, with and without the shim */
@@ -113,7 +113,7 @@ static const query queries[] = {
     {Q_GPA2, "cuMemcpy", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL},
     {Q_GPA2, "cuMemcpy", 12000, PTDS, NULL},
     {Q_GPA2, "cuCtxGetCurrent", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL},
-    {Q_GPA2, "cuMemCreate", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL},
+    {Q_GPA2, "cuMemCreate", 12000, CU_GET_PROC_ADDRESS_DEFAULT, "cuMemCreate"},
     {Q_GPA2, "cuNoSuchThing", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL}, /* SYMBOL_NOT_FOUND */
     {Q_GPA2, "cudnnCreate", 12000, CU_GET_PROC_ADDRESS_DEFAULT, NULL},
     {Q_GPA2, "cuMemAlloc", 12000, 0x100, NULL}, /* bad flags: the driver's own error */

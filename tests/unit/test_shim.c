@@ -374,6 +374,93 @@ static void test_packed_and_isolated(void)
     }
 }
 
+/* Memory the program maps itself (tests/progs/own_vmm.c): it sees what it would natively, and a
+ * companion finds every mapped range by any interior address, imports it, reads its bytes, keeps
+ * reading after the program released its handle, and after the program unmapped it too. */
+static int own_pattern_ok(const uint8_t *p, size_t n, size_t start)
+{
+    for (size_t k = 0; k < n; k++)
+        if (p[k] != (uint8_t)((start + k) * 7 + 3)) return 0;
+    return 1;
+}
+
+static void test_adopted(void)
+{
+    char prog[600], nat[8192], sh[8192], e1[4096], e2[4096];
+    snprintf(prog, sizeof prog, "%s/progs/own_vmm", build);
+    char *argv[] = {prog, NULL};
+    const char *env[] = {preload, NULL};
+    int r1 = run(argv, NULL, nat, sizeof nat, e1, sizeof e1), r2 = run(argv, env, sh, sizeof sh, e2, sizeof e2);
+    CHECK(r1 == 0 && r2 == 0 && strcmp(nat, sh) == 0 && strstr(sh, "bytes intact                                       1"),
+          "own VMM memory: rc %d/%d\n--- native\n%s--- shim\n%s%s", r1, r2, nat, sh, e2);
+    CHECK(strstr(sh, "  its handle types                                   0\n") != NULL, "the program's own handle types:\n%s", sh);
+
+    int pi[2], po[2];
+    if (pipe(pi) || pipe(po)) return;
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(pi[0], 0);
+        dup2(po[1], 1);
+        close(pi[1]);
+        close(po[0]);
+        putenv(preload);
+        char *hold[] = {prog, "hold", NULL};
+        execv(prog, hold);
+        _exit(127);
+    }
+    close(pi[0]);
+    close(po[1]);
+    FILE *in = fdopen(pi[1], "w"), *out = fdopen(po[0], "r");
+    char line[512];
+    unsigned long long va = 0, page = 0;
+    int opid = 0;
+    while (fgets(line, sizeof line, out) && sscanf(line, "ready %d %llx %llu", &opid, &va, &page) != 3) {}
+    vmm_registry *reg = NULL;
+    CHECK(va && vmm_open(registry, &reg) == VMM_OK, "owner did not start, or no registry: %s", vmm_last_error());
+    if (!va || !reg) goto done;
+    vmm_alloc_info a1, a2, edge;
+    CHECK(vmm_find(reg, (uint32_t)opid, va + 100, &a1) == VMM_OK && a1.address == va && a1.api == 6 && a1.extent == page &&
+              a1.mapped_size == page && a1.chunk_offset == 0 && (a1.handle_kinds & VMM_KIND_BROKER),
+          "page 0: %s api %u extent %llu mapped %llu kinds %u", vmm_last_error(), a1.api, (unsigned long long)a1.extent,
+          (unsigned long long)a1.mapped_size, a1.handle_kinds);
+    CHECK(vmm_find(reg, (uint32_t)opid, va + page + page + 5, &a2) == VMM_OK && a2.address == va + page && a2.extent == 2 * page &&
+              a2.chunk_id != a1.chunk_id,
+          "pages 1-2: %s", vmm_last_error());
+    CHECK(vmm_find(reg, (uint32_t)opid, va + page - 1, &edge) == VMM_OK && edge.address == va, "the last byte of page 0");
+    CHECK(vmm_find(reg, (uint32_t)opid, va + page, &edge) == VMM_OK && edge.address == va + page, "the first byte of page 1");
+    CHECK(vmm_find(reg, (uint32_t)opid, va + 3 * page, &edge) == VMM_ERR_NOT_FOUND, "past the mapped pages");
+    vmm_imported *i2 = NULL, *i1 = NULL;
+    CHECK(vmm_import(reg, &a2, &i2) == VMM_OK && own_pattern_ok((const uint8_t *)(uintptr_t)vmm_import_ptr(i2), 2 * page, page),
+          "import of pages 1-2: %s", vmm_last_error());
+    CHECK(vmm_import(reg, &a1, &i1) == VMM_OK && own_pattern_ok((const uint8_t *)(uintptr_t)vmm_import_ptr(i1), page, 0),
+          "import of page 0 (its handle asked for no shareable type): %s", vmm_last_error());
+    vmm_import_release(i1);
+    fprintf(in, "next\n");
+    fflush(in);
+    CHECK(fgets(line, sizeof line, out) && !strncmp(line, "cuMemRelease(h1) while mapped", 29), "owner: %s", line);
+    CHECK(fgets(line, sizeof line, out) && !strncmp(line, "released", 8), "owner: %s", line);
+    i1 = NULL;
+    CHECK(vmm_import(reg, &a1, &i1) == VMM_OK && own_pattern_ok((const uint8_t *)(uintptr_t)vmm_import_ptr(i1), page, 0),
+          "import of page 0 after the program released its handle: %s", vmm_last_error());
+    fprintf(in, "next\n");
+    fflush(in);
+    while (fgets(line, sizeof line, out) && strncmp(line, "unmapped", 8)) {}
+    CHECK(vmm_find(reg, (uint32_t)opid, va + 100, &edge) == VMM_ERR_NOT_FOUND, "page 0 still published after its unmap");
+    CHECK(i1 && own_pattern_ok((const uint8_t *)(uintptr_t)vmm_import_ptr(i1), page, 0) && i2 &&
+              own_pattern_ok((const uint8_t *)(uintptr_t)vmm_import_ptr(i2), 2 * page, page),
+          "a companion's imports stay readable after the owner unmapped and released");
+    vmm_import_release(i1);
+    vmm_import_release(i2);
+done:
+    if (reg) vmm_close(reg);
+    fprintf(in, "next\n");
+    fclose(in);
+    fclose(out);
+    int st;
+    waitpid(pid, &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "own_vmm under the shim exited with %d", st);
+}
+
 int main(void)
 {
     const char *b = getenv("VMMSHIM_TEST_BUILD");
@@ -390,6 +477,7 @@ int main(void)
     test_publish_and_import();
     test_packed_and_isolated();
     test_many_small();
+    test_adopted();
     test_capture();
     test_owner_killed();
     shm_unlink(registry);
