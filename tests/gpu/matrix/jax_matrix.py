@@ -1,16 +1,25 @@
-"""Row h: JAX with the platform allocator (XLA_PYTHON_CLIENT_ALLOCATOR=platform, no
-preallocation).  Values are exact (small integers, dyadic arithmetic), so any algorithm XLA
-picks gives the same digits.  Pauses once while the arrays are live."""
+"""Rows h and h2: JAX with the platform allocator (no argument: XLA_PYTHON_CLIENT_ALLOCATOR=
+platform, no preallocation, unless the environment says otherwise) or with whatever allocator
+the environment selects (argument "default": nothing is set here, so XLA's BFC arena
+preallocates XLA_PYTHON_CLIENT_MEM_FRACTION of the GPU).  Values are exact (small integers,
+dyadic arithmetic), so any algorithm XLA picks gives the same digits.  Pauses once while the
+arrays are live; just before, "# memory_stats {json}" gives the device's allocator statistics
+(pool_bytes, bytes_limit, bytes_reserved, ...; "null" where the backend has none)."""
+import json
 import os
 import sys
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+mode = sys.argv[1] if len(sys.argv) > 1 else "platform"
+if mode != "default":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-print(f"# jax {jax.__version__}, devices {jax.devices()}")
+print(f"# jax {jax.__version__}, devices {jax.devices()}, mode {mode}, " + ", ".join(
+    f"{k}={os.environ.get(k, '(unset)')}" for k in
+    ("XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")))
 print("backend", jax.default_backend())
 x = (jnp.arange(512 * 256, dtype=jnp.int32) % 17 - 8).astype(jnp.float32).reshape(512, 256)
 w = (jnp.arange(256 * 128, dtype=jnp.int32) % 13 - 6).astype(jnp.float32).reshape(256, 128)
@@ -42,6 +51,12 @@ for i in range(6):
     print(f"step {i} loss {float(loss):.6f}")
 print("tanh", [f"{float(t):.6f}" for t in jnp.tanh(target)])
 jax.block_until_ready((yi, s, big, v))
+try:
+    stats = jax.devices()[0].memory_stats()
+except Exception as e:  # a backend without statistics
+    stats = None
+    print(f"# memory_stats unavailable: {e!r}")
+print("# memory_stats " + json.dumps(stats, default=int))
 print(f"# pause {os.getpid()}", flush=True)
 sys.stdin.readline()
 del big

@@ -1,6 +1,8 @@
 """Rows d, e, f: a small deterministic PyTorch training loop (losses to 6 decimals) and a few
 buffers of assorted sizes, under whichever allocator PYTORCH_CUDA_ALLOC_CONF selects.  Pauses
-once ("# pause PID", then a line on stdin) while everything is live.  Volatile lines start '#'."""
+once ("# pause PID", then a line on stdin) while everything is live; just before, one line
+"# param NAME 0xADDR NBYTES" per model parameter (row f checks each lies in an exportable
+cuMemMap record).  Volatile lines start '#'."""
 import os
 import sys
 
@@ -30,6 +32,8 @@ bufs = [torch.full((n,), i + 1, dtype=torch.uint8, device=dev)
 print("buffers", [int(b.sum().item()) for b in bufs])
 w = model[0].weight.detach()
 print(f"# first weight at 0x{w.data_ptr():x}, reserved {torch.cuda.memory_reserved()}")
+for name, p in model.named_parameters():
+    print(f"# param {name} 0x{p.data_ptr():x} {p.numel() * p.element_size()}")
 torch.cuda.synchronize()
 print(f"# pause {os.getpid()}", flush=True)
 sys.stdin.readline()
