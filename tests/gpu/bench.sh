@@ -192,7 +192,7 @@ for sz in ("4KiB", "1MiB"):
 for sz, what in (("4KiB", "4 KiB blocks"), ("1MiB", "1 MiB blocks"), ("64MiB", "64 MiB blocks"), ("mix", "mixed sizes")):
     ROWS.append(dict(label=f"OOM reach, cudaMalloc {what}", job="oom", case=f"oom/{sz}", kind="reach", min=0.99))
 for conf, label, limit in (("default", "default allocator", 1.02), ("async", "backend:cudaMallocAsync", 1.02),
-                           ("expandable", "expandable_segments:True", None)):
+                           ("expandable", "expandable_segments:True", 1.02)):
     ROWS.append(dict(label=f"PyTorch step, {label}", job=f"torch-{conf}", case=f"torch/{conf}", kind="time",
                      key="step_ms", unit="ms", max=limit))
 for conf, label in (("default", "default allocator"), ("async", "backend:cudaMallocAsync"),
