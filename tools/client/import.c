@@ -940,8 +940,8 @@ static vmm_status range_walk(vmm_registry *reg, range_plan *p)
                            (unsigned long long)at, p->pid);
         if (a.owner_alive == VMM_OWNER_DEAD) return owner_dead(&a);
         if (!(a.handle_kinds & (VMM_KIND_BROKER | VMM_KIND_PIDFD)))
-            return set_err(VMM_ERR_ACCESS, "pid %u's allocation at 0x%llx, which holds 0x%llx of the range, %s", p->pid,
-                           (unsigned long long)a.address, (unsigned long long)at,
+            return set_err(VMM_ERR_ACCESS, "the range reaches pid %u's allocation at 0x%llx, which %s", p->pid,
+                           (unsigned long long)a.address,
                            a.handle_kinds & VMM_KIND_FABRIC ? "offers only a FABRIC handle; this library imports fds"
                                                             : "is not exportable (its owner passed it through)");
         /* vmm_find returned the record holding `at`, so it ends past it: the walk moves on. */
