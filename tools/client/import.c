@@ -4,7 +4,9 @@
  * carries the fd with SCM_RIGHTS; wire format in shim/broker/protocol.h) or straight out of the
  * owner's fd table (VMM_KIND_PIDFD: pidfd_getfd, which needs ptrace permission over the owner).
  * Either way the fd is the allocation's chunk: it is mapped whole, once per process, and shared
- * by every import of an allocation in it (see "Imported chunks").  The CUDA driver is dlopen'ed
+ * by every import of an allocation in it (see "Imported chunks").  A range import (vmm_import_range,
+ * "Ranges across allocations") maps the granules of several records' chunks side by side into
+ * one reservation of its own instead, and shares nothing.  The CUDA driver is dlopen'ed
  * on first use; this library links none.  Rules as in client.c: never print, never exit, every
  * failure leaves a one-line reason in vmm_last_error(). */
 #include "vmmshim.h"
