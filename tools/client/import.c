@@ -900,15 +900,14 @@ typedef struct range_plan {
     size_t n_pc, cap_pc;
 } range_plan;
 
-static bool grow(void **arr, size_t *cap, size_t n, size_t elem)
+/* arr with room for element n (moved, perhaps), or NULL with arr untouched. */
+static void *grow(void *arr, size_t *cap, size_t n, size_t elem)
 {
-    if (n < *cap) return true;
+    if (n < *cap) return arr;
     size_t c = *cap ? 2 * *cap : 16;
-    void *p = c < SIZE_MAX / elem ? realloc(*arr, c * elem) : NULL;
-    if (!p) return false;
-    *arr = p;
-    *cap = c;
-    return true;
+    void *p = c < SIZE_MAX / elem ? realloc(arr, c * elem) : NULL;
+    if (p) *cap = c;
+    return p;
 }
 
 /* Pooled records name their chunk; a record without a chunk id is a chunk of its own. */
@@ -954,8 +953,9 @@ static vmm_status range_walk(vmm_registry *reg, range_plan *p)
                            "%llu, mapped_size %llu)",
                            p->pid, (unsigned long long)a.address, (unsigned long long)a.chunk_offset,
                            (unsigned long long)a.extent, (unsigned long long)a.mapped_size);
-        if (!grow((void **)&p->rec, &p->cap_rec, p->n_rec, sizeof *p->rec))
-            return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+        vmm_alloc_info *more = grow(p->rec, &p->cap_rec, p->n_rec, sizeof *p->rec);
+        if (!more) return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+        p->rec = more;
         p->rec[p->n_rec++] = a;
         at = a.address + a.extent;
     }
@@ -978,8 +978,9 @@ static vmm_status range_layout(range_plan *p, uint64_t g)
             last->last = i;
             continue;
         }
-        if (!grow((void **)&p->pc, &p->cap_pc, p->n_pc, sizeof *p->pc))
-            return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+        piece *more = grow(p->pc, &p->cap_pc, p->n_pc, sizeof *p->pc);
+        if (!more) return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+        p->pc = more;
         piece *k = &p->pc[p->n_pc++];
         memset(k, 0, sizeof *k);
         k->first = k->last = i;
