@@ -4,7 +4,9 @@
  * carries the fd with SCM_RIGHTS; wire format in shim/broker/protocol.h) or straight out of the
  * owner's fd table (VMM_KIND_PIDFD: pidfd_getfd, which needs ptrace permission over the owner).
  * Either way the fd is the allocation's chunk: it is mapped whole, once per process, and shared
- * by every import of an allocation in it (see "Imported chunks").  The CUDA driver is dlopen'ed
+ * by every import of an allocation in it (see "Imported chunks").  A range import (vmm_import_range,
+ * "Ranges across allocations") maps the granules of several records' chunks side by side into
+ * one reservation of its own instead, and shares nothing.  The CUDA driver is dlopen'ed
  * on first use; this library links none.  Rules as in client.c: never print, never exit, every
  * failure leaves a one-line reason in vmm_last_error(). */
 #include "vmmshim.h"
@@ -63,6 +65,7 @@ typedef struct cuda_api {
     CUresult (*MemUnmap)(CUdeviceptr, size_t);
     CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
     CUresult (*MemRelease)(CUmemGenericAllocationHandle);
+    CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
     CUresult (*GetErrorName)(CUresult, const char **);
 } cuda_api;
 
@@ -99,6 +102,7 @@ static void cuda_load(void)
         SYM(MemUnmap, "cuMemUnmap", false),
         SYM(MemSetAccess, "cuMemSetAccess", false),
         SYM(MemRelease, "cuMemRelease", false),
+        SYM(MemGetAllocationGranularity, "cuMemGetAllocationGranularity", false),
         SYM(GetErrorName, "cuGetErrorName", true),
 #undef SYM
     };
@@ -511,13 +515,20 @@ static chunk *chunk_ref_locked(const chunk_key *k)
     return NULL;
 }
 
+/* Memory is unmapped from the context it was mapped in, whichever is current on the releasing
+ * thread.  True when ctx was made current here; *prev is what to restore then.  (cuda_ready()
+ * succeeded when the memory was mapped; the table never changes after.) */
+static bool ctx_enter(CUcontext ctx, CUcontext *prev)
+{
+    *prev = NULL;
+    return cu.CtxGetCurrent(prev) == CUDA_SUCCESS && *prev != ctx && cu.CtxSetCurrent(ctx) == CUDA_SUCCESS;
+}
+
 /* Unmap, release and free the address range of a mapping no reference points to any more. */
 static vmm_status unmap_chunk(CUdeviceptr base, size_t size, CUmemGenericAllocationHandle handle, CUcontext ctx)
 {
-    /* cuda_ready() succeeded when the chunk was mapped; the table never changes after. */
-    CUcontext cur = NULL;
-    bool switched = false;
-    if (cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur != ctx && cu.CtxSetCurrent(ctx) == CUDA_SUCCESS) switched = true;
+    CUcontext cur;
+    bool switched = ctx_enter(ctx, &cur);
     vmm_status st = VMM_OK;
     CUresult r;
     if ((r = cu.MemUnmap(base, size)) != CUDA_SUCCESS) st = cu_fail("cuMemUnmap", r);
@@ -639,10 +650,8 @@ static vmm_status grant_device(chunk *c, CUdevice dev)
     return VMM_OK;
 }
 
-/* The chunk is mapped here already, so the owner's broker is not asked: the registry must still
- * show this very allocation, live, in that chunk, and its owner alive (what the broker would
- * have checked). */
-static vmm_status still_live(vmm_registry *reg, const vmm_alloc_info *a, const owner_ref *owner)
+/* The registry still shows this very allocation, live, at its place in its chunk. */
+static vmm_status record_unchanged(vmm_registry *reg, const vmm_alloc_info *a)
 {
     vmm_alloc_info now;
     vmm_status st = vmm__client_read_slot(reg, a->slot, &now);
@@ -658,6 +667,16 @@ static vmm_status still_live(vmm_registry *reg, const vmm_alloc_info *a, const o
                                       "not as described",
                        (unsigned long long)now.chunk_offset, (unsigned long long)now.chunk_id,
                        (unsigned long long)now.mapped_size);
+    return VMM_OK;
+}
+
+/* The chunk is mapped here already, so the owner's broker is not asked: the registry must still
+ * show this very allocation, live, in that chunk, and its owner alive (what the broker would
+ * have checked). */
+static vmm_status still_live(vmm_registry *reg, const vmm_alloc_info *a, const owner_ref *owner)
+{
+    vmm_status st = record_unchanged(reg, a);
+    if (st != VMM_OK) return st;
     if (owner_exited(owner)) return owner_dead(a);
     return VMM_OK;
 }
@@ -665,10 +684,13 @@ static vmm_status still_live(vmm_registry *reg, const vmm_alloc_info *a, const o
 /* ------------------------------------------------------------------------------------------ */
 /* Public                                                                                      */
 
+typedef struct range_map range_map;
+
 struct vmm_imported {
-    chunk *c;
-    uint64_t ptr;            /* c->base + the allocation's chunk_offset */
-    uint64_t requested_size;
+    chunk *c;                /* a vmm_import: its chunk's reference; NULL for a range */
+    range_map *range;        /* a vmm_import_range: its own mappings; NULL for an allocation */
+    uint64_t ptr;            /* c->base + the allocation's chunk_offset, or the range's first byte */
+    uint64_t requested_size; /* a range's length */
 };
 
 static vmm_status fetch_fd(vmm_registry *reg, const vmm_alloc_info *a, int *fd)
@@ -714,13 +736,23 @@ static vmm_status current_context(CUcontext *ctx, CUdevice *dev)
     return VMM_OK;
 }
 
-/* Import the chunk behind fd (consumed) and map all of it read-write for dev. */
-static vmm_status map_chunk(int fd, size_t size, CUdevice dev, chunk *c)
+/* The allocation's chunk as a handle of this process: its fd from the owner, imported.  The
+ * caller maps it or releases it (cuMemRelease). */
+static vmm_status fetch_handle(vmm_registry *reg, const vmm_alloc_info *a, CUmemGenericAllocationHandle *handle)
 {
-    CUresult r =
-        cu.MemImportFromShareableHandle(&c->handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    int fd = -1;
+    vmm_status st = fetch_fd(reg, a, &fd);
+    if (st != VMM_OK) return st;
+    CUresult r = cu.MemImportFromShareableHandle(handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     close(fd); /* the driver keeps its own reference */
-    if (r != CUDA_SUCCESS) return cu_fail("cuMemImportFromShareableHandle", r);
+    return r == CUDA_SUCCESS ? VMM_OK : cu_fail("cuMemImportFromShareableHandle", r);
+}
+
+/* Map all of the chunk behind handle (consumed: released on failure) read-write for dev. */
+static vmm_status map_chunk(CUmemGenericAllocationHandle handle, size_t size, CUdevice dev, chunk *c)
+{
+    c->handle = handle;
+    CUresult r;
     const char *what;
     if ((r = cu.MemAddressReserve(&c->base, size, 0, 0, 0)) != CUDA_SUCCESS) {
         what = "cuMemAddressReserve";
@@ -784,12 +816,12 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
             return st;
         }
     } else {
-        int fd = -1;
+        CUmemGenericAllocationHandle handle = 0;
         chunk *fresh = calloc(1, sizeof *fresh);
         owner_ref *spare = calloc(1, sizeof *spare);
         if (!fresh || !spare) st = set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
-        if (st == VMM_OK) st = fetch_fd(reg, alloc, &fd);
-        if (st == VMM_OK) st = map_chunk(fd, (size_t)alloc->mapped_size, dev, fresh);
+        if (st == VMM_OK) st = fetch_handle(reg, alloc, &handle);
+        if (st == VMM_OK) st = map_chunk(handle, (size_t)alloc->mapped_size, dev, fresh);
         if (st != VMM_OK) {
             free(fresh);
             free(spare);
@@ -833,6 +865,299 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
     return VMM_OK;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Ranges across allocations                                                                   */
+
+/* A range import owns its reservation and mappings outright: nothing of it is in the chunk table
+ * or shared with another import, so it needs no lock and no owner bookkeeping. */
+struct range_map {
+    CUdeviceptr base;
+    size_t size;  /* the reservation; 0 until it is made */
+    CUcontext ctx; /* current when it was mapped: unmapped from it */
+    size_t n;      /* mappings made so far, each [base + at, + len) */
+    struct {
+        size_t at, len;
+    } map[];
+};
+
+/* One mapping of a range: bytes [from, to) of one chunk are needed, the whole granules around
+ * them, [map_from, map_to), are mapped.  Consecutive records of one chunk whose bytes follow each
+ * other there too (allocations the shim's pool placed side by side) make one piece. */
+typedef struct piece {
+    size_t first, last;  /* its records, in range order */
+    uint64_t owner_at;   /* the owner's address of byte `from` */
+    uint64_t from, to, map_from, map_to;
+    size_t handle_of;    /* the piece whose fetched handle it maps: itself, or an earlier one */
+    CUmemGenericAllocationHandle handle;
+} piece;
+
+typedef struct range_plan {
+    uint32_t pid;
+    uint64_t address, end;
+    vmm_alloc_info *rec; /* the records covering [address, end), in order */
+    size_t n_rec, cap_rec;
+    piece *pc;
+    size_t n_pc, cap_pc;
+} range_plan;
+
+/* arr with room for element n (moved, perhaps), or NULL with arr untouched. */
+static void *grow(void *arr, size_t *cap, size_t n, size_t elem)
+{
+    if (n < *cap) return arr;
+    size_t c = *cap ? 2 * *cap : 16;
+    void *p = c < SIZE_MAX / elem ? realloc(arr, c * elem) : NULL;
+    if (p) *cap = c;
+    return p;
+}
+
+/* Pooled records name their chunk; a record without a chunk id is a chunk of its own. */
+static bool same_chunk(const vmm_alloc_info *x, const vmm_alloc_info *y)
+{
+    return x->chunk_id && x->chunk_id == y->chunk_id && x->mapped_size == y->mapped_size;
+}
+
+/* The live records covering the range, each starting where the one before ends.  Registry reads
+ * only: a gap or a record that cannot be imported fails here, before any owner is asked. */
+static vmm_status range_walk(vmm_registry *reg, range_plan *p)
+{
+    for (uint64_t at = p->address; at < p->end;) {
+        vmm_alloc_info a;
+        vmm_status st = vmm_find(reg, p->pid, at, &a);
+        if (st == VMM_ERR_NOT_FOUND) {
+            if (at == p->address)
+                return set_err(VMM_ERR_NOT_FOUND, "pid %u has no live allocation at 0x%llx, where the range starts",
+                               p->pid, (unsigned long long)at);
+            return set_err(VMM_ERR_NOT_FOUND,
+                           "pid %u has no live allocation at 0x%llx: its allocations cover the range 0x%llx..0x%llx "
+                           "only up to there (a gap, or freed)",
+                           p->pid, (unsigned long long)at, (unsigned long long)p->address,
+                           (unsigned long long)p->end);
+        }
+        if (st != VMM_OK) return st; /* vmm_find's reason */
+        if (p->n_rec && (a.owner_start_time != p->rec[0].owner_start_time || a.owner_pidns != p->rec[0].owner_pidns))
+            return set_err(VMM_ERR_NOT_FOUND,
+                           "the allocation at 0x%llx belongs to another process with pid %u than the range's start "
+                           "(an exited one's records stay until vmmctl gc)",
+                           (unsigned long long)at, p->pid);
+        if (a.owner_alive == VMM_OWNER_DEAD) return owner_dead(&a);
+        if (!(a.handle_kinds & (VMM_KIND_BROKER | VMM_KIND_PIDFD)))
+            return set_err(VMM_ERR_ACCESS, "the range reaches pid %u's allocation at 0x%llx, which %s", p->pid,
+                           (unsigned long long)a.address,
+                           a.handle_kinds & VMM_KIND_FABRIC ? "offers only a FABRIC handle; this library imports fds"
+                                                            : "is not exportable (its owner passed it through)");
+        /* vmm_find returned the record holding `at`, so it ends past it: the walk moves on. */
+        if (!a.mapped_size || a.chunk_offset >= a.mapped_size || a.extent > a.mapped_size - a.chunk_offset ||
+            a.address > at || a.extent <= at - a.address || a.extent > UINT64_MAX - a.address)
+            return set_err(VMM_ERR_INVALID,
+                           "pid %u's allocation at 0x%llx does not lie inside its chunk (chunk_offset %llu, extent "
+                           "%llu, mapped_size %llu)",
+                           p->pid, (unsigned long long)a.address, (unsigned long long)a.chunk_offset,
+                           (unsigned long long)a.extent, (unsigned long long)a.mapped_size);
+        vmm_alloc_info *more = grow(p->rec, &p->cap_rec, p->n_rec, sizeof *p->rec);
+        if (!more) return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+        p->rec = more;
+        p->rec[p->n_rec++] = a;
+        at = a.address + a.extent;
+    }
+    return VMM_OK;
+}
+
+/* Which bytes of which chunk go where.  Only whole granules map, so the range's first and last
+ * granules are mapped whole, and where the bytes pass from one chunk to another both sides must
+ * sit on a granule boundary (mappings made with cuMemMap always do). */
+static vmm_status range_layout(range_plan *p, uint64_t g)
+{
+    for (size_t i = 0; i < p->n_rec; i++) {
+        const vmm_alloc_info *a = &p->rec[i];
+        uint64_t lo = a->address > p->address ? a->address : p->address;
+        uint64_t hi = a->address + a->extent < p->end ? a->address + a->extent : p->end;
+        uint64_t from = a->chunk_offset + (lo - a->address), to = from + (hi - lo);
+        piece *last = p->n_pc ? &p->pc[p->n_pc - 1] : NULL;
+        if (last && same_chunk(&p->rec[last->last], a) && last->to == from) {
+            last->to = to;
+            last->last = i;
+            continue;
+        }
+        piece *more = grow(p->pc, &p->cap_pc, p->n_pc, sizeof *p->pc);
+        if (!more) return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+        p->pc = more;
+        piece *k = &p->pc[p->n_pc++];
+        memset(k, 0, sizeof *k);
+        k->first = k->last = i;
+        k->owner_at = lo;
+        k->from = from;
+        k->to = to;
+    }
+    for (size_t k = 0; k < p->n_pc; k++) {
+        piece *c = &p->pc[k];
+        const vmm_alloc_info *a = &p->rec[c->last];
+        c->map_from = k == 0 ? c->from - c->from % g : c->from;
+        c->map_to = k + 1 == p->n_pc ? c->to + (g - c->to % g) % g : c->to;
+        if (k + 1 < p->n_pc && (c->to % g || p->pc[k + 1].from % g)) {
+            const piece *n = &p->pc[k + 1];
+            return set_err(VMM_ERR_INVALID,
+                           "at 0x%llx pid %u's bytes pass from offset %llu of chunk %llu to offset %llu of chunk %llu, "
+                           "off the driver's %llu-byte granules: the range cannot be mapped as one",
+                           (unsigned long long)n->owner_at, p->pid, (unsigned long long)c->to,
+                           (unsigned long long)a->chunk_id, (unsigned long long)n->from,
+                           (unsigned long long)p->rec[n->first].chunk_id, (unsigned long long)g);
+        }
+        if (c->map_to > a->mapped_size)
+            return set_err(VMM_ERR_INVALID,
+                           "pid %u's allocation at 0x%llx lies in a chunk of %llu bytes, not whole %llu-byte granules",
+                           p->pid, (unsigned long long)a->address, (unsigned long long)a->mapped_size,
+                           (unsigned long long)g);
+    }
+    return VMM_OK;
+}
+
+/* One handle per chunk, from its owner as vmm_import gets it.  A record whose chunk came with
+ * another record's handle was not checked by the owner: it must still be the live allocation
+ * the walk found (as a cached chunk's must, in vmm_import). */
+static vmm_status range_fetch(vmm_registry *reg, range_plan *p)
+{
+    for (size_t k = 0; k < p->n_pc; k++) {
+        piece *c = &p->pc[k];
+        c->handle_of = k;
+        for (size_t j = 0; j < k; j++)
+            if (same_chunk(&p->rec[p->pc[j].first], &p->rec[c->first])) {
+                c->handle_of = p->pc[j].handle_of;
+                break;
+            }
+        if (c->handle_of != k) {
+            c->handle = p->pc[c->handle_of].handle;
+            continue;
+        }
+        const vmm_alloc_info *a = &p->rec[c->first];
+        vmm_status st = fetch_handle(reg, a, &c->handle);
+        if (st != VMM_OK) {
+            c->handle_of = SIZE_MAX; /* nothing to release */
+            p->n_pc = k + 1;         /* the pieces after it have no handle either */
+            return set_err(st, "importing pid %u's allocation at 0x%llx: %s", p->pid, (unsigned long long)a->address,
+                           vmm_last_error());
+        }
+    }
+    for (size_t k = 0; k < p->n_pc; k++)
+        for (size_t i = p->pc[k].first; i <= p->pc[k].last; i++) {
+            if (p->pc[k].handle_of == k && i == p->pc[k].first) continue; /* its owner checked it */
+            vmm_status st = record_unchanged(reg, &p->rec[i]);
+            if (st != VMM_OK)
+                return set_err(st, "pid %u's allocation at 0x%llx: %s", p->pid,
+                               (unsigned long long)p->rec[i].address, vmm_last_error());
+        }
+    return VMM_OK;
+}
+
+/* Drop the handles fetched: a mapping keeps its memory alive without them. */
+static void range_release_handles(range_plan *p)
+{
+    for (size_t k = 0; k < p->n_pc; k++)
+        if (p->pc[k].handle_of == k) (void)cu.MemRelease(p->pc[k].handle);
+}
+
+/* Unmap what was mapped (all of it, or what a failed import got to), free the reservation. */
+static vmm_status range_unmap(range_map *m)
+{
+    CUcontext cur;
+    bool switched = ctx_enter(m->ctx, &cur);
+    vmm_status st = VMM_OK;
+    CUresult r;
+    /* one call per mapping: a driver need not unmap several mappings in one call */
+    for (size_t k = 0; k < m->n; k++)
+        if ((r = cu.MemUnmap(m->base + m->map[k].at, m->map[k].len)) != CUDA_SUCCESS && st == VMM_OK)
+            st = cu_fail("cuMemUnmap", r);
+    if (m->size && (r = cu.MemAddressFree(m->base, m->size)) != CUDA_SUCCESS && st == VMM_OK)
+        st = cu_fail("cuMemAddressFree", r);
+    if (switched) (void)cu.CtxSetCurrent(cur);
+    free(m);
+    return st;
+}
+
+/* Reserve the range's address space and map every piece at its place, read-write for dev. */
+static vmm_status range_map_all(const range_plan *p, CUcontext ctx, CUdevice dev, range_map **out)
+{
+    range_map *m = malloc(sizeof *m + p->n_pc * sizeof m->map[0]);
+    if (!m) return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+    memset(m, 0, sizeof *m);
+    m->ctx = ctx;
+    size_t total = 0;
+    for (size_t k = 0; k < p->n_pc; k++) total += (size_t)(p->pc[k].map_to - p->pc[k].map_from);
+    CUresult r = cu.MemAddressReserve(&m->base, total, 0, 0, 0);
+    if (r != CUDA_SUCCESS) {
+        free(m);
+        return cu_fail("cuMemAddressReserve", r);
+    }
+    m->size = total;
+    size_t at = 0;
+    for (size_t k = 0; k < p->n_pc; k++) {
+        const piece *c = &p->pc[k];
+        size_t len = (size_t)(c->map_to - c->map_from);
+        if ((r = cu.MemMap(m->base + at, len, (size_t)c->map_from, c->handle, 0)) != CUDA_SUCCESS) {
+            (void)range_unmap(m);
+            return cu_fail("cuMemMap", r);
+        }
+        m->map[m->n].at = at;
+        m->map[m->n++].len = len;
+        at += len;
+    }
+    CUmemAccessDesc acc;
+    access_for(&acc, dev);
+    if ((r = cu.MemSetAccess(m->base, m->size, &acc, 1)) != CUDA_SUCCESS) {
+        (void)range_unmap(m);
+        return cu_fail("cuMemSetAccess", r);
+    }
+    *out = m;
+    return VMM_OK;
+}
+
+VMM_PUBLIC vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
+                                       vmm_imported **out)
+{
+    NEED(out, "out is NULL");
+    *out = NULL;
+    NEED(reg, "reg is NULL");
+    NEED(pid != 0, "pid is 0");
+    NEED(length != 0, "length is 0");
+    NEED(address <= UINT64_MAX - length, "the range runs past the end of the address space");
+    range_plan p = {.pid = pid, .address = address, .end = address + length};
+    vmm_status st = range_walk(reg, &p);
+    CUcontext ctx = NULL;
+    CUdevice dev = 0;
+    if (st == VMM_OK) st = cuda_ready();
+    if (st == VMM_OK) st = current_context(&ctx, &dev);
+    size_t g = 0;
+    if (st == VMM_OK) {
+        CUmemAllocationProp prop;
+        memset(&prop, 0, sizeof prop);
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = (int)dev;
+        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        CUresult r = cu.MemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+        if (r != CUDA_SUCCESS) st = cu_fail("cuMemGetAllocationGranularity", r);
+        else if (g == 0) st = set_err(VMM_ERR_CUDA, "cuMemGetAllocationGranularity gave 0 bytes");
+    }
+    if (st == VMM_OK) st = range_layout(&p, g);
+    vmm_imported *imp = NULL;
+    if (st == VMM_OK && !(imp = calloc(1, sizeof *imp))) st = set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+    bool fetching = st == VMM_OK;
+    if (fetching) st = range_fetch(reg, &p);
+    range_map *m = NULL;
+    if (st == VMM_OK) st = range_map_all(&p, ctx, dev, &m);
+    if (fetching) range_release_handles(&p);
+    if (st == VMM_OK) {
+        imp->range = m;
+        imp->ptr = (uint64_t)m->base + (p.pc[0].from - p.pc[0].map_from);
+        imp->requested_size = length;
+        *out = imp;
+    } else {
+        free(imp);
+    }
+    free(p.rec);
+    free(p.pc);
+    return st;
+}
+
 VMM_PUBLIC uint64_t vmm_import_ptr(const vmm_imported *imp) { return imp ? imp->ptr : 0; }
 
 VMM_PUBLIC uint64_t vmm_import_size(const vmm_imported *imp) { return imp ? imp->requested_size : 0; }
@@ -840,7 +1165,7 @@ VMM_PUBLIC uint64_t vmm_import_size(const vmm_imported *imp) { return imp ? imp-
 VMM_PUBLIC vmm_status vmm_import_release(vmm_imported *imp)
 {
     if (!imp) return VMM_OK;
-    vmm_status st = chunk_unref(imp->c);
+    vmm_status st = imp->range ? range_unmap(imp->range) : chunk_unref(imp->c);
     free(imp);
     return st;
 }

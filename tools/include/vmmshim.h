@@ -45,6 +45,12 @@ enum {
     VMM_FROM_CU_MEM_ALLOC = 3,
     VMM_FROM_CU_MEM_ALLOC_ASYNC = 4,
     VMM_FROM_CU_MEM_ALLOC_PITCH = 5,
+    /* Memory the program mapped itself with the driver's VMM API (PyTorch's expandable segments,
+     * NCCL buffers): one record per cuMemMap'd range.  address and extent are the mapping's,
+     * mapped_size is the size of the handle mapped there, chunk_offset where in that handle the
+     * mapping starts, chunk_id names the handle.  A buffer of the program may span several such
+     * records: vmm_import_range maps it in one piece. */
+    VMM_FROM_CU_MEM_MAP = 6,
     VMM_FROM_TEST = 15
 };
 
@@ -164,15 +170,47 @@ typedef struct vmm_imported vmm_imported;
  * cuMemMap, cuMemSetAccess (read-write for that context's device; a chunk imported already gets
  * access for a further device with one cuMemSetAccess). */
 vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out);
-uint64_t vmm_import_ptr(const vmm_imported *imp);  /* the allocation's device pointer here */
-uint64_t vmm_import_size(const vmm_imported *imp); /* the owner's requested size */
+/* The allocation's device pointer here (for vmm_import_range: where the range's first byte is). */
+uint64_t vmm_import_ptr(const vmm_imported *imp);
+/* The owner's requested size (for vmm_import_range: the length asked for). */
+uint64_t vmm_import_size(const vmm_imported *imp);
 /* Drop this handle's reference to the chunk; the last one unmaps it, releases the handle and
- * frees the reservation.  NULL is fine.  imp is freed either way. */
+ * frees the reservation.  A range import (vmm_import_range) is unmapped and its reservation freed
+ * at once.  NULL is fine.  imp is freed either way. */
 vmm_status vmm_import_release(vmm_imported *imp);
 /* Just the fd of the allocation's chunk (a POSIX file descriptor, close-on-exec), for companions
  * that import it themselves: map alloc->mapped_size bytes and add alloc->chunk_offset.  Each call
  * asks the owner again; the caller closes the fd. */
 vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd);
+
+/* Map the owner's bytes [address, address+length) of process `pid` here as one contiguous range,
+ * also when they lie in several allocations: a program that maps memory itself with the driver's
+ * VMM API publishes one record per mapping (VMM_FROM_CU_MEM_MAP), and PyTorch maps 2 MiB or
+ * 20 MiB pages, each its own handle, back to back, so one tensor may span several records.
+ * vmm_import_ptr(*out) is where the byte at `address` is, and the length bytes follow it;
+ * vmm_import_size(*out) is length.
+ *
+ * The live records of one living owner must cover the range, each starting where the one before
+ * ends.  Each record's handle comes as vmm_import's does (the owner's broker, else pidfd_getfd),
+ * once per handle; one reservation is made for the range and every handle mapped into it at its
+ * place (consecutive records of one chunk as one mapping), read-write for the calling context's
+ * device (or device 0's primary context, as vmm_import), and the imported handles are released
+ * at once: the mappings keep the memory alive, after its owner frees it or exits too, until
+ * vmm_import_release.  Only the driver's granules (cuMemGetAllocationGranularity, typically
+ * 2 MiB) holding the range are mapped, not the records' whole chunks; a range inside one record
+ * is a vmm_import of just those granules.  Nothing is cached or shared between range imports or
+ * with vmm_import's chunks: each call asks the owner again.
+ *
+ * Failures, each naming the owner's address concerned: VMM_ERR_NOT_FOUND (no live allocation of
+ * pid at the first byte not covered: a gap, or freed meanwhile), VMM_ERR_ACCESS (a record is not
+ * exportable, or offers only a FABRIC handle; or the broker refused), VMM_ERR_INVALID (length 0
+ * or past the end of the address space, or where two handles meet the bytes are not at a
+ * granule boundary of each, so they cannot be mapped side by side here -- real VMM mappings
+ * always are), VMM_ERR_STALE (a record was freed between finding and importing it),
+ * VMM_ERR_OWNER_DEAD, VMM_ERR_CUDA, VMM_ERR_IO, as vmm_import.  On failure nothing stays
+ * mapped and *out is NULL. */
+vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
+                            vmm_imported **out);
 
 #ifdef __cplusplus
 }

@@ -39,7 +39,9 @@ static const char usage_text[] =
     "                 other live allocations sharing it\n"
     "  import-test PID ADDR [LEN]\n"
     "                 import it as a companion does, print the FNV-1a checksum of LEN bytes\n"
-    "                 from ADDR (default: to the end of the allocation) and the import times\n"
+    "                 from ADDR (default: to the end of the allocation) and the import times;\n"
+    "                 a LEN past the allocation imports the range across the allocations\n"
+    "                 that follow it (pages the program mapped itself)\n"
     "  config         every VMMSHIM_* option: its value and where it came from\n"
     "\n"
     "options:\n"
@@ -124,6 +126,7 @@ static const char *api_name(uint32_t api)
     case VMM_FROM_CU_MEM_ALLOC: return "cuMemAlloc";
     case VMM_FROM_CU_MEM_ALLOC_ASYNC: return "cuMemAllocAsync";
     case VMM_FROM_CU_MEM_ALLOC_PITCH: return "cuMemAllocPitch";
+    case VMM_FROM_CU_MEM_MAP: return "cuMemMap";
     case VMM_FROM_TEST: return "test";
     default: return "unknown";
     }
@@ -660,6 +663,86 @@ static int cmd_show(int argc, char **argv)
 
 typedef int (*dtoh_fn)(void *, unsigned long long, size_t);
 
+/* FNV-1a of len bytes at the device pointer ptr, copied out with the driver (the client library
+ * opened libcuda.so.1 already; vmmctl links none).  0, else the CUDA error, or -1. */
+static int checksum(uint64_t ptr, uint64_t len, uint64_t *fnv)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD), *sym = h ? dlsym(h, "cuMemcpyDtoH_v2") : NULL;
+    dtoh_fn dtoh;
+    memcpy(&dtoh, &sym, sizeof sym);
+    size_t chunk = 64u << 20;
+    unsigned char *buf = malloc(chunk);
+    *fnv = 0xcbf29ce484222325ull;
+    int copy_rc = dtoh && buf ? 0 : -1;
+    for (uint64_t done = 0; copy_rc == 0 && done < len; done += chunk) {
+        size_t n = len - done < chunk ? (size_t)(len - done) : chunk;
+        copy_rc = dtoh(buf, ptr + done, n);
+        for (size_t i = 0; copy_rc == 0 && i < n; i++) *fnv = (*fnv ^ buf[i]) * 0x100000001b3ull;
+    }
+    free(buf);
+    return copy_rc;
+}
+
+static double ms_between(const struct timespec *a, const struct timespec *b)
+{
+    return (double)(b->tv_sec - a->tv_sec) * 1e3 + (double)(b->tv_nsec - a->tv_nsec) / 1e6;
+}
+
+/* The bytes from addr (at most want) that live allocations of pid cover one after another,
+ * and how many allocations that takes. */
+static uint64_t covered(vmm_registry *reg, uint32_t pid, uint64_t addr, uint64_t want, unsigned *n)
+{
+    vmm_alloc_info r;
+    uint64_t at = addr;
+    *n = 0;
+    while (at - addr < want && vmm_find(reg, pid, at, &r) == VMM_OK && r.address + held_bytes(&r) > at) {
+        at = r.address + held_bytes(&r);
+        ++*n;
+    }
+    return at - addr < want ? at - addr : want;
+}
+
+/* LEN runs past the allocation at ADDR: import the bytes as one range across the allocations
+ * that follow it, as a companion reading a buffer the program mapped page by page does. */
+static int import_test_range(vmm_registry *reg, const vmm_alloc_info *a, uint64_t addr, uint64_t len)
+{
+    /* a LEN past what is there is the caller's mistake, told before any import */
+    unsigned n;
+    uint64_t have = covered(reg, a->pid, addr, len, &n);
+    if (have < len && n <= 1)
+        usage_error("import-test: LEN runs past the allocation (%llu bytes from ADDR at most)",
+                    (unsigned long long)have);
+    if (have < len)
+        usage_error("import-test: LEN runs past the %u allocations that follow each other from ADDR (%llu bytes "
+                    "from ADDR at most; none at 0x%llx)",
+                    n, (unsigned long long)have, (unsigned long long)(addr + have));
+    struct timespec t0, t1, t2;
+    vmm_imported *imp = NULL;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    vmm_status st = vmm_import_range(reg, a->pid, addr, len, &imp);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (st == VMM_OK) { /* the first import also starts CUDA in this process: time a second one */
+        vmm_import_release(imp);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        st = vmm_import_range(reg, a->pid, addr, len, &imp);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t2);
+    if (st != VMM_OK) {
+        vmm_close(reg);
+        return api_error(st);
+    }
+    uint64_t fnv;
+    int copy_rc = checksum(vmm_import_ptr(imp), len, &fnv);
+    vmm_import_release(imp);
+    vmm_close(reg);
+    if (copy_rc) return error("could not copy the imported bytes (CUDA error %d)", copy_rc);
+    printf("imported pid %u 0x%llx (a range over %u allocations) in %.0f us (first import, with CUDA start-up: "
+           "%.1f ms); %llu bytes from 0x%llx: fnv %016llx\n",
+           a->pid, (unsigned long long)addr, n, ms_between(&t1, &t2) * 1e3, ms_between(&t0, &t1),
+           (unsigned long long)len, (unsigned long long)addr, (unsigned long long)fnv);
+    return EXIT_OK;
+}
+
 static int cmd_import_test(int argc, char **argv)
 {
     vmm_registry *reg;
@@ -668,11 +751,11 @@ static int cmd_import_test(int argc, char **argv)
     uint64_t len_arg;
     int rc = find_alloc(argc, argv, "import-test", &reg, &a, &addr, &len_arg);
     if (rc) return rc;
-    /* The allocation's bytes, never the rest of its chunk: to the end of what was requested, or
-     * of its extent when ADDR lies in the padding past that. */
+    /* By default the allocation's bytes, never the rest of its chunk: to the end of what was
+     * requested, or of its extent when ADDR lies in the padding past that.  A LEN past its
+     * extent goes on into the allocations after it. */
     uint64_t off = addr - a.address, end = off < a.requested_size ? a.requested_size : held_bytes(&a);
-    if (len_arg > end - off) usage_error("import-test: LEN runs past the allocation (%llu bytes from ADDR at most)",
-                                         (unsigned long long)(end - off));
+    if (len_arg > held_bytes(&a) - off) return import_test_range(reg, &a, addr, len_arg);
     uint64_t len = len_arg ? len_arg : end - off;
     /* The first import also starts CUDA in this process; time a second one on its own (after a
      * release, so the chunk is imported again), and a third while the second holds the chunk
@@ -702,36 +785,19 @@ static int cmd_import_test(int argc, char **argv)
         vmm_close(reg);
         return api_error(st);
     }
-    /* the client library opened libcuda.so.1 already; copy out with the driver, never linked */
-    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD), *sym = h ? dlsym(h, "cuMemcpyDtoH_v2") : NULL;
-    dtoh_fn dtoh;
-    memcpy(&dtoh, &sym, sizeof sym);
-    size_t chunk = 64u << 20;
-    unsigned char *buf = malloc(chunk);
-    uint64_t fnv = 0xcbf29ce484222325ull;
-    int copy_rc = dtoh && buf ? 0 : -1;
-    for (uint64_t done = 0; copy_rc == 0 && done < len; done += chunk) {
-        size_t n = len - done < chunk ? (size_t)(len - done) : chunk;
-        copy_rc = dtoh(buf, vmm_import_ptr(imp) + off + done, n);
-        for (size_t i = 0; copy_rc == 0 && i < n; i++) fnv = (fnv ^ buf[i]) * 0x100000001b3ull;
-    }
-    free(buf);
+    uint64_t fnv;
+    int copy_rc = checksum(vmm_import_ptr(imp) + off, len, &fnv);
     vmm_import_release(imp);
     vmm_close(reg);
-    if (copy_rc) {
-        fprintf(stderr, "vmmctl: error: could not copy the imported bytes (CUDA error %d)\n", copy_rc);
-        return EXIT_PROBLEMS;
-    }
-    double cold = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
-    double warm = (double)(t2.tv_sec - t1.tv_sec) * 1e6 + (double)(t2.tv_nsec - t1.tv_nsec) / 1e3;
-    double cached = (double)(t3.tv_sec - t2.tv_sec) * 1e6 + (double)(t3.tv_nsec - t2.tv_nsec) / 1e3;
+    if (copy_rc) return error("could not copy the imported bytes (CUDA error %d)", copy_rc);
     char where[64] = "its own chunk";
     if (a.chunk_id) snprintf(where, sizeof where, "offset %llu of chunk %llu", (unsigned long long)a.chunk_offset,
                              (unsigned long long)a.chunk_id);
     printf("imported pid %u 0x%llx (%s, %llu bytes mapped) in %.0f us (first import, with CUDA start-up: %.1f ms; "
            "again while mapped: %.1f us); %llu bytes from 0x%llx: fnv %016llx\n",
-           a.pid, (unsigned long long)a.address, where, (unsigned long long)a.mapped_size, warm, cold, cached,
-           (unsigned long long)len, (unsigned long long)addr, (unsigned long long)fnv);
+           a.pid, (unsigned long long)a.address, where, (unsigned long long)a.mapped_size, ms_between(&t1, &t2) * 1e3,
+           ms_between(&t0, &t1), ms_between(&t2, &t3) * 1e3, (unsigned long long)len, (unsigned long long)addr,
+           (unsigned long long)fnv);
     return EXIT_OK;
 }
 
