@@ -419,7 +419,7 @@ static void test_adopted(void)
     CHECK(va && vmm_open(registry, &reg) == VMM_OK, "owner did not start, or no registry: %s", vmm_last_error());
     if (!va || !reg) goto done;
     vmm_alloc_info a1, a2, edge;
-    CHECK(vmm_find(reg, (uint32_t)opid, va + 100, &a1) == VMM_OK && a1.address == va && a1.api == 6 && a1.extent == page &&
+    CHECK(vmm_find(reg, (uint32_t)opid, va + 100, &a1) == VMM_OK && a1.address == va && a1.api == VMM_FROM_CU_MEM_MAP && a1.extent == page &&
               a1.mapped_size == page && a1.chunk_offset == 0 && (a1.handle_kinds & VMM_KIND_BROKER),
           "page 0: %s api %u extent %llu mapped %llu kinds %u", vmm_last_error(), a1.api, (unsigned long long)a1.extent,
           (unsigned long long)a1.mapped_size, a1.handle_kinds);

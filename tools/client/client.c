@@ -35,9 +35,9 @@ _Static_assert(SAME(VMM_FROM_UNKNOWN, VMM_API_UNKNOWN) && SAME(VMM_FROM_CUDA_MAL
                    SAME(VMM_FROM_CUDA_MALLOC_ASYNC, VMM_API_CUDA_MALLOC_ASYNC) &&
                    SAME(VMM_FROM_CU_MEM_ALLOC, VMM_API_CU_MEM_ALLOC) &&
                    SAME(VMM_FROM_CU_MEM_ALLOC_ASYNC, VMM_API_CU_MEM_ALLOC_ASYNC) &&
-                   SAME(VMM_FROM_CU_MEM_ALLOC_PITCH, VMM_API_CU_MEM_ALLOC_PITCH) && SAME(VMM_FROM_TEST, VMM_API_TEST),
+                   SAME(VMM_FROM_CU_MEM_ALLOC_PITCH, VMM_API_CU_MEM_ALLOC_PITCH) &&
+                   SAME(VMM_FROM_CU_MEM_MAP, VMM_API_CU_MEM_MAP) && SAME(VMM_FROM_TEST, VMM_API_TEST),
                "vmm_alloc_info.api mirrors vmm_reg_alloc.api");
-/* VMM_FROM_CU_MEM_MAP (6) joins the assertion above once layout.h names VMM_API_CU_MEM_MAP. */
 _Static_assert(SAME(VMM_ALLOC_NOT_EXPORTABLE, VMM_REG_F_NOT_EXPORTABLE) && SAME(VMM_ALLOC_SHARED_CHUNK, VMM_REG_F_SHARED_CHUNK),
                "alloc flags match the registry's");
 _Static_assert(SAME(VMM_KIND_BROKER, VMM_HANDLE_BROKER) && SAME(VMM_KIND_PIDFD, VMM_HANDLE_PIDFD) &&
