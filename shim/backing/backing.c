@@ -538,11 +538,6 @@ static void publish_locked(vmm__block *b, CUstream stream)
 {
     b->slot = NO_SLOT;
     if (!S.registry_ok) return;
-    if (vmm__reg_bind(&S.reg, b->addr, b->size, &b->slot) != 0) {
-        b->slot = NO_SLOT;
-        vmm__log(VMM__LOG_WARNING, "the registry is full: allocations go unpublished (raise VMMSHIM_REGISTRY_CAPACITY)");
-        return;
-    }
     vchunk *c = b->chunk->mech;
     vmm_reg_alloc d;
     fill_common(&d, c->dev, b->api, stream, b->requested);
@@ -560,10 +555,13 @@ static void publish_locked(vmm__block *b, CUstream stream)
         memcpy(d.fabric, c->fabric, sizeof d.fabric);
     }
     vmm_reg_alloc out;
-    if (vmm__reg_publish(&S.reg, b->slot, &d, &out) == 0) {
-        b->generation = out.generation;
-        memcpy(b->alloc_id, out.alloc_id, 16);
+    if (vmm__reg_add(&S.reg, b->addr, b->size, &d, &b->slot, &out) != 0) {
+        b->slot = NO_SLOT;
+        vmm__log(VMM__LOG_WARNING, "the registry is full: allocations go unpublished (raise VMMSHIM_REGISTRY_CAPACITY)");
+        return;
     }
+    b->generation = out.generation;
+    memcpy(b->alloc_id, out.alloc_id, 16);
     HASH_ADD(hs, S.by_slot, slot, sizeof(uint32_t), b);
 }
 
@@ -571,7 +569,7 @@ static void retract_locked(vmm__block *b)
 {
     if (b->slot == NO_SLOT) return;
     HASH_DELETE(hs, S.by_slot, b);
-    vmm__reg_unbind(&S.reg, b->slot); /* retracts first: out of the registry before any reuse */
+    vmm__reg_remove(&S.reg, b->slot); /* out of the registry before any reuse */
     b->slot = NO_SLOT;
 }
 
@@ -666,7 +664,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
         vmm__result r = n ? VMM__PASS : chunk_containing_locked(p) ? VMM__INVALID : VMM__PASS;
         pthread_mutex_unlock(&S.lock);
         if (n) {
-            if (n->slot != NO_SLOT) vmm__reg_unbind(&S.reg, n->slot);
+            if (n->slot != NO_SLOT) vmm__reg_remove(&S.reg, n->slot);
             free(n);
         }
         return r;
@@ -718,14 +716,10 @@ void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream
         free(n);
         return;
     }
-    if (vmm__reg_bind_unindexed(&S.reg, n->va, size, &n->slot) == 0) {
-        vmm_reg_alloc d;
-        fill_common(&d, dev, api, stream, size);
-        d.flags = VMM_REG_F_NOT_EXPORTABLE;
-        vmm__reg_publish(&S.reg, n->slot, &d, NULL);
-    } else {
-        n->slot = NO_SLOT;
-    }
+    vmm_reg_alloc d;
+    fill_common(&d, dev, api, stream, size);
+    d.flags = VMM_REG_F_NOT_EXPORTABLE;
+    if (vmm__reg_add(&S.reg, n->va, size, &d, &n->slot, NULL) != 0) n->slot = NO_SLOT;
     HASH_ADD(hh, S.notes, va, sizeof(uint64_t), n);
     pthread_mutex_unlock(&S.lock);
 }
@@ -817,10 +811,7 @@ void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size,
                         uint64_t chunk_id, int dev, int exportable, vmm__published *out)
 {
     out->slot = NO_SLOT;
-    if (!S.registry_ok || vmm__reg_bind(&S.reg, address, extent, &out->slot) != 0) {
-        out->slot = NO_SLOT;
-        return;
-    }
+    if (!S.registry_ok) return;
     start_broker();
     vmm_reg_alloc d;
     fill_common(&d, dev, VMM_API_CU_MEM_MAP, NULL, extent);
@@ -830,15 +821,17 @@ void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size,
     if (exportable) d.handle_kinds = __atomic_load_n(&S.broker_started, __ATOMIC_ACQUIRE) > 0 ? VMM_HANDLE_BROKER : 0;
     else d.flags = VMM_REG_F_NOT_EXPORTABLE;
     vmm_reg_alloc pub;
-    if (vmm__reg_publish(&S.reg, out->slot, &d, &pub) == 0) {
-        out->generation = pub.generation;
-        memcpy(out->alloc_id, pub.alloc_id, 16);
+    if (vmm__reg_add(&S.reg, address, extent, &d, &out->slot, &pub) != 0) {
+        out->slot = NO_SLOT;
+        return;
     }
+    out->generation = pub.generation;
+    memcpy(out->alloc_id, pub.alloc_id, 16);
 }
 
 void vmm__retract_range(vmm__published *pub)
 {
-    if (pub->slot != NO_SLOT) vmm__reg_unbind(&S.reg, pub->slot);
+    if (pub->slot != NO_SLOT) vmm__reg_remove(&S.reg, pub->slot);
     pub->slot = NO_SLOT;
 }
 

@@ -20,6 +20,14 @@
 #define READ_RETRIES 4096
 #define PAGE 4096u
 
+/* Creation stamps only show ages: the coarse clock (a few ms) costs a fraction of the precise one. */
+static uint64_t now_coarse_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME_COARSE, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
 static uint64_t now_realtime_ns(void)
 {
     struct timespec ts;
@@ -645,11 +653,10 @@ int vmm__reg_bind(vmm__reg *r, uint64_t address, uint64_t extent, uint32_t *slot
     return bind_flags(r, address, extent, 0, slot);
 }
 
-int vmm__reg_publish(vmm__reg *r, uint32_t slot, const vmm_reg_alloc *d, vmm_reg_alloc *published)
+/* Write record a as LIVE from d (one seq write) and count it; address and extent as given. */
+static void write_live(vmm__reg *r, vmm_reg_alloc *a, const vmm_reg_alloc *d, uint64_t address, uint64_t extent,
+                       vmm_reg_alloc *published)
 {
-    if (!r->attached || !owns_slot(r, slot)) return -EINVAL;
-    vmm_reg_alloc *a = rec_at(r, slot);
-    if (__atomic_load_n(&a->state, __ATOMIC_RELAXED) != VMM_REG_BOUND) return -EINVAL;
     vmm_reg_alloc v = *d;
     static const uint8_t zero_id[16];
     if (!memcmp(v.alloc_id, zero_id, 16)) {
@@ -668,10 +675,10 @@ int vmm__reg_publish(vmm__reg *r, uint32_t slot, const vmm_reg_alloc *d, vmm_reg
     v.pid = r->pid;
     v.start_time = r->start_time;
     v.pidns = r->pidns;
-    v.address = __atomic_load_n(&a->address, __ATOMIC_RELAXED);
-    v.extent = __atomic_load_n(&a->extent, __ATOMIC_RELAXED);
+    v.address = address;
+    v.extent = extent;
     if (!v.mapped_size) v.mapped_size = v.extent; /* an allocation that is its own chunk */
-    if (!v.created_ns) v.created_ns = now_realtime_ns();
+    if (!v.created_ns) v.created_ns = now_coarse_ns();
     if (!(v.handle_kinds & VMM_HANDLE_PIDFD)) v.exported_fd = -1;
     v.tag[sizeof v.tag - 1] = 0;
     if (v.n_frames > 8) v.n_frames = 8;
@@ -688,6 +695,63 @@ int vmm__reg_publish(vmm__reg *r, uint32_t slot, const vmm_reg_alloc *d, vmm_reg
         v.seq = 0;
         *published = v;
     }
+}
+
+int vmm__reg_publish(vmm__reg *r, uint32_t slot, const vmm_reg_alloc *d, vmm_reg_alloc *published)
+{
+    if (!r->attached || !owns_slot(r, slot)) return -EINVAL;
+    vmm_reg_alloc *a = rec_at(r, slot);
+    if (__atomic_load_n(&a->state, __ATOMIC_RELAXED) != VMM_REG_BOUND) return -EINVAL;
+    write_live(r, a, d, __atomic_load_n(&a->address, __ATOMIC_RELAXED), __atomic_load_n(&a->extent, __ATOMIC_RELAXED),
+               published);
+    return 0;
+}
+
+/* bind + publish in one: the allocation path's, with one record write and one index insert. */
+int vmm__reg_add(vmm__reg *r, uint64_t address, uint64_t extent, const vmm_reg_alloc *d, uint32_t *slot,
+                 vmm_reg_alloc *published)
+{
+    if (!r->attached) return -EINVAL;
+    if (address == 0 || extent == 0 || extent > (1ull << VMM_REG_MAX_LEVEL) || address > UINT64_MAX - extent) return -EINVAL;
+    uint32_t s;
+    int rc = take_slot(r, &s);
+    if (rc) return rc;
+    write_live(r, rec_at(r, s), d, address, extent, published); /* complete before the index leads to it */
+    index_lock(r);
+    index_insert_locked(r, s, r->pid, vmm_reg_key(address, extent));
+    index_unlock(r);
+    *slot = s;
+    return 0;
+}
+
+/* retract + unbind in one: the free path's.  Only state and generation change (one short write):
+ * readers skip unbound records whatever else they hold. */
+int vmm__reg_remove(vmm__reg *r, uint32_t slot)
+{
+    if (!r->attached || !owns_slot(r, slot)) return -EINVAL;
+    vmm_reg_alloc *a = rec_at(r, slot);
+    uint32_t state = __atomic_load_n(&a->state, __ATOMIC_RELAXED);
+    if (state == VMM_REG_UNBOUND) return -EINVAL;
+    uint64_t address = __atomic_load_n(&a->address, __ATOMIC_RELAXED), extent = __atomic_load_n(&a->extent, __ATOMIC_RELAXED);
+    if (state == VMM_REG_LIVE) {
+        vmm_reg_proc *p = proc_at(r, r->proc_index);
+        __atomic_sub_fetch(&p->n_allocs, 1, __ATOMIC_RELAXED);
+        __atomic_sub_fetch(&p->bytes_requested, __atomic_load_n(&a->requested_size, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+        __atomic_sub_fetch(&p->bytes_mapped, extent, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&r->hdr->stat_retracts, 1, __ATOMIC_RELAXED);
+    }
+    seq_begin(&a->seq);
+    __atomic_store_n(&a->generation, __atomic_load_n(&a->generation, __ATOMIC_RELAXED) + 2, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->state, VMM_REG_UNBOUND, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->handle_kinds, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&a->exported_fd, -1, __ATOMIC_RELAXED);
+    seq_end(&a->seq);
+    index_lock(r);
+    index_remove_locked(r, slot, r->pid, vmm_reg_key(address, extent));
+    index_unlock(r);
+    pthread_mutex_lock(&r->lock);
+    r->free_slots[r->n_free++] = slot; /* cap_free covers every slot of our chunks */
+    pthread_mutex_unlock(&r->lock);
     return 0;
 }
 

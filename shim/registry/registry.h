@@ -60,6 +60,10 @@ int vmm__reg_bind_unindexed(vmm__reg *r, uint64_t address, uint64_t size, uint32
 int vmm__reg_publish(vmm__reg *r, uint32_t slot, const vmm_reg_alloc *d, vmm_reg_alloc *published);
 int vmm__reg_retract(vmm__reg *r, uint32_t slot);
 int vmm__reg_unbind(vmm__reg *r, uint32_t slot);
+/* The allocation path's bind + publish and the free path's retract + unbind, each in one step. */
+int vmm__reg_add(vmm__reg *r, uint64_t address, uint64_t extent, const vmm_reg_alloc *d, uint32_t *slot,
+                 vmm_reg_alloc *published);
+int vmm__reg_remove(vmm__reg *r, uint32_t slot);
 
 /* Readers.  Return 0, -ENOENT, -EAGAIN (a writer is mid-write, or died mid-write), -EINVAL. */
 int vmm__reg_read_alloc(const vmm__reg *r, uint64_t slot, vmm_reg_alloc *out);

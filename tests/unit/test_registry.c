@@ -356,6 +356,47 @@ static void test_layout(void)
 
 /* ---- publish, retract, lookup ---- */
 
+/* The allocation path's one-step add and the free path's one-step remove. */
+static void test_add_remove(void)
+{
+    const char *name = new_name();
+    vmm__reg r;
+    if (open_reg(&r, name, VMM__REG_CREATE, 1024)) return;
+    CHECK_EQ(vmm__reg_attach(&r, NULL), 0);
+    const uint32_t me = (uint32_t)getpid();
+    vmm_reg_alloc d, out, pub;
+    uint64_t fs;
+    uint32_t s;
+    desc(&d, 4000, "added", 0, VMM_API_CUDA_MALLOC);
+    d.mapped_size = TWO_MIB;
+    d.chunk_id = 9;
+    d.chunk_offset = 8192;
+    CHECK_EQ(vmm__reg_add(&r, BASE_ADDR + 8192, 4096, &d, &s, &pub), 0);
+    CHECK(pub.state == VMM_REG_LIVE && pub.address == BASE_ADDR + 8192 && pub.extent == 4096, "published copy");
+    CHECK(vmm__reg_find(&r, me, BASE_ADDR + 8192 + 4095, &out, &fs) == 0 && fs == s && out.requested_size == 4000 &&
+              out.mapped_size == TWO_MIB && out.chunk_id == 9 && out.chunk_offset == 8192 && out.generation == pub.generation &&
+              !memcmp(out.alloc_id, pub.alloc_id, 16),
+          "find what vmm__reg_add published");
+    vmm_reg_proc p;
+    uint32_t pi = r.proc_index;
+    CHECK(vmm__reg_read_proc(&r, pi, &p) == 0 && p.n_allocs == 1 && p.bytes_requested == 4000 && p.bytes_mapped == 4096,
+          "counters after add");
+    CHECK_EQ(vmm__reg_remove(&r, s), 0);
+    CHECK_EQ(vmm__reg_find(&r, me, BASE_ADDR + 8192, &out, &fs), -ENOENT);
+    CHECK(vmm__reg_read_alloc(&r, s, &out) == 0 && out.state == VMM_REG_UNBOUND && out.generation == pub.generation + 2,
+          "removed: unbound, generation moved on");
+    CHECK(vmm__reg_read_proc(&r, pi, &p) == 0 && p.n_allocs == 0 && p.bytes_requested == 0 && p.bytes_mapped == 0,
+          "counters after remove");
+    CHECK_EQ(vmm__reg_remove(&r, s), -EINVAL);
+    CHECK_EQ(index_count(&r, UINT64_MAX), 0);
+    uint32_t s2;
+    CHECK(vmm__reg_add(&r, BASE_ADDR, 512, &d, &s2, NULL) == 0 && s2 == s, "the slot is reused");
+    CHECK_EQ(vmm__reg_add(&r, 0, 512, &d, &s2, NULL), -EINVAL);
+    CHECK_EQ(vmm__reg_add(&r, BASE_ADDR, 0, &d, &s2, NULL), -EINVAL);
+    vmm__reg_close(&r);
+    shm_unlink(name);
+}
+
 static void test_publish(void)
 {
     const char *name = new_name();
@@ -1830,6 +1871,7 @@ int main(void)
     } tests[] = {
         {"layout", test_layout},
         {"publish", test_publish},
+        {"add_remove", test_add_remove},
         {"bind_huge_size", test_bind_huge_size},
         {"million", test_million},
         {"kill_mid_publish", test_kill_mid_publish},
