@@ -1030,6 +1030,8 @@ FC_API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
     FC_ENTER("cuMemMap");
     uintptr_t p = (uintptr_t)ptr;
     if (!p || !size || flags || p % FC_GRAN || size % FC_GRAN || offset % FC_GRAN) return CUDA_ERROR_INVALID_VALUE;
+    /* as the real driver (H100, CUDA 13.0): a handle maps only from its offset 0 */
+    if (offset) return CUDA_ERROR_NOT_SUPPORTED;
     fc_handle *h;
     LOCK();
     HASH_FIND(hh, g_handles, &handle, sizeof handle, h);

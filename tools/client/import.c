@@ -5,7 +5,7 @@
  * owner's fd table (VMM_KIND_PIDFD: pidfd_getfd, which needs ptrace permission over the owner).
  * Either way the fd is the allocation's chunk: it is mapped whole, once per process, and shared
  * by every import of an allocation in it (see "Imported chunks").  A range import (vmm_import_range,
- * "Ranges across allocations") maps the granules of several records' chunks side by side into
+ * "Ranges across allocations") maps several records' whole chunks back to back, as in the owner, into
  * one reservation of its own instead, and shares nothing.  The CUDA driver is dlopen'ed
  * on first use; this library links none.  Rules as in client.c: never print, never exit, every
  * failure leaves a one-line reason in vmm_last_error(). */
@@ -880,13 +880,13 @@ struct range_map {
     } map[];
 };
 
-/* One mapping of a range: bytes [from, to) of one chunk are needed, the whole granules around
- * them, [map_from, map_to), are mapped.  Consecutive records of one chunk whose bytes follow each
- * other there too (allocations the shim's pool placed side by side) make one piece. */
+/* One mapping of a range: bytes [from, to) of one chunk are needed, and the whole chunk is mapped
+ * (the driver maps a handle only from offset 0).  Consecutive records of one chunk (allocations
+ * the shim's pool placed side by side) make one piece. */
 typedef struct piece {
     size_t first, last;  /* its records, in range order */
     uint64_t owner_at;   /* the owner's address of byte `from` */
-    uint64_t from, to, map_from, map_to;
+    uint64_t from, to, size;
     size_t handle_of;    /* the piece whose fetched handle it maps: itself, or an earlier one */
     CUmemGenericAllocationHandle handle;
 } piece;
@@ -962,10 +962,10 @@ static vmm_status range_walk(vmm_registry *reg, range_plan *p)
     return VMM_OK;
 }
 
-/* Which bytes of which chunk go where.  Only whole granules map, so the range's first and last
- * granules are mapped whole, and where the bytes pass from one chunk to another both sides must
- * sit on a granule boundary (mappings made with cuMemMap always do). */
-static vmm_status range_layout(range_plan *p, uint64_t g)
+/* Which chunk goes where.  Every chunk is mapped whole, at the place its bytes have in the owner,
+ * so the chunks must lie back to back there (a PyTorch expandable segment's pages do); otherwise
+ * the range cannot be one contiguous mapping here. */
+static vmm_status range_layout(range_plan *p)
 {
     for (size_t i = 0; i < p->n_rec; i++) {
         const vmm_alloc_info *a = &p->rec[i];
@@ -978,6 +978,14 @@ static vmm_status range_layout(range_plan *p, uint64_t g)
             last->last = i;
             continue;
         }
+        if (last && (last->to != last->size || from != 0)) {
+            const vmm_alloc_info *b = &p->rec[last->last];
+            return set_err(VMM_ERR_INVALID,
+                           "at 0x%llx pid %u's bytes pass from offset %llu of chunk %llu (%llu bytes) to offset %llu "
+                           "of chunk %llu: the chunks do not lie back to back, so the range cannot be mapped as one",
+                           (unsigned long long)lo, p->pid, (unsigned long long)last->to, (unsigned long long)b->chunk_id,
+                           (unsigned long long)last->size, (unsigned long long)from, (unsigned long long)a->chunk_id);
+        }
         piece *more = grow(p->pc, &p->cap_pc, p->n_pc, sizeof *p->pc);
         if (!more) return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
         p->pc = more;
@@ -987,26 +995,7 @@ static vmm_status range_layout(range_plan *p, uint64_t g)
         k->owner_at = lo;
         k->from = from;
         k->to = to;
-    }
-    for (size_t k = 0; k < p->n_pc; k++) {
-        piece *c = &p->pc[k];
-        const vmm_alloc_info *a = &p->rec[c->last];
-        c->map_from = k == 0 ? c->from - c->from % g : c->from;
-        c->map_to = k + 1 == p->n_pc ? c->to + (g - c->to % g) % g : c->to;
-        if (k + 1 < p->n_pc && (c->to % g || p->pc[k + 1].from % g)) {
-            const piece *n = &p->pc[k + 1];
-            return set_err(VMM_ERR_INVALID,
-                           "at 0x%llx pid %u's bytes pass from offset %llu of chunk %llu to offset %llu of chunk %llu, "
-                           "off the driver's %llu-byte granules: the range cannot be mapped as one",
-                           (unsigned long long)n->owner_at, p->pid, (unsigned long long)c->to,
-                           (unsigned long long)a->chunk_id, (unsigned long long)n->from,
-                           (unsigned long long)p->rec[n->first].chunk_id, (unsigned long long)g);
-        }
-        if (c->map_to > a->mapped_size)
-            return set_err(VMM_ERR_INVALID,
-                           "pid %u's allocation at 0x%llx lies in a chunk of %llu bytes, not whole %llu-byte granules",
-                           p->pid, (unsigned long long)a->address, (unsigned long long)a->mapped_size,
-                           (unsigned long long)g);
+        k->size = a->mapped_size;
     }
     return VMM_OK;
 }
@@ -1081,7 +1070,7 @@ static vmm_status range_map_all(const range_plan *p, CUcontext ctx, CUdevice dev
     memset(m, 0, sizeof *m);
     m->ctx = ctx;
     size_t total = 0;
-    for (size_t k = 0; k < p->n_pc; k++) total += (size_t)(p->pc[k].map_to - p->pc[k].map_from);
+    for (size_t k = 0; k < p->n_pc; k++) total += (size_t)p->pc[k].size;
     CUresult r = cu.MemAddressReserve(&m->base, total, 0, 0, 0);
     if (r != CUDA_SUCCESS) {
         free(m);
@@ -1091,8 +1080,8 @@ static vmm_status range_map_all(const range_plan *p, CUcontext ctx, CUdevice dev
     size_t at = 0;
     for (size_t k = 0; k < p->n_pc; k++) {
         const piece *c = &p->pc[k];
-        size_t len = (size_t)(c->map_to - c->map_from);
-        if ((r = cu.MemMap(m->base + at, len, (size_t)c->map_from, c->handle, 0)) != CUDA_SUCCESS) {
+        size_t len = (size_t)c->size;
+        if ((r = cu.MemMap(m->base + at, len, 0, c->handle, 0)) != CUDA_SUCCESS) {
             (void)range_unmap(m);
             return cu_fail("cuMemMap", r);
         }
@@ -1125,19 +1114,7 @@ VMM_PUBLIC vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t
     CUdevice dev = 0;
     if (st == VMM_OK) st = cuda_ready();
     if (st == VMM_OK) st = current_context(&ctx, &dev);
-    size_t g = 0;
-    if (st == VMM_OK) {
-        CUmemAllocationProp prop;
-        memset(&prop, 0, sizeof prop);
-        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        prop.location.id = (int)dev;
-        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-        CUresult r = cu.MemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
-        if (r != CUDA_SUCCESS) st = cu_fail("cuMemGetAllocationGranularity", r);
-        else if (g == 0) st = set_err(VMM_ERR_CUDA, "cuMemGetAllocationGranularity gave 0 bytes");
-    }
-    if (st == VMM_OK) st = range_layout(&p, g);
+    if (st == VMM_OK) st = range_layout(&p);
     vmm_imported *imp = NULL;
     if (st == VMM_OK && !(imp = calloc(1, sizeof *imp))) st = set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
     bool fetching = st == VMM_OK;
@@ -1147,7 +1124,7 @@ VMM_PUBLIC vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t
     if (fetching) range_release_handles(&p);
     if (st == VMM_OK) {
         imp->range = m;
-        imp->ptr = (uint64_t)m->base + (p.pc[0].from - p.pc[0].map_from);
+        imp->ptr = (uint64_t)m->base + p.pc[0].from;
         imp->requested_size = length;
         *out = imp;
     } else {

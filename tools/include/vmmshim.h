@@ -196,17 +196,16 @@ vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd
  * place (consecutive records of one chunk as one mapping), read-write for the calling context's
  * device (or device 0's primary context, as vmm_import), and the imported handles are released
  * at once: the mappings keep the memory alive, after its owner frees it or exits too, until
- * vmm_import_release.  Only the driver's granules (cuMemGetAllocationGranularity, typically
- * 2 MiB) holding the range are mapped, not the records' whole chunks; a range inside one record
- * is a vmm_import of just those granules.  Nothing is cached or shared between range imports or
+ * vmm_import_release.  Each handle is mapped whole (the driver maps a handle only from its
+ * offset 0), at the place its bytes have in the owner, so the chunks of a range must lie back to
+ * back in the owner, as an expandable segment's pages do.  Nothing is cached or shared between range imports or
  * with vmm_import's chunks: each call asks the owner again.
  *
  * Failures, each naming the owner's address concerned: VMM_ERR_NOT_FOUND (no live allocation of
  * pid at the first byte not covered: a gap, or freed meanwhile), VMM_ERR_ACCESS (a record is not
  * exportable, or offers only a FABRIC handle; or the broker refused), VMM_ERR_INVALID (length 0
- * or past the end of the address space, or where two handles meet the bytes are not at a
- * granule boundary of each, so they cannot be mapped side by side here -- real VMM mappings
- * always are), VMM_ERR_STALE (a record was freed between finding and importing it),
+ * or past the end of the address space, or two chunks of the range that do not lie back to back
+ * in the owner), VMM_ERR_STALE (a record was freed between finding and importing it),
  * VMM_ERR_OWNER_DEAD, VMM_ERR_CUDA, VMM_ERR_IO, as vmm_import.  On failure nothing stays
  * mapped and *out is NULL. */
 vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
