@@ -60,7 +60,7 @@ int main(int argc, char **argv)
     say("cuMemSetAccess(3 pages)", cuMemSetAccess(va, 3 * page, &acc, 1));
     size_t len = 3 * page;
     uint8_t *h = malloc(len);
-    uint64_t fnv = 1469598103934665603ull;
+    uint64_t fnv = 0xcbf29ce484222325ull; /* FNV-1a 64, as vmmctl prints it */
     for (size_t k = 0; k < len; k++) {
         h[k] = (uint8_t)(k * 7 + 3);
         fnv = (fnv ^ h[k]) * 1099511628211ull;
