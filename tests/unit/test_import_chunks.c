@@ -18,6 +18,7 @@
 #include "../fakecuda/fakecuda.h"
 #include "backing/ipc.h"
 #include "check.h"
+#include "fakeowner.h"
 #include "registry/registry.h"
 #include "spawn.h"
 #include "vmmshim.h"
@@ -64,86 +65,6 @@ static long long now_us(void)
 }
 
 static char g_reg[64], g_dir[128], g_build[512];
-
-/* ------------------------------------------------------------------------------------------ */
-/* The emulated driver, through dlsym                                                          */
-
-static struct {
-    CUresult (*Init)(unsigned);
-    CUresult (*DeviceGet)(CUdevice *, int);
-    CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
-    CUresult (*CtxSetCurrent)(CUcontext);
-    CUresult (*MemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
-    CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
-    CUresult (*MemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
-    CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
-    CUresult (*MemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
-                                           unsigned long long);
-    fakecuda_counters_fn counters;
-} drv;
-
-static bool load_driver(void)
-{
-    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!h) return false;
-    struct {
-        const char *n;
-        void **p;
-    } s[] = {
-        {"cuInit", (void **)&drv.Init},
-        {"cuDeviceGet", (void **)&drv.DeviceGet},
-        {"cuDevicePrimaryCtxRetain", (void **)&drv.DevicePrimaryCtxRetain},
-        {"cuCtxSetCurrent", (void **)&drv.CtxSetCurrent},
-        {"cuMemCreate", (void **)&drv.MemCreate},
-        {"cuMemAddressReserve", (void **)&drv.MemAddressReserve},
-        {"cuMemMap", (void **)&drv.MemMap},
-        {"cuMemSetAccess", (void **)&drv.MemSetAccess},
-        {"cuMemExportToShareableHandle", (void **)&drv.MemExportToShareableHandle},
-        {"fakecuda_counters", (void **)&drv.counters},
-    };
-    for (size_t i = 0; i < sizeof s / sizeof s[0]; i++) {
-        void *p = dlsym(h, s[i].n);
-        if (!p) return false;
-        memcpy(s[i].p, &p, sizeof p);
-    }
-    return true;
-}
-
-static struct fakecuda_counters counters(void)
-{
-    struct fakecuda_counters c;
-    drv.counters(&c);
-    return c;
-}
-
-/* ------------------------------------------------------------------------------------------ */
-/* Pipes                                                                                       */
-
-static bool write_full(int fd, const void *buf, size_t len)
-{
-    const char *p = buf;
-    while (len) {
-        ssize_t n = write(fd, p, len);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) return false;
-        p += n, len -= (size_t)n;
-    }
-    return true;
-}
-
-static bool read_full(int fd, void *buf, size_t len)
-{
-    char *p = buf;
-    while (len) {
-        struct pollfd pf = {.fd = fd, .events = POLLIN};
-        if (poll(&pf, 1, 30000) <= 0) return false;
-        ssize_t n = read(fd, p, len);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) return false;
-        p += n, len -= (size_t)n;
-    }
-    return true;
-}
 
 /* ------------------------------------------------------------------------------------------ */
 /* The owner                                                                                   */
