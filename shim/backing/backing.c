@@ -635,7 +635,7 @@ static vmm__block *block_containing_locked(uint64_t p)
             uint32_t key = (uint32_t)slot;
             HASH_FIND(hs, S.by_slot, &key, sizeof key, b);
         } else {
-            b = vmm__pool_block_at(&S.dev[c->dev].pool, c->pool_chunk, p); /* unpublished: walk the chunk */
+            b = vmm__pool_block_at(c->pool_chunk, p); /* unpublished: walk the chunk */
         }
     }
     return b && b->live && p - b->addr < b->requested + (b->requested == 0) ? b : NULL;
@@ -654,6 +654,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
 {
     if (!ptr || !S.ready) return VMM__PASS;
     uint64_t p = (uint64_t)(uintptr_t)ptr;
+    int capturing = stream_ordered && vmm__stream_capturing(stream); /* a driver call: not under the lock */
     pthread_mutex_lock(&S.lock);
     vmm__block *b = NULL;
     HASH_FIND(hh, S.by_addr, &p, sizeof p, b);
@@ -675,7 +676,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     device_state *d = &S.dev[((vchunk *)b->chunk->mech)->dev];
     CUevent ev = NULL;
     if (stream_ordered) {
-        if (vmm__stream_capturing(stream)) {
+        if (capturing) {
             /* The free happens when the graph runs, which we cannot observe: never reuse it. */
             pthread_mutex_unlock(&S.lock);
             vmm__log(VMM__LOG_WARNING, "stream-ordered free of shim memory during graph capture; its block is retired");
@@ -724,7 +725,7 @@ void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream
     pthread_mutex_unlock(&S.lock);
 }
 
-size_t vmm__cached_bytes_current(void)
+size_t vmm__pool_free_bytes_current(void)
 {
     if (!S.ready) return 0;
     CUcontext ctx = NULL;

@@ -1,4 +1,4 @@
-/* The shim's logic: VMM-backed allocations, the per-device cache, publishing.  Called by the
+/* The shim's logic: VMM-backed allocations from the pool, publishing.  Called by the
  * forwarding-only hooks in shim/hooks; it knows nothing of which API route a call came from
  * beyond the `api` tag it records. */
 #ifndef VMM_BACKING_H
@@ -10,7 +10,8 @@
 typedef enum {
     VMM__DONE = 0,     /* handled by the shim: *ptr set */
     VMM__PASS = 1,     /* not the shim's: call the real function */
-    VMM__NOMEM = 2,    /* out of memory even after emptying the cache: report OOM */
+    VMM__NOMEM = 2,    /* out of memory even after giving back empty chunks (or the program's own pool is
+                          current): the real allocator decides, and the result is noted */
     VMM__INVALID = 3,  /* the shim's memory, but a double free or interior pointer */
     VMM__REFUSED = 4   /* VMMSHIM_STRICT=1 and the shim could not start */
 } vmm__result;
@@ -22,8 +23,8 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
 vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream);
 /* Record an allocation the shim passed through (e.g. made during stream capture). */
 void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream);
-/* Bytes held in the cache of the current device (counted as free by cudaMemGetInfo). */
-size_t vmm__cached_bytes_current(void);
+/* Free bytes in the current device's pool (counted as free by cudaMemGetInfo). */
+size_t vmm__pool_free_bytes_current(void);
 /* A live shim allocation as the rest of the shim sees it. */
 typedef struct vmm__alloc_ref {
     uint64_t base, requested, mapped; /* mapped: the chunk's size */
@@ -35,7 +36,7 @@ typedef struct vmm__alloc_ref {
 } vmm__alloc_ref;
 /* The live shim allocation containing ptr (any interior address): 1 and *out filled, else 0. */
 int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out);
-/* Inside any chunk the shim holds, live or cached (or past an allocation's requested end). */
+/* Inside any chunk the shim holds, allocated or free (or past an allocation's requested end). */
 int vmm__owned(uint64_t ptr);
 /* The registry the shim publishes in, with this process attached; NULL when the shim is not active. */
 struct vmm__reg *vmm__registry(void);

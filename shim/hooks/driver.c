@@ -158,13 +158,13 @@ VMM_HOOK CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
     vmm__enter();
     CUresult rc = real_(free_bytes, total);
     vmm__leave();
-    if (rc == CUDA_SUCCESS && free_bytes) *free_bytes += vmm__cached_bytes_current(); /* the cache is ours to give back */
+    if (rc == CUDA_SUCCESS && free_bytes) *free_bytes += vmm__pool_free_bytes_current(); /* the pool's free bytes are ours to give back */
     return rc;
 }
 
 /* ---- queries: a shim allocation answers with its requested base and size ---- */
 
-/* A pointer into shim memory that is no live allocation (freed and cached, or past the requested
+/* A pointer into shim memory that is no live allocation (freed, or past the requested
  * end) is, to the program, no allocation at all: the driver answers for a host address instead. */
 static CUdeviceptr as_seen_by_program(CUdeviceptr p, const char *host)
 {

@@ -144,6 +144,6 @@ VMM_HOOK cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total)
     vmm__enter();
     cudaError_t rc = real_(free_bytes, total);
     vmm__leave();
-    if (rc == cudaSuccess && free_bytes) *free_bytes += vmm__cached_bytes_current(); /* the cache is ours to give back */
+    if (rc == cudaSuccess && free_bytes) *free_bytes += vmm__pool_free_bytes_current(); /* the pool's free bytes are ours to give back */
     return rc;
 }

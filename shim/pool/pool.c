@@ -311,7 +311,6 @@ void vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event)
     b->free = 1;
     b->stream = event ? stream : 0;
     b->event = event;
-    b->live = 0;
     if (!p->isolate) {
         vmm__block *n = b->next;
         if (n && n->free && compatible(p, n, b)) {
@@ -337,9 +336,8 @@ uint64_t vmm__pool_give_back(vmm__pool *p, uint64_t keep)
     return release_empty(p, keep, 0);
 }
 
-vmm__block *vmm__pool_block_at(const vmm__pool *p, const vmm__chunk *c, uint64_t addr)
+vmm__block *vmm__pool_block_at(const vmm__chunk *c, uint64_t addr)
 {
-    (void)p;
     for (vmm__block *b = c->first; b; b = b->next)
         if (addr >= b->addr && addr - b->addr < b->size) return b;
     return NULL;

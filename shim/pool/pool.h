@@ -88,7 +88,7 @@ void vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event);
  * reserved or none is left; returns the bytes given back. */
 uint64_t vmm__pool_give_back(vmm__pool *p, uint64_t keep);
 /* The block containing addr, if addr is in one of the pool's chunks (walks that chunk's blocks). */
-vmm__block *vmm__pool_block_at(const vmm__pool *p, const vmm__chunk *c, uint64_t addr);
+vmm__block *vmm__pool_block_at(const vmm__chunk *c, uint64_t addr);
 /* Give back every chunk (at exit of a test); blocks still allocated are dropped. */
 void vmm__pool_destroy(vmm__pool *p);
 #endif

@@ -1090,10 +1090,3 @@ uint64_t vmm__reg_footprint(const vmm__reg *r)
     struct stat st;
     return fstat(r->fd, &st) == 0 ? (uint64_t)st.st_blocks * 512ull : 0;
 }
-
-/* Bind an allocation the shim only notes (made by the real allocator, e.g. during stream capture):
- * found by address like any other, flagged not exportable. */
-int vmm__reg_bind_unindexed(vmm__reg *r, uint64_t address, uint64_t size, uint32_t *slot)
-{
-    return bind_flags(r, address, size, VMM_REG_F_NOT_EXPORTABLE, slot);
-}

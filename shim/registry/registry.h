@@ -55,7 +55,6 @@ void vmm__reg_forget_after_fork(vmm__reg *r);
 /* Bind a record slot to a reservation [address, address+mapped_size).  address must be aligned to
  * the next power of two >= mapped_size (and >= 2 MiB) so readers can find interior pointers. */
 int vmm__reg_bind(vmm__reg *r, uint64_t address, uint64_t mapped_size, uint32_t *slot);
-int vmm__reg_bind_unindexed(vmm__reg *r, uint64_t address, uint64_t size, uint32_t *slot);
 /* Fill the record from `d` (alloc_id zero = generate one) and make it LIVE. */
 int vmm__reg_publish(vmm__reg *r, uint32_t slot, const vmm_reg_alloc *d, vmm_reg_alloc *published);
 int vmm__reg_retract(vmm__reg *r, uint32_t slot);
