@@ -691,6 +691,7 @@ struct vmm_imported {
     range_map *range;        /* a vmm_import_range: its own mappings; NULL for an allocation */
     uint64_t ptr;            /* c->base + the allocation's chunk_offset, or the range's first byte */
     uint64_t requested_size; /* a range's length */
+    int device;              /* the device it is mapped read-write for here */
 };
 
 static vmm_status fetch_fd(vmm_registry *reg, const vmm_alloc_info *a, int *fd)
@@ -861,6 +862,7 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
     imp->c = c;
     imp->ptr = (uint64_t)c->base + alloc->chunk_offset;
     imp->requested_size = alloc->requested_size ? alloc->requested_size : span;
+    imp->device = (int)dev;
     *out = imp;
     return VMM_OK;
 }
@@ -1126,6 +1128,7 @@ VMM_PUBLIC vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t
         imp->range = m;
         imp->ptr = (uint64_t)m->base + p.pc[0].from;
         imp->requested_size = length;
+        imp->device = (int)dev;
         *out = imp;
     } else {
         free(imp);
@@ -1138,6 +1141,8 @@ VMM_PUBLIC vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t
 VMM_PUBLIC uint64_t vmm_import_ptr(const vmm_imported *imp) { return imp ? imp->ptr : 0; }
 
 VMM_PUBLIC uint64_t vmm_import_size(const vmm_imported *imp) { return imp ? imp->requested_size : 0; }
+
+VMM_PUBLIC int vmm_import_device(const vmm_imported *imp) { return imp ? imp->device : -1; }
 
 VMM_PUBLIC vmm_status vmm_import_release(vmm_imported *imp)
 {

@@ -211,6 +211,23 @@ vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd
 vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
                             vmm_imported **out);
 
+/* The device (an ordinal of this process) the import is mapped read-write for; -1 for NULL. */
+int vmm_import_device(const vmm_imported *imp);
+
+/* ---- Reading imported bytes ----------------------------------------------------------------
+ * Both copy device-to-host from vmm_import_ptr(imp) + offset, on the import's device (its primary
+ * context is made current on the calling thread when the thread has none, as vmm_import does);
+ * [offset, offset + length) must lie within vmm_import_size(imp).  Failures: VMM_ERR_INVALID,
+ * VMM_ERR_CUDA (the message names the driver call), VMM_ERR_NOMEM. */
+/* Copy into dst (any host memory), synchronously. */
+vmm_status vmm_import_read(const vmm_imported *imp, uint64_t offset, void *dst, uint64_t length);
+/* Stream the bytes to sink in order, through two pinned host buffers so that the copy of one
+ * overlaps the sink's work on the other (what `vmmctl dump` writes files with).  sink gets each
+ * piece (data valid only during the call) and the bytes handed over before it; a non-zero return
+ * stops the copy, which then fails with VMM_ERR_IO. */
+typedef int (*vmm_sink_fn)(void *ctx, const void *data, uint64_t length, uint64_t done);
+vmm_status vmm_import_copy(const vmm_imported *imp, uint64_t offset, uint64_t length, vmm_sink_fn sink, void *ctx);
+
 #ifdef __cplusplus
 }
 #endif
