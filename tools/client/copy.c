@@ -20,11 +20,13 @@
 #define VMM_PUBLIC __attribute__((visibility("default")))
 #define set_err vmm__client_error
 
-/* Pieces are a quarter of the copy, so that even a copy of a few pieces overlaps, between 4 MiB
- * (a driver round trip of ~10 us is then under 1% of a piece's transfer) and 64 MiB (beyond that
- * a larger piece gains nothing and only delays the sink's first byte). */
-#define PIECE_MIN ((uint64_t)4 << 20)
-#define PIECE_MAX ((uint64_t)64 << 20)
+/* Pieces are a quarter of the copy, so that a short copy overlaps too, between 1 MiB and
+ * 16 MiB.  The bus reaches its full rate well below 16 MiB per copy, and at 16 MiB a piece
+ * still takes ~300 us at 50 GB/s, ample time for the loop to queue the next one; a larger piece
+ * gains nothing but costs more to pin (pinning runs at a few GB/s: 2 x 64 MiB would cost a
+ * 4 GiB copy a large part of its own time). */
+#define PIECE_MIN ((uint64_t)1 << 20)
+#define PIECE_MAX ((uint64_t)16 << 20)
 
 /* ------------------------------------------------------------------------------------------ */
 /* The driver, found at run time                                                              */
@@ -155,9 +157,9 @@ VMM_PUBLIC vmm_status vmm_import_read(const vmm_imported *imp, uint64_t offset, 
 /* ------------------------------------------------------------------------------------------ */
 /* Pinned buffers                                                                              */
 
-/* Pinning memory costs about as much per byte as copying it over the bus, so buffers made for
- * each call would cost a large copy a third of its time or more.  They are kept instead, in a
- * process-wide free list rather than per thread: a call takes a pair and gives it back, so
+/* Pinning is slower per byte than the copy itself, so a pair made for each call would cost a
+ * dump of many allocations more than its copies.  Pairs are kept instead, in a process-wide
+ * free list rather than per thread: a call takes a pair and gives it back, so
  * threads that come and go (a pool's workers) leave no pinned memory behind and no driver call
  * is needed in a thread's exit path, and the list holds as many pairs as calls ever ran at once.
  * Each buffer is made under its device's primary context (which this library never releases)
@@ -203,7 +205,7 @@ static vmm_status enter_primary(int device, CUcontext *prev)
 }
 
 /* Buffers of at least `need` bytes (sizes double from PIECE_MIN, so a pair serving copies of
- * every size is remade at most five times). */
+ * every size is remade at most four times). */
 static vmm_status staging_fit(staging *s, uint64_t need, int device)
 {
     if (s->size >= need) return VMM_OK;

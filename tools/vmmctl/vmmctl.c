@@ -42,6 +42,14 @@ static const char usage_text[] =
     "                 from ADDR (default: to the end of the allocation) and the import times;\n"
     "                 a LEN past the allocation imports the range across the allocations\n"
     "                 that follow it (pages the program mapped itself)\n"
+    "  dump PID [ADDR] -o PATH\n"
+    "                 copy device memory to files: with ADDR, that allocation's bytes to the\n"
+    "                 file PATH; without, every live allocation of PID into the new (or empty)\n"
+    "                 directory PATH, one file each, and manifest.json (FNV-1a checksums; what\n"
+    "                 was skipped and why).  All are imported before the first byte is copied,\n"
+    "                 so the dump completes even if PID dies meanwhile.  A progress bar on a\n"
+    "                 terminal's stderr; a summary line on stdout.  Exit 1 if anything asked\n"
+    "                 for could not be dumped (skipped allocations do not count)\n"
     "  config         every VMMSHIM_* option: its value and where it came from\n"
     "\n"
     "options:\n"
@@ -836,6 +844,7 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "config") == 0) return cmd_config(n, rest);
     if (strcmp(cmd, "show") == 0) return cmd_show(n, rest);
     if (strcmp(cmd, "import-test") == 0) return cmd_import_test(n, rest);
+    if (strcmp(cmd, "dump") == 0) return vmm__ctl_cmd_dump(n, rest);
     if (strcmp(cmd, "help") == 0) {
         fputs(usage_text, stdout);
         return EXIT_OK;
