@@ -50,6 +50,10 @@ static const char usage_text[] =
     "                 so the dump completes even if PID dies meanwhile.  A progress bar on a\n"
     "                 terminal's stderr; a summary line on stdout.  Exit 1 if anything asked\n"
     "                 for could not be dumped (skipped allocations do not count)\n"
+    "  watch [--pid PID] [--interval S] [--count N]\n"
+    "                 every S seconds (default 1) each process's allocations and bytes and\n"
+    "                 their change since the tick before: a redrawn table on a terminal, else\n"
+    "                 one JSON line per tick; stops after N ticks, or on SIGINT/SIGTERM\n"
     "  config         every VMMSHIM_* option: its value and where it came from\n"
     "\n"
     "options:\n"
@@ -845,6 +849,7 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "show") == 0) return cmd_show(n, rest);
     if (strcmp(cmd, "import-test") == 0) return cmd_import_test(n, rest);
     if (strcmp(cmd, "dump") == 0) return vmm__ctl_cmd_dump(n, rest);
+    if (strcmp(cmd, "watch") == 0) return vmm__ctl_cmd_watch(n, rest);
     if (strcmp(cmd, "help") == 0) {
         fputs(usage_text, stdout);
         return EXIT_OK;
