@@ -654,6 +654,10 @@ static void case_dump_one(void)
     CHECK(rc == 0 && strstr(tty, "\r\033[Kdump: ") && strstr(tty, " of 3.0 MiB (") && strstr(tty, "dumped 1 allocation"),
           "on a terminal: rc %d: %s", rc, tty);
 
+    CTL(NULL, "--help");
+    CHECK(strstr(g_r.out, "\n  dump PID [ADDR] -o PATH\n") && strstr(g_r.out, "\n  watch [--pid PID] [--interval S] [--count N]\n"),
+          "usage text: %s", g_r.out);
+
     /* refusals: one line each, nothing written */
     unlink(path);
     CTL(NULL, "dump", pid, bogus, "-o", path);
