@@ -343,7 +343,8 @@ static void fo_main(int cmd, int rep)
     if (rc || (rc = vmm__reg_attach(&fo_reg, NULL))) FO_FAIL(2, "registry: %d %s", rc, err);
     for (int i = 0; i < 2; i++) {
         CUdeviceptr base;
-        if ((r = drv.MemCreate(&fo_handle[i], CHUNK, &prop, 0)) || (r = drv.MemAddressReserve(&base, CHUNK, CHUNK, 0, 0)) ||
+        if ((r = drv.MemCreate(&fo_handle[i], CHUNK, &prop, 0)) ||
+            (r = drv.MemAddressReserve(&base, CHUNK, CHUNK, 0, 0)) ||
             (r = drv.MemMap(base, CHUNK, 0, fo_handle[i], 0)) || (r = drv.MemSetAccess(base, CHUNK, &acc, 1)))
             FO_FAIL(3, "chunk %d: %d", i, (int)r);
         uint8_t *p = (uint8_t *)(uintptr_t)base; /* emulated device memory is host memory */
@@ -651,11 +652,13 @@ static void case_dump_one(void)
     char tty[8192];
     const char *const on_tty[] = {"dump", pid, inside, "-o", path, NULL};
     int rc = ctl_on_tty(on_tty, tty, sizeof tty);
-    CHECK(rc == 0 && strstr(tty, "\r\033[Kdump: ") && strstr(tty, " of 3.0 MiB (") && strstr(tty, "dumped 1 allocation"),
+    CHECK(rc == 0 && strstr(tty, "\r\033[Kdump: ") && strstr(tty, " of 3.0 MiB (") &&
+              strstr(tty, "dumped 1 allocation"),
           "on a terminal: rc %d: %s", rc, tty);
 
     CTL(NULL, "--help");
-    CHECK(strstr(g_r.out, "\n  dump PID [ADDR] -o PATH\n") && strstr(g_r.out, "\n  watch [--pid PID] [--interval S] [--count N]\n"),
+    CHECK(strstr(g_r.out, "\n  dump PID [ADDR] -o PATH\n") &&
+              strstr(g_r.out, "\n  watch [--pid PID] [--interval S] [--count N]\n"),
           "usage text: %s", g_r.out);
 
     /* refusals: one line each, nothing written */
@@ -706,7 +709,8 @@ static void case_dump_all(void)
     snprintf(path, sizeof path, "%s/manifest.json", dir);
     CHECK(slurp(path, manifest, sizeof manifest), "no %s", path);
     snprintf(want, sizeof want, "\n  \"pid\": %s,\n", pid);
-    CHECK(strstr(manifest, want) && strstr(manifest, "\"cmdline\": \"") && strstr(manifest, "/progs/owner 3 1a 0.5 1c 16\"") &&
+    CHECK(strstr(manifest, want) && strstr(manifest, "\"cmdline\": \"") &&
+              strstr(manifest, "/progs/owner 3 1a 0.5 1c 16\"") &&
               strstr(manifest, "\n  \"owner_alive_after\": true,\n") && strstr(manifest, "\n  \"taken\": \"20") &&
               strstr(manifest, "\n  \"dumped\": 4,\n  \"skipped\": 1,\n  \"failed\": 0,\n"),
           "manifest header:\n%s", manifest);
@@ -890,8 +894,8 @@ static void case_watch(fork_owner *o)
               l1[strlen(l1) - 2] == '}',
           "first tick: %s", l1);
     CHECK(strncmp(l2, "{\"tick\": 2, ", 12) == 0 && strstr(l2, want) && strstr(l2, "\"new\": false") &&
-              strstr(l2, "\"n_allocs\": 1, \"bytes_requested\": 123456, \"bytes_mapped\": 2097152, \"delta_allocs\": 1, "
-                         "\"delta_bytes_requested\": 123456, \"delta_bytes_mapped\": 2097152,"),
+              strstr(l2, "\"n_allocs\": 1, \"bytes_requested\": 123456, \"bytes_mapped\": 2097152, "
+                         "\"delta_allocs\": 1, \"delta_bytes_requested\": 123456, \"delta_bytes_mapped\": 2097152,"),
           "second tick: %s", l2);
 
     /* on a terminal: the screen cleared and a table */
