@@ -46,10 +46,10 @@ static double mono_s(void)
 
 static double gb_per_s(uint64_t bytes, double seconds) { return seconds > 0 ? (double)bytes / seconds / 1e9 : 0; }
 
-static void progress_draw(progress *p, bool force)
+static void progress_draw(progress *p)
 {
     double now = mono_s();
-    if (!p->tty || (!force && now - p->drawn < 0.1)) return;
+    if (!p->tty || now - p->drawn < 0.1) return;
     p->drawn = now;
     hbuf done, total;
     fprintf(stderr, "\r\033[Kdump: %s of %s (%.0f%%), %.2f GB/s, %zu of %zu allocation%s",
@@ -95,7 +95,7 @@ static int write_piece(void *ctx, const void *data, uint64_t length, uint64_t do
         length -= (uint64_t)n;
         o->prog->done += (uint64_t)n;
     }
-    progress_draw(o->prog, false);
+    progress_draw(o->prog);
     return 0;
 }
 
@@ -182,10 +182,11 @@ static void import_target(vmm_registry *reg, target *t)
     if (!(a->handle_kinds & (VMM_KIND_BROKER | VMM_KIND_PIDFD))) {
         t->state = SKIPPED;
         snprintf(t->reason, sizeof t->reason, "%s",
-                 a->handle_kinds & VMM_KIND_FABRIC
-                     ? "not exportable as an fd (only a FABRIC handle)"
-                     : "not exportable (the owner passed it through to the real allocator: device full, or a "
-                       "stream being captured)");
+                 a->handle_kinds & VMM_KIND_FABRIC ? "not exportable as an fd (only a FABRIC handle)"
+                 : a->api == VMM_FROM_CU_MEM_MAP
+                     ? "not exportable (the driver refused an exportable handle type for this mapping)"
+                     : "not exportable (made by the real allocator: the device was full, or its stream was "
+                       "being captured)");
         return;
     }
     vmm_status st = vmm_import(reg, a, &t->imp);
@@ -213,7 +214,6 @@ typedef struct dump_totals {
     double seconds;
     size_t dumped, skipped, failed;
 } dump_totals;
-
 
 /* One allocation per line, so that a reader with grep finds each whole. */
 static void manifest_entry(FILE *f, const target *t, bool last)
@@ -309,7 +309,7 @@ static int dump_one(vmm_registry *reg, dump_job *j, uint64_t addr, const char *p
     if (t.state != TO_DUMP)
         return vmm__ctl_error("pid %u's allocation at 0x%llx: %s", j->pid, (unsigned long long)a.address, t.reason);
     double import_s = mono_s() - t0;
-    dump_totals tot = {.taken_ns = vmm__ctl_now_ns()};
+    dump_totals tot = {0};
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0) {
         int e = errno;
