@@ -503,14 +503,24 @@ static void case_idle(owner *o)
     vmm_alloc_info a, b;
     if (!find(o, A, 0, &a) || !find(o, B, 0, &b)) return;
     struct fakecuda_counters c0 = counters();
-    vmm_imported *ib = NULL;
+    vmm_imported *ib = NULL, *held = NULL;
     CHECK_EQ(vmm_import(g_client, &b, &ib), VMM_OK);
+    CHECK_EQ(vmm_import(g_client, &b, &held), VMM_OK);
+    CHECK_EQ(vmm_import_check(g_client, held), VMM_OK);
     CHECK_EQ(vmm_import_release(ib), VMM_OK);
     CHECK_EQ(counters().mappings_live, c0.mappings_live + 1);
-    /* the owner frees B (and publishes it again): the reaper unmaps the idle chunk */
+    /* the owner frees B and allocates it again, in the same place and slot: the held import stays
+     * valid memory and tells the allocation is gone (its generation moved on) */
     owner_info now;
     CHECK(owner_cmd(o, 'R', B, 0, &now, sizeof now) && now.rc == 0, "re-publishing B failed");
     o->info = now;
+    vmm_status st = held ? vmm_import_check(g_client, held) : VMM_ERR_INVALID;
+    CHECK(st == VMM_ERR_STALE && strstr(vmm_last_error(), "generation"), "check after B was freed: %d %s", st,
+          vmm_last_error());
+    CHECK(held && pattern_at((const uint8_t *)(uintptr_t)vmm_import_ptr(held), LAYOUT[B].requested, g_seed[B]),
+          "the held import's bytes after the owner freed B");
+    CHECK_EQ(vmm_import_release(held), VMM_OK);
+    /* and with nothing held, the reaper unmaps the idle chunk */
     double t0 = now_us();
     CHECK(driver_state_back(&c0, 3000), "the idle chunk was still mapped 3 s after its witness was freed");
     printf("stat: an idle chunk was unmapped %.0f ms after its witness was freed\n", (now_us() - t0) / 1000);
@@ -967,6 +977,8 @@ static void case_owner_dead(owner *o)
     CHECK(st == VMM_ERR_OWNER_DEAD && ib == NULL, "chunk mapped, owner dead: %d %s", st, vmm_last_error());
     CHECK(ia && pattern_at((const uint8_t *)(uintptr_t)vmm_import_ptr(ia), LAYOUT[A].requested, g_seed[A]),
           "A's bytes after the owner died");
+    st = ia ? vmm_import_check(g_client, ia) : VMM_ERR_INVALID;
+    CHECK(st == VMM_ERR_OWNER_DEAD, "check after the owner died: %d %s", st, vmm_last_error());
     vmm_import_release(ia);
     st = vmm_import(g_client, &b, &ib);
     CHECK(st == VMM_ERR_OWNER_DEAD && ib == NULL, "nothing mapped, owner dead: %d %s", st, vmm_last_error());

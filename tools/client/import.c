@@ -950,6 +950,7 @@ struct vmm_imported {
     uint64_t ptr;            /* c->base + the allocation's chunk_offset, or the range's first byte */
     uint64_t requested_size; /* a range's length */
     int device;              /* the device it is mapped read-write for here */
+    vmm_alloc_info alloc;    /* a vmm_import: the record it was imported from (vmm_import_check) */
 };
 
 static vmm_status fetch_fd(vmm_registry *reg, const vmm_alloc_info *a, int *fd)
@@ -1154,8 +1155,21 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
         return st;
     }
     imp->requested_size = alloc->requested_size ? alloc->requested_size : span;
+    imp->alloc = *alloc;
     *out = imp;
     tm.total_ns = now_ns() - t0;
+    return VMM_OK;
+}
+
+VMM_PUBLIC vmm_status vmm_import_check(vmm_registry *reg, const vmm_imported *imp)
+{
+    NEED(reg, "reg is NULL");
+    NEED(imp, "imp is NULL");
+    NEED(!imp->range, "a range import: check the records of its range with vmm_find");
+    vmm_status st = record_unchanged(reg, &imp->alloc);
+    if (st == VMM_ERR_STALE && owner_liveness(&imp->alloc) == VMM__DEAD) return owner_dead(&imp->alloc);
+    if (st != VMM_OK) return st;
+    if (owner_exited(imp->c->owner)) return owner_dead(&imp->alloc);
     return VMM_OK;
 }
 

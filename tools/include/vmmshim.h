@@ -218,7 +218,13 @@ vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, u
 
 /* The device (an ordinal of this process) the import is mapped read-write for; -1 for NULL. */
 int vmm_import_device(const vmm_imported *imp);
-/* Unmap every imported chunk no vmm_imported holds now, and close idle broker connections. */
+/* Is the allocation imp was imported from (vmm_import) still live in its owner?  VMM_OK;
+ * VMM_ERR_STALE once the owner freed it -- also when the same address or record slot now holds
+ * another allocation (its generation tells them apart); VMM_ERR_OWNER_DEAD once the owner exited.
+ * The mapping stays valid memory in every case, until vmm_import_release.  A range import gets
+ * VMM_ERR_INVALID: check its records with vmm_find. */
+vmm_status vmm_import_check(vmm_registry *reg, const vmm_imported *imp);
+/* Unmap every imported chunk no vmm_imported holds now. */
 vmm_status vmm_import_drop_idle(void);
 
 /* Where the calling thread's last successful vmm_import spent its time, in nanoseconds (for
