@@ -50,6 +50,7 @@ typedef struct vchunk {
 typedef struct note {
     uint64_t va;
     uint32_t slot;
+    int dev;
     UT_hash_handle hh;
 } note;
 
@@ -722,6 +723,7 @@ void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream
     CUcontext ctx;
     int dev = current_device(&ctx, 0);
     if (dev < 0) dev = 0;
+    n->dev = dev;
     pthread_mutex_lock(&S.lock);
     note *old = NULL;
     HASH_FIND(hh, S.notes, &n->va, sizeof n->va, old);
@@ -850,6 +852,48 @@ void vmm__retract_range(vmm__published *pub)
 }
 
 /* ---- the default memory pool as the program sees it ---- */
+
+/* The device's primary context is about to be reset: native frees every allocation made on it,
+ * and the default pool's settings go back to their defaults.  The shim's memory would survive a
+ * reset (VMM mappings are not the context's), so it is let go of here, before the driver's
+ * reset: each live allocation's record retracted and its block forgotten, every chunk unmapped
+ * and released, the pool's events destroyed while their context still exists.  A free of an old
+ * pointer afterwards then reaches the driver, which refuses it as native does. */
+void vmm__device_reset(int dev)
+{
+    if (!S.ready) return;
+    if (dev < 0) {
+        CUcontext ctx = NULL;
+        CUdevice cur = -1;
+        if (cu.CtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx || cu.CtxGetDevice(&cur) != CUDA_SUCCESS) return;
+        dev = (int)cur;
+    }
+    if (dev < 0 || dev >= MAX_DEVICES) return;
+    pthread_mutex_lock(&S.lock);
+    device_state *d = &S.dev[dev];
+    vmm__block *b, *bt;
+    HASH_ITER(hh, S.by_addr, b, bt) {
+        if (((vchunk *)b->chunk->mech)->dev != dev) continue;
+        HASH_DELETE(hh, S.by_addr, b);
+        retract_locked(b);
+        b->live = 0;
+    }
+    note *n, *nt;
+    HASH_ITER(hh, S.notes, n, nt) {
+        if (n->dev != dev) continue;
+        HASH_DELETE(hh, S.notes, n);
+        if (n->slot != NO_SLOT) vmm__reg_remove(&S.reg, n->slot);
+        free(n);
+    }
+    if (d->pool_ready) {
+        vmm__pool_destroy(&d->pool);
+        d->pool_ready = 0;
+    }
+    while (d->n_events) cu.EventDestroy(d->events[--d->n_events]);
+    d->release_threshold = 0;
+    __atomic_store_n(&d->custom_pool, 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&S.lock);
+}
 
 static device_state *dev_at(int dev) { return S.ready && dev >= 0 && dev < MAX_DEVICES ? &S.dev[dev] : NULL; }
 

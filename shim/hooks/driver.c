@@ -162,6 +162,14 @@ VMM_HOOK CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
     return rc;
 }
 
+/* A reset frees every allocation of the device natively: the shim lets its own go first. */
+VMM_HOOK CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    VMM_REAL_DRIVER(cuDevicePrimaryCtxReset_v2, CUDA_ERROR_NOT_INITIALIZED);
+    if (!vmm__in_shim()) vmm__device_reset((int)dev);
+    PASS_THROUGH(real_(dev));
+}
+
 /* ---- queries: a shim allocation answers with its requested base and size ---- */
 
 /* A pointer into shim memory that is no live allocation (freed, or past the requested

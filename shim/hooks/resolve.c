@@ -55,7 +55,8 @@ VMM_EARLY void *vmm__real_dlsym(void *handle, const char *name)
     X(cuCtxDisablePeerAccess) X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)  \
     X(cuMemPoolSetAccess) X(cuMemPoolGetAttribute) X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo)        \
     X(cuDeviceSetMemPool) X(cuMemSetMemPool) X(cuMemCreate) X(cuMemGetAllocationPropertiesFromHandle)       \
-    X(cuMemMap) X(cuMemUnmap) X(cuMemRelease) X(cuGetProcAddress) X(cuGetProcAddress_v2)
+    X(cuMemMap) X(cuMemUnmap) X(cuMemRelease) X(cuDevicePrimaryCtxReset_v2) X(cuGetProcAddress)                \
+    X(cuGetProcAddress_v2)
 
 typedef struct wrap_entry {
     const char *name;

@@ -766,6 +766,39 @@ FC_API CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
     return prim_release(dev);
 }
 
+static CUresult memfree(CUdeviceptr dptr);
+
+/* A reset frees every cuMemAlloc-family allocation made on the device, as the real driver does;
+ * VMM handles and mappings are the process's, not the context's, and survive (as on an H100). */
+static CUresult prim_reset(CUdevice dev)
+{
+    if (!dev_ok(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    for (;;) {
+        uintptr_t base = 0;
+        LOCK();
+        for (fc_range *r = g_allocs; r; r = r->hh.next)
+            if (r->dev == (int)dev) {
+                base = r->base;
+                break;
+            }
+        UNLOCK();
+        if (!base) return CUDA_SUCCESS;
+        (void)memfree((CUdeviceptr)base);
+    }
+}
+
+FC_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    FC_ENTER("cuDevicePrimaryCtxReset");
+    return prim_reset(dev);
+}
+
+FC_API CUresult cuDevicePrimaryCtxReset(CUdevice dev)
+{
+    FC_ENTER("cuDevicePrimaryCtxReset");
+    return prim_reset(dev);
+}
+
 FC_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
 {
     FC_ENTER("cuDevicePrimaryCtxGetState");
@@ -2324,6 +2357,8 @@ struct fc_sym {
     S("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain)                               \
     S("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2)                         \
     S("cuDevicePrimaryCtxRelease", 7000, cuDevicePrimaryCtxRelease)                             \
+    S("cuDevicePrimaryCtxReset", 11000, cuDevicePrimaryCtxReset_v2)                             \
+    S("cuDevicePrimaryCtxReset", 7000, cuDevicePrimaryCtxReset)                                 \
     S("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState)                           \
     S("cuCtxGetCurrent", 4000, cuCtxGetCurrent)                                                 \
     S("cuCtxSetCurrent", 4000, cuCtxSetCurrent)                                                 \

@@ -167,6 +167,11 @@ API cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s)
     (void)s;
     return cudaMemset(p, v, n);
 }
+API cudaError_t cudaDeviceReset(void)
+{
+    cuInit(0);
+    return ret(map(cuDevicePrimaryCtxReset_v2(cur_dev)));
+}
 API cudaError_t cudaDeviceSynchronize(void)
 {
     ENSURE();
