@@ -82,6 +82,10 @@ void vmm__retract_range(vmm__published *pub);
  * allocations and cached chunks go, as native reset frees them.  dev -1: the calling thread's
  * current device (nothing when no context is current). */
 void vmm__device_reset(int dev);
+/* A stream of this process began or ended capturing (the driver hooks count them): while any
+ * does, a free never synchronizes a context, and its block waits for a safe moment. */
+void vmm__capture_begun(void);
+void vmm__capture_ended(void);
 /* True when stream is being captured into a graph. */
 int vmm__stream_capturing(CUstream stream);
 #endif

@@ -96,6 +96,7 @@ typedef struct fc_stream {
     void *self;
     unsigned flags;
     int capturing;
+    int invalidated; /* a capture broken by a synchronization, as the real driver breaks it */
     CUstreamCaptureMode mode;
     unsigned long long busy_until; /* CLOCK_MONOTONIC ns */
     UT_hash_handle hh;
@@ -886,10 +887,15 @@ FC_API CUresult cuCtxSynchronize(void)
     unsigned long long t = g_legacy_stream.busy_until;
     if (g_ptds_stream.busy_until > t) t = g_ptds_stream.busy_until;
     fc_stream *s, *tmp;
+    int broke = 0;
     HASH_ITER(hh, g_streams, s, tmp) {
         if (s->busy_until > t) t = s->busy_until;
+        /* synchronizing a context waits for its capturing streams too: the real driver
+         * invalidates their captures (seen on an H100), whatever the capture mode */
+        if (s->capturing && !s->invalidated) s->invalidated = broke = 1;
     }
     UNLOCK();
+    if (broke) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
     sleep_until(t);
     return CUDA_SUCCESS;
 }
@@ -2113,7 +2119,10 @@ static CUresult end_capture(CUstream hStream, CUgraph *phGraph)
     CUresult r = CUDA_SUCCESS;
     if (!s) r = CUDA_ERROR_INVALID_HANDLE;
     else if (!s->capturing) r = CUDA_ERROR_ILLEGAL_STATE;
-    else s->capturing = 0;
+    else {
+        if (s->invalidated) r = CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+        s->capturing = s->invalidated = 0;
+    }
     UNLOCK();
     if (r == CUDA_SUCCESS) *phGraph = (CUgraph)(void *)&g_dummy_graph;
     return r;
@@ -2136,7 +2145,10 @@ static CUresult is_capturing(CUstream hStream, CUstreamCaptureStatus *status)
     if (!status) return CUDA_ERROR_INVALID_VALUE;
     LOCK();
     fc_stream *s = stream_get(hStream);
-    if (s) *status = s->capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+    if (s)
+        *status = !s->capturing    ? CU_STREAM_CAPTURE_STATUS_NONE
+                  : s->invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+                                   : CU_STREAM_CAPTURE_STATUS_ACTIVE;
     UNLOCK();
     return s ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }

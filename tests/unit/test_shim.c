@@ -339,6 +339,25 @@ static void test_device_reset(void)
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "reset prog exit status 0x%x", st);
 }
 
+/* Another thread's cudaMalloc/cudaFree while a stream captures in thread-local or relaxed mode:
+ * native breaks no capture, and neither may the shim (its free must not synchronize the context
+ * then: that would invalidate the capture). */
+static void test_capture_other_thread(void)
+{
+    char prog[600], nat[1024], sh[1024], e1[4096], e2[4096];
+    snprintf(prog, sizeof prog, "%s/progs/capture_free", build);
+    const char *env[] = {preload, NULL};
+    for (int mode = 1; mode <= 2; mode++) {
+        char m[4];
+        snprintf(m, sizeof m, "%d", mode);
+        char *argv[] = {prog, m, NULL};
+        int r1 = run(argv, NULL, nat, sizeof nat, e1, sizeof e1);
+        int r2 = run(argv, env, sh, sizeof sh, e2, sizeof e2);
+        CHECK(r1 == 0 && strstr(nat, "end cudaSuccess"), "native, mode %d: rc %d %s%s", mode, r1, nat, e1);
+        CHECK(r2 == 0 && strcmp(nat, sh) == 0, "mode %d: rc %d\n--- native\n%s--- shim\n%s%s", mode, r2, nat, sh, e2);
+    }
+}
+
 /* cudaMallocAsync on a stream being captured goes to the real pool; the registry still shows
  * it, flagged as not exportable, and the free retracts it. */
 static void test_capture(void)
@@ -572,6 +591,7 @@ int main(void)
     test_many_small();
     test_adopted();
     test_device_reset();
+    test_capture_other_thread();
     test_capture();
     test_owner_killed();
     shm_unlink(registry);
