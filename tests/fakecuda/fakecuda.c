@@ -98,6 +98,7 @@ typedef struct fc_stream {
     void *self;
     unsigned flags;
     int capturing;
+    int invalidated; /* a capture broken by a synchronization, as the real driver breaks it */
     CUstreamCaptureMode mode;
     unsigned long long busy_until; /* CLOCK_MONOTONIC ns */
     UT_hash_handle hh;
@@ -777,6 +778,39 @@ FC_API CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
     return prim_release(dev);
 }
 
+static CUresult memfree(CUdeviceptr dptr);
+
+/* A reset frees every cuMemAlloc-family allocation made on the device, as the real driver does;
+ * VMM handles and mappings are the process's, not the context's, and survive (as on an H100). */
+static CUresult prim_reset(CUdevice dev)
+{
+    if (!dev_ok(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    for (;;) {
+        uintptr_t base = 0;
+        LOCK();
+        for (fc_range *r = g_allocs; r; r = r->hh.next)
+            if (r->dev == (int)dev) {
+                base = r->base;
+                break;
+            }
+        UNLOCK();
+        if (!base) return CUDA_SUCCESS;
+        (void)memfree((CUdeviceptr)base);
+    }
+}
+
+FC_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    FC_ENTER("cuDevicePrimaryCtxReset");
+    return prim_reset(dev);
+}
+
+FC_API CUresult cuDevicePrimaryCtxReset(CUdevice dev)
+{
+    FC_ENTER("cuDevicePrimaryCtxReset");
+    return prim_reset(dev);
+}
+
 FC_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
 {
     FC_ENTER("cuDevicePrimaryCtxGetState");
@@ -864,10 +898,15 @@ FC_API CUresult cuCtxSynchronize(void)
     unsigned long long t = g_legacy_stream.busy_until;
     if (g_ptds_stream.busy_until > t) t = g_ptds_stream.busy_until;
     fc_stream *s, *tmp;
+    int broke = 0;
     HASH_ITER(hh, g_streams, s, tmp) {
         if (s->busy_until > t) t = s->busy_until;
+        /* synchronizing a context waits for its capturing streams too: the real driver
+         * invalidates their captures (seen on an H100), whatever the capture mode */
+        if (s->capturing && !s->invalidated) s->invalidated = broke = 1;
     }
     UNLOCK();
+    if (broke) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
     sleep_until(t);
     return CUDA_SUCCESS;
 }
@@ -2165,7 +2204,10 @@ static CUresult end_capture(CUstream hStream, CUgraph *phGraph)
     CUresult r = CUDA_SUCCESS;
     if (!s) r = CUDA_ERROR_INVALID_HANDLE;
     else if (!s->capturing) r = CUDA_ERROR_ILLEGAL_STATE;
-    else s->capturing = 0;
+    else {
+        if (s->invalidated) r = CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+        s->capturing = s->invalidated = 0;
+    }
     UNLOCK();
     if (r == CUDA_SUCCESS) *phGraph = (CUgraph)(void *)&g_dummy_graph;
     return r;
@@ -2188,7 +2230,10 @@ static CUresult is_capturing(CUstream hStream, CUstreamCaptureStatus *status)
     if (!status) return CUDA_ERROR_INVALID_VALUE;
     LOCK();
     fc_stream *s = stream_get(hStream);
-    if (s) *status = s->capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+    if (s)
+        *status = !s->capturing    ? CU_STREAM_CAPTURE_STATUS_NONE
+                  : s->invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+                                   : CU_STREAM_CAPTURE_STATUS_ACTIVE;
     UNLOCK();
     return s ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
@@ -2410,6 +2455,8 @@ struct fc_sym {
     S("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain)                               \
     S("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2)                         \
     S("cuDevicePrimaryCtxRelease", 7000, cuDevicePrimaryCtxRelease)                             \
+    S("cuDevicePrimaryCtxReset", 11000, cuDevicePrimaryCtxReset_v2)                             \
+    S("cuDevicePrimaryCtxReset", 7000, cuDevicePrimaryCtxReset)                                 \
     S("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState)                           \
     S("cuCtxGetCurrent", 4000, cuCtxGetCurrent)                                                 \
     S("cuCtxSetCurrent", 4000, cuCtxSetCurrent)                                                 \
