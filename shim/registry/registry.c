@@ -255,10 +255,14 @@ int vmm__reg_open(vmm__reg *r, const char *name, int mode, uint64_t capacity, co
 {
     memset(r, 0, sizeof *r);
     r->fd = -1;
+    char given[sizeof r->name];
     if (name && *name)
-        snprintf(r->name, sizeof r->name, "%s", name);
+        snprintf(given, sizeof given, "%s", name);
     else
-        vmm__reg_default_name(r->name, sizeof r->name);
+        vmm__reg_default_name(given, sizeof given);
+    /* "name" means "/name", as VMMSHIM_REGISTRY takes it: every message then names the object opened. */
+    if (snprintf(r->name, sizeof r->name, "%s%s", given[0] == '/' ? "" : "/", given) >= (int)sizeof r->name)
+        return fail(err, errlen, -ENAMETOOLONG, "registry %s: %s", given, "name is too long");
     r->writable = mode != VMM__REG_READ;
     int oflags = (r->writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW;
     if (mode == VMM__REG_CREATE) oflags |= O_CREAT;

@@ -36,7 +36,8 @@ typedef struct vmm__reg_gc_stats {
 } vmm__reg_gc_stats;
 
 /* Open (and with VMM__REG_CREATE create) the registry.  `name` NULL means VMMSHIM_REGISTRY or
- * the per-user default.  On failure returns -errno-ish code and writes a one-line reason. */
+ * the per-user default; a name without its leading '/' means "/name".  On failure returns
+ * -errno-ish code and writes a one-line reason. */
 int vmm__reg_open(vmm__reg *r, const char *name, int mode, uint64_t capacity, const char *group, char *err,
                   size_t errlen);
 void vmm__reg_close(vmm__reg *r);

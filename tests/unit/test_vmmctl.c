@@ -683,6 +683,17 @@ int main(void)
     RUN(&r, env_bad, "list");
     CHECK(r.status == 1 && strcmp(r.err, want) == 0, "missing registry via VMMSHIM_REGISTRY: %d '%s'", r.status,
           r.err);
+    /* A name without its leading '/' is the name with it, from --registry and VMMSHIM_REGISTRY
+     * alike (as the shim takes it), and the error names the object looked for. */
+    char env_bare[160];
+    snprintf(env_bare, sizeof env_bare, "VMMSHIM_REGISTRY=%s", reg_name + 1);
+    const char *const env_bare_name[] = {env_bare, NULL};
+    RUN(&r, no_env, "--registry", reg_name + 1, "list");
+    CHECK(r.status == 0 && count_matching(r.out, " 0x7f00") == 3, "--registry without '/': %d %s", r.status, r.err);
+    RUN(&r, env_bare_name, "ps");
+    CHECK(r.status == 0 && strstr(r.out, mypid), "VMMSHIM_REGISTRY without '/': %d %s", r.status, r.err);
+    RUN(&r, no_env, "--registry", missing + 1, "list");
+    CHECK(r.status == 1 && strcmp(r.err, want) == 0, "missing registry named without '/': %d '%s'", r.status, r.err);
     /* not a registry: exit 1, one line */
     char junk[96];
     snprintf(junk, sizeof junk, "%s-junk", reg_name);

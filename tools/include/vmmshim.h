@@ -122,7 +122,8 @@ const char *vmm_strerror(vmm_status status);
 /* The calling thread's last failure, one line; "" when none. */
 const char *vmm_last_error(void);
 
-/* Open the registry read-only (name NULL: $VMMSHIM_REGISTRY, else "/vmmshim-<uid>"). */
+/* Open the registry read-only (name NULL: $VMMSHIM_REGISTRY, else "/vmmshim-<uid>"; a name
+ * without its leading '/', as "jobs", means "/jobs", as the shim takes VMMSHIM_REGISTRY). */
 vmm_status vmm_open(const char *name, vmm_registry **out);
 /* Open it for reclaiming dead owners' records (vmm_gc). */
 vmm_status vmm_open_writable(const char *name, vmm_registry **out);
