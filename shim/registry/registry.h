@@ -48,6 +48,9 @@ int vmm__reg_validate(const void *base, size_t size, char *err, size_t errlen);
 /* Writer: claim this process's proc slot; detach releases every record it still holds. */
 int vmm__reg_attach(vmm__reg *r, const char *broker_path);
 int vmm__reg_set_broker(vmm__reg *r, const char *broker_path);
+/* This process's record (NULL unless attached), for the writer's coverage counters (layout.h,
+ * COVERAGE): relaxed atomic adds, outside the seq protocol. */
+vmm_reg_proc *vmm__reg_self(vmm__reg *r);
 void vmm__reg_detach(vmm__reg *r);
 /* After fork(), the child must not write as its parent: drop writer state without touching
  * shared memory. */
