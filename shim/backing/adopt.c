@@ -140,6 +140,7 @@ void vmm__adopt_mapped(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneric
         r->offset = offset;
         r->h = e;
         e->n_maps++;
+        if (e->exportable) vmm__count_adopted();
         vmm__publish_range(r->addr, size, e->size, offset, e->chunk_id, e->dev, e->exportable, &r->pub);
         range *old = NULL;
         HASH_FIND(hh, A.by_addr, &r->addr, sizeof r->addr, old);

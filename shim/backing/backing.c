@@ -116,6 +116,17 @@ static struct {
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
+/* The coverage counters (layout.h, COVERAGE) live in this process's registry record once it is
+ * attached, so companions see them; until then, and in a process the registry never sees (the
+ * shim disabled), here, so VMMSHIM_STATS can report them.  A disabled process never registers:
+ * its count has no field in the record. */
+static vmm_reg_proc local_coverage;
+static vmm_reg_proc *coverage = &local_coverage;
+static uint64_t passed_disabled;
+
+static void count(uint64_t *counter) { __atomic_add_fetch(counter, 1, __ATOMIC_RELAXED); }
+static vmm_reg_proc *coverage_now(void) { return __atomic_load_n(&coverage, __ATOMIC_ACQUIRE); }
+
 /* libunwind exports _Unwind_* and a weak backtrace(): loaded globally it would take over the
  * host's C++ exception unwinding.  So it is opened privately, from beside the shim, and only
  * when call-site frames are asked for. */
@@ -166,10 +177,50 @@ static int load_driver(char *why, size_t len)
     return 0;
 }
 
-static void on_exit_detach(void)
+/* 1.2 GiB: the size a person reads, formatted without allocating. */
+static const char *human_size(uint64_t v, char *buf, size_t len)
 {
-    /* Pure shared-memory work: CUDA may already be torn down at exit. */
-    if (S.registry_ok) vmm__reg_detach(&S.reg);
+    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+    int u = 0;
+    double d = (double)v;
+    while (u < 6 && d >= 1024.0) d /= 1024.0, u++;
+    snprintf(buf, len, u ? "%.1f %s" : "%.0f %s", d, units[u]);
+    return buf;
+}
+
+/* VMMSHIM_STATS=1: one line, like MIMALLOC_SHOW_STATS, whatever the log level. */
+static void print_coverage(const vmm_reg_proc *c)
+{
+    uint64_t made = __atomic_load_n(&c->allocs, __ATOMIC_RELAXED), dis = __atomic_load_n(&passed_disabled, __ATOMIC_RELAXED);
+    uint64_t cap = __atomic_load_n(&c->passed_capture, __ATOMIC_RELAXED), full = __atomic_load_n(&c->passed_device_full, __ATOMIC_RELAXED);
+    uint64_t uns = __atomic_load_n(&c->passed_unsupported, __ATOMIC_RELAXED), maps = __atomic_load_n(&c->maps_adopted, __ATOMIC_RELAXED);
+    char peak[32];
+    vmm__log_report("stats: pid %d: %llu allocation%s, %llu backed and exportable, %llu passed through (capture %llu, "
+                    "device full %llu, unsupported %llu, disabled %llu), %llu cuMemMap range%s adopted, peak %s",
+                    (int)getpid(), (unsigned long long)(made + dis), made + dis == 1 ? "" : "s",
+                    (unsigned long long)__atomic_load_n(&c->allocs_backed, __ATOMIC_RELAXED),
+                    (unsigned long long)(cap + full + uns + dis), (unsigned long long)cap, (unsigned long long)full,
+                    (unsigned long long)uns, (unsigned long long)dis, (unsigned long long)maps, maps == 1 ? "" : "s",
+                    human_size(__atomic_load_n(&c->peak_requested, __ATOMIC_RELAXED), peak, sizeof peak));
+}
+
+static void at_exit(void)
+{
+    /* Pure shared-memory work: CUDA may already be torn down at exit.  The counters move back
+     * here first: once detached, the record may be another process's. */
+    if (S.registry_ok) {
+        const vmm_reg_proc *c = coverage_now();
+        uint64_t *to[] = {&local_coverage.allocs, &local_coverage.allocs_backed, &local_coverage.passed_capture,
+                          &local_coverage.passed_device_full, &local_coverage.passed_unsupported,
+                          &local_coverage.maps_adopted, &local_coverage.peak_requested};
+        const uint64_t *from[] = {&c->allocs, &c->allocs_backed, &c->passed_capture, &c->passed_device_full,
+                                  &c->passed_unsupported, &c->maps_adopted, &c->peak_requested};
+        for (size_t i = 0; i < sizeof to / sizeof to[0]; i++)
+            __atomic_store_n(to[i], __atomic_load_n(from[i], __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+        __atomic_store_n(&coverage, &local_coverage, __ATOMIC_RELEASE);
+        vmm__reg_detach(&S.reg);
+    }
+    if (vmm__opt_bool(VMM__OPT_STATS)) print_coverage(&local_coverage);
     if (vmm__opt_bool(VMM__OPT_VERBOSE))
         for (int i = 0; i < MAX_DEVICES; i++) {
             const vmm__pool *p = &S.dev[i].pool;
@@ -178,6 +229,14 @@ static void on_exit_detach(void)
                          i, (unsigned long long)p->chunks_made, (unsigned long long)p->chunks_released,
                          (unsigned long long)(p->reserved_high >> 20), (unsigned long long)(p->used_high >> 20));
         }
+}
+
+/* The child has made no allocation yet, whatever its parent counted. */
+static void coverage_after_fork(void)
+{
+    memset(&local_coverage, 0, sizeof local_coverage);
+    passed_disabled = 0;
+    coverage = &local_coverage;
 }
 
 static void after_fork_child(void)
@@ -194,11 +253,15 @@ static void after_fork_child(void)
     S.broker_path[0] = 0;
     vmm__broker_forget_after_fork();
     if (S.registry_ok && vmm__reg_attach(&S.reg, "") != 0) S.registry_ok = 0;
+    if (S.registry_ok) coverage = vmm__reg_self(&S.reg);
 }
 
 static void init(void)
 {
     int opt_rc = vmm__opt_init();
+    /* Before anything can make the shim pass calls through: those are counted too. */
+    atexit(at_exit);
+    pthread_atfork(NULL, NULL, coverage_after_fork);
     if (vmm__opt_bool(VMM__OPT_VERBOSE)) vmm__log(VMM__LOG_INFO, "backing allocations with exportable VMM memory");
     if (opt_rc != 0) {
         S.failed = 1;
@@ -231,7 +294,7 @@ static void init(void)
         return;
     }
     S.registry_ok = 1;
-    atexit(on_exit_detach);
+    __atomic_store_n(&coverage, vmm__reg_self(&S.reg), __ATOMIC_RELEASE);
     pthread_atfork(NULL, NULL, after_fork_child);
     S.ready = 1;
 }
@@ -577,15 +640,15 @@ static void retract_locked(vmm__block *b)
 
 vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream stream, void **ptr)
 {
-    if (!ensure_init()) return S.failed && vmm__opt_bool(VMM__OPT_STRICT) ? VMM__REFUSED : VMM__PASS;
+    if (!ensure_init()) return S.failed && vmm__opt_bool(VMM__OPT_STRICT) ? VMM__REFUSED : VMM__DISABLED;
     if (!ptr || size == 0) return VMM__PASS; /* the runtime's own answer for these */
     CUcontext ctx;
     int runtime_api = api == VMM_API_CUDA_MALLOC || api == VMM_API_CUDA_MALLOC_ASYNC;
     int dev = current_device(&ctx, runtime_api);
-    if (dev < 0 || !device_usable(dev)) return vmm__opt_bool(VMM__OPT_STRICT) && dev >= 0 ? VMM__REFUSED : VMM__PASS;
+    if (dev < 0 || !device_usable(dev)) return vmm__opt_bool(VMM__OPT_STRICT) && dev >= 0 ? VMM__REFUSED : VMM__UNSUPPORTED;
     device_state *d = &S.dev[dev];
     /* the program's own pool is current: its allocations are its pool's, noted, not exportable */
-    if (stream_ordered && __atomic_load_n(&d->custom_pool, __ATOMIC_ACQUIRE)) return VMM__NOMEM;
+    if (stream_ordered && __atomic_load_n(&d->custom_pool, __ATOMIC_ACQUIRE)) return VMM__OWN_POOL;
     start_broker(); /* one atomic load once it has started */
 
     pthread_mutex_lock(&S.lock);
@@ -595,7 +658,7 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
         pthread_mutex_unlock(&S.lock);
         if (err == -ENOMEM) return VMM__NOMEM;
         vmm__log(VMM__LOG_WARNING, "VMM allocation of %zu bytes failed (%s); passing it through", size, strerror(-err));
-        return VMM__PASS;
+        return VMM__UNSUPPORTED;
     }
     b->requested = size;
     b->api = api;
@@ -604,6 +667,9 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     HASH_ADD(hh, S.by_addr, addr, sizeof(uint64_t), b);
     publish_locked(b, stream);
     pthread_mutex_unlock(&S.lock);
+    vmm_reg_proc *c = coverage_now();
+    count(&c->allocs);
+    count(&c->allocs_backed);
     *ptr = (void *)(uintptr_t)b->addr;
     return VMM__DONE;
 }
@@ -699,9 +765,20 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     return VMM__DONE;
 }
 
-void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream)
+void vmm__note_passthrough(vmm__result why, void *ptr, size_t size, uint32_t api, CUstream stream)
 {
-    if (!S.ready || !ptr || !S.registry_ok) return;
+    if (!ptr || size == 0) return; /* no allocation was made */
+    vmm_reg_proc *c = coverage_now();
+    switch (why) {
+    case VMM__DISABLED: count(&passed_disabled); return;
+    case VMM__UNSUPPORTED: count(&c->passed_unsupported); break;
+    case VMM__OWN_POOL: count(&c->passed_unsupported); break;
+    case VMM__NOMEM: count(&c->passed_device_full); break;
+    case VMM__CAPTURED: count(&c->passed_capture); break;
+    default: return;
+    }
+    count(&c->allocs);
+    if (why == VMM__UNSUPPORTED || !S.ready || !S.registry_ok) return;
     note *n = calloc(1, sizeof *n);
     if (!n) return;
     n->va = (uint64_t)(uintptr_t)ptr;
@@ -829,6 +906,8 @@ void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size,
     out->generation = pub.generation;
     memcpy(out->alloc_id, pub.alloc_id, 16);
 }
+
+void vmm__count_adopted(void) { count(&coverage_now()->maps_adopted); }
 
 void vmm__retract_range(vmm__published *pub)
 {

@@ -103,6 +103,9 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
         "User tag stored with each allocation record (at most 31 bytes)."),
     OPT(FRAMES, T_INT, "0", 0, 8, NULL, NULL,
         "Call-site frames recorded per allocation."),
+    OPT(STATS, T_BOOL, "0", 0, 0, NULL, NULL,
+        "At exit, print one line: allocations made, how many were backed, how many passed through "
+        "and why, the peak requested."),
 };
 
 typedef struct {

@@ -1,5 +1,7 @@
-/* What a user sees of a process under the shim, over the emulated driver: the registry named
- * without its leading '/'. */
+/* What a user sees of a process under the shim, over the emulated driver: its coverage counters
+ * (allocations made, backed, passed through by reason, adopted ranges, peak) in `vmmctl ps`, its
+ * --json and the client library, and VMMSHIM_STATS's line at exit, with the shim working, on a
+ * device without VMM, and disabled; the registry named without its leading '/'. */
 #include <errno.h>
 #include <signal.h>
 #include <stdint.h>
@@ -106,6 +108,156 @@ static void test_registry_name(void)
           registry + 1, err);
 }
 
+static char vmmctl[600];
+
+static int ctl(char *out, size_t outlen, const char *a1, const char *a2)
+{
+    char err[4096];
+    char *argv[] = {vmmctl, "--registry", registry, (char *)a1, (char *)a2, NULL};
+    return spawn_capture(argv, NULL, out, outlen, err, sizeof err, 60);
+}
+
+/* The line of s holding needle, or "". */
+static const char *line_with(const char *s, const char *needle, char *buf, size_t len)
+{
+    const char *p = strstr(s, needle);
+    buf[0] = 0;
+    if (!p) return buf;
+    while (p > s && p[-1] != '\n') p--;
+    const char *eol = strchr(p, '\n');
+    snprintf(buf, len, "%.*s", (int)(eol ? eol - p : (long)strlen(p)), p);
+    return buf;
+}
+
+/* Starts the owner with its buffers, waits for all of them; its pid, or 0. */
+static int owner_up(child *c, const char *const env[], char *const argv[])
+{
+    char line[256];
+    int n = 0, want = 0, pid = 0;
+    for (int i = 1; argv[i]; i++) want++;
+    if (child_start(c, argv, env) != 0) return 0;
+    while (n < want && sscanf(child_line(c, "ready", line, sizeof line), "ready %d", &pid) == 1) n++;
+    return n == want ? pid : 0;
+}
+
+static int count_of(const char *s, const char *needle)
+{
+    int n = 0;
+    for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
+    return n;
+}
+
+/* Two 1 MiB allocations fill one 2 MiB chunk; one is made while its stream is captured; with 5 MiB
+ * on the device a half MiB more needs a new chunk, which does not fit, while the real allocator
+ * still has room for it: 4 made, 2 backed, 1 captured, 1 to a full device; 3.5 MiB at the peak. */
+static void test_coverage(void)
+{
+    char out[16384], line[1024], err[8192], pidtxt[16];
+    char *argv[] = {owner, "1", "1", "1c", "0.5", NULL};
+    const char *env[] = {"FAKECUDA_MEM_BYTES=5M", "VMMSHIM_STATS=1", NULL};
+    child c;
+    int pid = owner_up(&c, env, argv);
+    CHECK(pid > 0, "owner did not start");
+    if (!pid) {
+        child_end(&c, err, sizeof err);
+        return;
+    }
+    snprintf(pidtxt, sizeof pidtxt, "%7d ", pid);
+    CHECK_EQ(ctl(out, sizeof out, "ps", NULL), 0);
+    line_with(out, pidtxt, line, sizeof line);
+    CHECK(strstr(line, " alive       4    3.5 MiB    3.5 MiB    3.5 MiB       4       2       1       1       0       0 "),
+          "ps row (4 live, 3.5 MiB requested and held, peak 3.5 MiB; made 4, backed 2, 1 captured, 1 full):\n%s", out);
+    CHECK_EQ(ctl(out, sizeof out, "ps", "--json"), 0);
+    CHECK(strstr(out, "\"allocations_made\": 4, \"allocations_backed\": 2, \"passed_capture\": 1, "
+                      "\"passed_device_full\": 1, \"passed_unsupported\": 0, \"maps_adopted\": 0, "
+                      "\"peak_bytes_requested\": 3670016, ") != NULL,
+          "ps --json: %s", out);
+
+    child_say(&c, "free");
+    child_line(&c, "freed", line, sizeof line);
+    vmm_registry *reg = NULL;
+    vmm_proc_info pi;
+    CHECK(vmm_open(registry, &reg) == VMM_OK && vmm_find_proc(reg, (uint32_t)pid, &pi) == VMM_OK, "find_proc: %s",
+          vmm_last_error());
+    CHECK(pi.stats_known && pi.n_allocs == 0 && pi.bytes_requested == 0 && pi.peak_requested == 3670016 &&
+              pi.allocs == 4 && pi.allocs_backed == 2 && pi.passed_capture == 1 && pi.passed_device_full == 1 &&
+              pi.passed_unsupported == 0 && pi.maps_adopted == 0,
+          "after the frees: known %d live %llu peak %llu made %llu", pi.stats_known, (unsigned long long)pi.n_allocs,
+          (unsigned long long)pi.peak_requested, (unsigned long long)pi.allocs);
+    if (reg) vmm_close(reg);
+    child_say(&c, "quit");
+    CHECK_EQ(child_end(&c, err, sizeof err), 0);
+    char want[512];
+    snprintf(want, sizeof want,
+             "vmmshim: stats: pid %d: 4 allocations, 2 backed and exportable, 2 passed through (capture 1, device full 1, "
+             "unsupported 0, disabled 0), 0 cuMemMap ranges adopted, peak 3.5 MiB\n",
+             pid);
+    CHECK(strcmp(err, want) == 0, "stderr:\n%s\nwant:\n%s", err, want);
+}
+
+/* On a device without VMM every allocation is passed through as unsupported; with the shim
+ * disabled the registry never sees the process, and only the line at exit counts them; without
+ * VMMSHIM_STATS there is no line. */
+static void test_coverage_passed(void)
+{
+    char out[16384], line[1024], err[8192], pidtxt[16], want[512];
+    char *argv[] = {owner, "1", "2a", NULL};
+    const char *novmm[] = {"FAKECUDA_NO_VMM=1", "VMMSHIM_STATS=1", NULL};
+    child c;
+    int pid = owner_up(&c, novmm, argv);
+    CHECK(pid > 0, "owner on a device without VMM did not start");
+    if (pid) {
+        snprintf(pidtxt, sizeof pidtxt, "%7d ", pid);
+        ctl(out, sizeof out, "ps", NULL);
+        line_with(out, pidtxt, line, sizeof line);
+        CHECK(strstr(line, " alive       0        0 B        0 B        0 B       2       0       0       0       2       0 "),
+              "ps row without VMM:\n%s", out);
+        child_say(&c, "quit");
+    }
+    CHECK_EQ(child_end(&c, err, sizeof err), 0);
+    snprintf(want, sizeof want,
+             "vmmshim: stats: pid %d: 2 allocations, 0 backed and exportable, 2 passed through (capture 0, device full 0, "
+             "unsupported 2, disabled 0), 0 cuMemMap ranges adopted, peak 0 B\n",
+             pid);
+    CHECK(strstr(err, want) && count_of(err, "vmmshim: warning:") == 1 && count_of(err, "\n") == 2, "stderr without VMM:\n%s",
+          err);
+
+    const char *off[] = {"VMMSHIM_ENABLE=0", "VMMSHIM_STATS=1", NULL};
+    pid = owner_up(&c, off, argv);
+    CHECK(pid > 0, "owner with the shim disabled did not start");
+    if (pid) {
+        vmm_registry *reg = NULL;
+        vmm_proc_info pi;
+        CHECK(vmm_open(registry, &reg) != VMM_OK || vmm_find_proc(reg, (uint32_t)pid, &pi) == VMM_ERR_NOT_FOUND,
+              "a disabled shim registered its process");
+        if (reg) vmm_close(reg);
+        child_say(&c, "quit");
+    }
+    CHECK_EQ(child_end(&c, err, sizeof err), 0);
+    snprintf(want, sizeof want,
+             "vmmshim: stats: pid %d: 2 allocations, 0 backed and exportable, 2 passed through (capture 0, device full 0, "
+             "unsupported 0, disabled 2), 0 cuMemMap ranges adopted, peak 0 B\n",
+             pid);
+    CHECK(strcmp(err, want) == 0, "stderr with the shim disabled:\n%s", err);
+
+    const char *quiet[] = {"FAKECUDA_NO_VMM=0", NULL};
+    pid = owner_up(&c, quiet, argv);
+    CHECK(pid > 0, "owner did not start");
+    if (pid) child_say(&c, "quit");
+    CHECK(child_end(&c, err, sizeof err) == 0 && err[0] == 0, "without VMMSHIM_STATS: %s", err);
+
+    /* ranges the program maps itself are no allocations, but adopted */
+    char prog[600];
+    snprintf(prog, sizeof prog, "%s/progs/own_vmm", build);
+    char *own[] = {prog, NULL};
+    const char *stats[] = {"VMMSHIM_STATS=1", NULL};
+    CHECK(child_start(&c, own, stats) == 0, "own_vmm did not start");
+    while (fgets(line, sizeof line, c.out)) {}
+    CHECK(child_end(&c, err, sizeof err) == 0 && strstr(err, ": 0 allocations, 0 backed and exportable, 0 passed through") &&
+              strstr(err, "), 2 cuMemMap ranges adopted, peak 6.0 MiB\n"),
+          "own_vmm: %s", err);
+}
+
 int main(void)
 {
     const char *b = getenv("VMMSHIM_TEST_BUILD");
@@ -115,7 +267,10 @@ int main(void)
     snprintf(owner, sizeof owner, "%s/progs/owner", build);
     snprintf(registry, sizeof registry, "/vmmshim-tstats-%d", (int)getpid());
     snprintf(reg_env, sizeof reg_env, "VMMSHIM_REGISTRY=%s", registry);
+    snprintf(vmmctl, sizeof vmmctl, "%s/vmmctl", build);
     test_registry_name();
+    test_coverage();
+    test_coverage_passed();
     shm_unlink(registry);
     CHECK_DONE();
 }

@@ -387,26 +387,51 @@ typedef struct {
     unsigned alive, dead, unknown;
 } ps_ctx;
 
+/* The coverage counters in ps's order: made, backed, passed for capture, full device, unsupported,
+ * adopted ranges. */
+#define N_COVERAGE 6
+static void coverage_of(const vmm_proc_info *p, uint64_t v[N_COVERAGE])
+{
+    v[0] = p->allocs, v[1] = p->allocs_backed, v[2] = p->passed_capture, v[3] = p->passed_device_full;
+    v[4] = p->passed_unsupported, v[5] = p->maps_adopted;
+}
+
 static int ps_row(void *ctx, const vmm_proc_info *p)
 {
     ps_ctx *c = ctx;
+    uint64_t cov[N_COVERAGE];
+    coverage_of(p, cov);
     if (c->json) {
+        static const char *const keys[N_COVERAGE] = {"allocations_made",   "allocations_backed", "passed_capture",
+                                                     "passed_device_full", "passed_unsupported", "maps_adopted"};
         printf("%s\n  {\"pid\": %u, \"state\": \"%s\", \"start_time\": %llu, \"pidns\": %llu, \"uid\": %u, "
-               "\"registered_ns\": %llu, \"n_allocs\": %llu, \"bytes_requested\": %llu, \"bytes_mapped\": %llu, "
-               "\"broker_path\": ",
+               "\"registered_ns\": %llu, \"n_allocs\": %llu, \"bytes_requested\": %llu, \"bytes_mapped\": %llu, ",
                c->n ? "," : "", p->pid, owner_name(p->alive, true), (unsigned long long)p->start_time,
                (unsigned long long)p->pidns, p->uid, (unsigned long long)p->registered_ns,
                (unsigned long long)p->n_allocs, (unsigned long long)p->bytes_requested,
                (unsigned long long)p->bytes_mapped);
+        /* null: an owner whose shim does not keep them */
+        char v[24] = "null";
+        for (int i = 0; i < N_COVERAGE; i++) {
+            if (p->stats_known) snprintf(v, sizeof v, "%llu", (unsigned long long)cov[i]);
+            printf("\"%s\": %s, ", keys[i], v);
+        }
+        if (p->stats_known) snprintf(v, sizeof v, "%llu", (unsigned long long)p->peak_requested);
+        printf("\"peak_bytes_requested\": %s, \"broker_path\": ", v);
         json_str(p->broker_path);
         printf(", \"cmdline\": ");
         json_str(p->cmdline);
         putchar('}');
     } else {
-        hbuf req, map;
-        char broker[sizeof p->broker_path], cmd[sizeof p->cmdline];
-        printf("%7u %-5s %7llu %10s %10s %-24s %s\n", p->pid, owner_name(p->alive, false),
+        hbuf req, map, peak;
+        char broker[sizeof p->broker_path], cmd[sizeof p->cmdline], n[N_COVERAGE][24];
+        for (int i = 0; i < N_COVERAGE; i++) {
+            if (p->stats_known) snprintf(n[i], sizeof n[i], "%llu", (unsigned long long)cov[i]);
+            else snprintf(n[i], sizeof n[i], "-");
+        }
+        printf("%7u %-5s %7llu %10s %10s %10s %7s %7s %7s %7s %7s %7s %-24s %s\n", p->pid, owner_name(p->alive, false),
                (unsigned long long)p->n_allocs, human(p->bytes_requested, &req), human(p->bytes_mapped, &map),
+               p->stats_known ? human(p->peak_requested, &peak) : "-", n[0], n[1], n[2], n[3], n[4], n[5],
                cell(p->broker_path, broker, sizeof broker), cell(p->cmdline, cmd, sizeof cmd));
     }
     c->n++;
@@ -435,7 +460,8 @@ static int cmd_ps(int argc, char **argv)
     if (c.json)
         putchar('[');
     else
-        printf("%7s %-5s %7s %10s %10s %-24s %s\n", "PID", "STATE", "ALLOCS", "REQUESTED", "MAPPED", "BROKER", "CMD");
+        printf("%7s %-5s %7s %10s %10s %10s %7s %7s %7s %7s %7s %7s %-24s %s\n", "PID", "STATE", "ALLOCS", "REQUESTED",
+               "MAPPED", "PEAK", "MADE", "BACKED", "CAPTURE", "FULL", "UNSUPP", "ADOPTED", "BROKER", "CMD");
     vmm_status st = vmm_foreach_proc(reg, ps_row, &c);
     vmm_close(reg);
     if (st != VMM_OK) return api_error(st);
