@@ -16,11 +16,8 @@
 #include <unistd.h>
 #include <uthash.h>
 
-#include <dlfcn.h>
-#include <libgen.h>
-#include <limits.h>
-
 #include "backing/adopt.h"
+#include "backing/frames.h"
 #include "broker/broker.h"
 #include "core/log.h"
 #include "core/options.h"
@@ -99,7 +96,6 @@ static struct {
     int ready;  /* 1: backing active; 0: pass every call through */
     int failed; /* the start failed (strict mode refuses instead of passing through) */
     int export_pidfd;
-    int n_frames;
     int isolate;
     vmm__reg reg;
     int registry_ok;
@@ -126,28 +122,6 @@ static uint64_t passed_disabled;
 
 static void count(uint64_t *counter) { __atomic_add_fetch(counter, 1, __ATOMIC_RELAXED); }
 static vmm_reg_proc *coverage_now(void) { return __atomic_load_n(&coverage, __ATOMIC_ACQUIRE); }
-
-/* libunwind exports _Unwind_* and a weak backtrace(): loaded globally it would take over the
- * host's C++ exception unwinding.  So it is opened privately, from beside the shim, and only
- * when call-site frames are asked for. */
-static int (*unwind_backtrace)(void **, int);
-
-static void load_unwinder(void)
-{
-    Dl_info self;
-    char path[PATH_MAX];
-    void *h = NULL;
-    if (dladdr((void *)&S, &self) && self.dli_fname) {
-        snprintf(path, sizeof path, "%s", self.dli_fname);
-        char dir[PATH_MAX];
-        snprintf(dir, sizeof dir, "%s/libunwind.so.8", dirname(path));
-        h = dlopen(dir, RTLD_NOW | RTLD_LOCAL);
-    }
-    if (!h) h = dlopen("libunwind.so.8", RTLD_NOW | RTLD_LOCAL);
-    void *fn = h ? vmm__real_dlsym(h, "unw_backtrace") : NULL;
-    memcpy(&unwind_backtrace, &fn, sizeof fn);
-    if (!unwind_backtrace) vmm__log(VMM__LOG_WARNING, "VMMSHIM_FRAMES needs libunwind.so.8 beside the shim; frames are not recorded");
-}
 
 #define STR_(x) #x
 #define STR(x) STR_(x)
@@ -219,6 +193,7 @@ static void at_exit(void)
             __atomic_store_n(to[i], __atomic_load_n(from[i], __ATOMIC_RELAXED), __ATOMIC_RELAXED);
         __atomic_store_n(&coverage, &local_coverage, __ATOMIC_RELEASE);
         vmm__reg_detach(&S.reg);
+        vmm__frames_exit();
     }
     if (vmm__opt_bool(VMM__OPT_STATS)) print_coverage(&local_coverage);
     if (vmm__opt_bool(VMM__OPT_VERBOSE))
@@ -253,7 +228,10 @@ static void after_fork_child(void)
     S.broker_path[0] = 0;
     vmm__broker_forget_after_fork();
     if (S.registry_ok && vmm__reg_attach(&S.reg, "") != 0) S.registry_ok = 0;
-    if (S.registry_ok) coverage = vmm__reg_self(&S.reg);
+    if (S.registry_ok) {
+        coverage = vmm__reg_self(&S.reg);
+        vmm__frames_after_fork(&S.reg);
+    }
 }
 
 static void init(void)
@@ -276,8 +254,6 @@ static void init(void)
         return;
     }
     S.export_pidfd = vmm__opt_enum(VMM__OPT_EXPORT) == 1;
-    S.n_frames = (int)vmm__opt_int(VMM__OPT_FRAMES);
-    if (S.n_frames > 0) load_unwinder();
     S.cache_limit = (size_t)vmm__opt_size(VMM__OPT_CACHE_SIZE);
     S.isolate = vmm__opt_bool(VMM__OPT_ISOLATE);
     snprintf(S.tag, sizeof S.tag, "%s", vmm__opt_str(VMM__OPT_TAG));
@@ -295,6 +271,7 @@ static void init(void)
     }
     S.registry_ok = 1;
     __atomic_store_n(&coverage, vmm__reg_self(&S.reg), __ATOMIC_RELEASE);
+    vmm__frames_init((int)vmm__opt_int(VMM__OPT_FRAMES), &S.reg);
     pthread_atfork(NULL, NULL, after_fork_child);
     S.ready = 1;
 }
@@ -578,7 +555,8 @@ static void start_broker(void)
     pthread_mutex_unlock(&S.lock);
 }
 
-static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream, uint64_t requested)
+static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream, uint64_t requested,
+                        const vmm__frames *f)
 {
     memset(d, 0, sizeof *d);
     d->device = (uint32_t)dev;
@@ -588,22 +566,19 @@ static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream
     d->stream = (uint64_t)(uintptr_t)stream;
     d->exported_fd = -1;
     memcpy(d->tag, S.tag, sizeof d->tag);
-    if (S.n_frames > 0 && unwind_backtrace) {
-        void *frames[8 + 4];
-        int n = unwind_backtrace(frames, S.n_frames + 4);
-        for (int i = 4; i < n && d->n_frames < 8; i++) d->frames[d->n_frames++] = (uint64_t)(uintptr_t)frames[i];
-    }
+    d->n_frames = f->n;
+    memcpy(d->frames, f->pc, f->n * sizeof f->pc[0]); /* the rest stays zero: no stack bytes in shared memory */
 }
 
 /* One record per allocation: bound (and indexed) at its address and extent, published with its
  * chunk.  Under S.lock, so the broker never sees a half-published block. */
-static void publish_locked(vmm__block *b, CUstream stream)
+static void publish_locked(vmm__block *b, CUstream stream, const vmm__frames *f)
 {
     b->slot = NO_SLOT;
     if (!S.registry_ok) return;
     vchunk *c = b->chunk->mech;
     vmm_reg_alloc d;
-    fill_common(&d, c->dev, b->api, stream, b->requested);
+    fill_common(&d, c->dev, b->api, stream, b->requested, f);
     d.mapped_size = c->size;
     d.chunk_id = c->id;
     d.chunk_offset = b->addr - c->base;
@@ -650,6 +625,8 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     /* the program's own pool is current: its allocations are its pool's, noted, not exportable */
     if (stream_ordered && __atomic_load_n(&d->custom_pool, __ATOMIC_ACQUIRE)) return VMM__OWN_POOL;
     start_broker(); /* one atomic load once it has started */
+    vmm__frames f;
+    vmm__frames_capture(&f); /* before the lock: it takes the loader lock */
 
     pthread_mutex_lock(&S.lock);
     int err;
@@ -665,7 +642,7 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     b->ctx = ctx;
     b->live = 1;
     HASH_ADD(hh, S.by_addr, addr, sizeof(uint64_t), b);
-    publish_locked(b, stream);
+    publish_locked(b, stream, &f);
     pthread_mutex_unlock(&S.lock);
     vmm_reg_proc *c = coverage_now();
     count(&c->allocs);
@@ -786,6 +763,8 @@ void vmm__note_passthrough(vmm__result why, void *ptr, size_t size, uint32_t api
     CUcontext ctx;
     int dev = current_device(&ctx, 0);
     if (dev < 0) dev = 0;
+    vmm__frames f;
+    vmm__frames_capture(&f);
     pthread_mutex_lock(&S.lock);
     note *old = NULL;
     HASH_FIND(hh, S.notes, &n->va, sizeof n->va, old);
@@ -795,7 +774,7 @@ void vmm__note_passthrough(vmm__result why, void *ptr, size_t size, uint32_t api
         return;
     }
     vmm_reg_alloc d;
-    fill_common(&d, dev, api, stream, size);
+    fill_common(&d, dev, api, stream, size, &f);
     d.flags = VMM_REG_F_NOT_EXPORTABLE;
     if (vmm__reg_add(&S.reg, n->va, size, &d, &n->slot, NULL) != 0) n->slot = NO_SLOT;
     HASH_ADD(hh, S.notes, va, sizeof(uint64_t), n);
@@ -886,13 +865,13 @@ int vmm__device_exportable(int dev)
 uint64_t vmm__new_chunk_id(void) { return __atomic_add_fetch(&S.next_chunk_id, 1, __ATOMIC_RELAXED); }
 
 void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size, uint64_t handle_offset,
-                        uint64_t chunk_id, int dev, int exportable, vmm__published *out)
+                        uint64_t chunk_id, int dev, int exportable, const vmm__frames *f, vmm__published *out)
 {
     out->slot = NO_SLOT;
     if (!S.registry_ok) return;
     start_broker();
     vmm_reg_alloc d;
-    fill_common(&d, dev, VMM_API_CU_MEM_MAP, NULL, extent);
+    fill_common(&d, dev, VMM_API_CU_MEM_MAP, NULL, extent, f);
     d.mapped_size = handle_size;
     d.chunk_id = chunk_id;
     d.chunk_offset = handle_offset;

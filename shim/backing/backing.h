@@ -76,15 +76,17 @@ void vmm__pool_current_is_default(int dev, int is_default);
 int vmm__device_exportable(int dev);
 /* An id for a chunk, unique in this process and never reused (the pool's chunks use the same). */
 uint64_t vmm__new_chunk_id(void);
+struct vmm__frames;
 typedef struct vmm__published {
     uint32_t slot; /* UINT32_MAX: not published (no registry, or it is full) */
     uint64_t generation;
     uint8_t alloc_id[16];
 } vmm__published;
 /* Publish [address, address+extent), which maps `handle_size` bytes of a handle from
- * `handle_offset` on: one record, found by any interior address, imported through the broker. */
+ * `handle_offset` on: one record, found by any interior address, imported through the broker;
+ * f: the mapping's call site (frames.h). */
 void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size, uint64_t handle_offset,
-                        uint64_t chunk_id, int dev, int exportable, vmm__published *out);
+                        uint64_t chunk_id, int dev, int exportable, const struct vmm__frames *f, vmm__published *out);
 void vmm__retract_range(vmm__published *pub);
 /* The program mapped a range of a handle the shim made exportable (maps_adopted, layout.h). */
 void vmm__count_adopted(void);

@@ -84,6 +84,19 @@
  * work by incrementing index_seq (odd while rebuilding), and a reader whose search found nothing
  * retries if index_seq was odd or changed meanwhile.
  *
+ * FRAMES: vmm_reg_alloc.frames[] are raw return addresses in the owner, the innermost first (the
+ * shim's own frames left out).  With VMMSHIM_FRAMES > 0 the owner also keeps a text file beside
+ * the registry, the shm object VMM_REG_FRAMES_NAME (registry name, owner pid, owner start_time;
+ * as readable as the registry), which names each address it recorded once, on one line:
+ *     0x<address> 0x<offset from the module's base> <function, or ?> <module path to the end of the line>
+ * after a first line VMM_REG_FRAMES_HEADER; lines starting with '#' are comments.  The module's
+ * base is where its ELF header is mapped (dladdr's dli_fbase); the function is the exported
+ * symbol whose extent holds the address, else "?" (a reader may look in the module's .symtab,
+ * at offset + the first PT_LOAD's p_vaddr - p_offset).  An address missing from the file (the
+ * file was full, or the address is in no module) has no line: a reader of a living owner may
+ * look in /proc/<pid>/maps.  The owner removes the file at exit; gc removes those of the dead
+ * owners it reclaims.
+ *
  * LOCKS: readers take none.  Index writers exclude each other with index_lock, a word in the
  * header: 0 = free, else (holder's proc generation << 32) | (holder's proc index + 1), taken by CAS
  * and held for a few index stores.  A waiter may take it over when the holder's proc slot has moved
@@ -113,6 +126,8 @@
 #define VMM_REG_LOCK_INIT 0
 #define VMM_REG_LOCK_GC 2
 #define VMM_REG_CHUNK_RECLAIMING (1ull << 63)
+#define VMM_REG_FRAMES_NAME "%s.frames.%u.%llu" /* registry name, pid, start_time (FRAMES) */
+#define VMM_REG_FRAMES_HEADER "# vmmshim frames 1: address offset function module"
 
 /* vmm_reg_alloc.state */
 enum { VMM_REG_UNBOUND = 0, VMM_REG_BOUND = 1, VMM_REG_LIVE = 2 };

@@ -1010,6 +1010,15 @@ int vmm__reg_for_each(const vmm__reg *r, vmm__reg_visit_fn fn, void *ctx)
 
 /* ---- reclamation ---- */
 
+/* A dead owner's call-site names (layout.h, FRAMES) go with its records. */
+static void remove_frames_file(const vmm__reg *r, uint32_t pid, uint64_t start_time)
+{
+    char name[sizeof r->name + 48];
+    if (pid && start_time &&
+        snprintf(name, sizeof name, VMM_REG_FRAMES_NAME, r->name, pid, (unsigned long long)start_time) < (int)sizeof name)
+        shm_unlink(name);
+}
+
 int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
 {
     vmm__reg_gc_stats z = {0};
@@ -1084,6 +1093,7 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
         vmm_reg_proc *p = proc_at(r, i);
         uint64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
         if ((uint32_t)(c >> 32) != gens[i]) continue;
+        remove_frames_file(r, __atomic_load_n(&p->pid, __ATOMIC_RELAXED), __atomic_load_n(&p->start_time, __ATOMIC_RELAXED));
         seq_begin(&p->seq);
         __atomic_store_n(&p->pid, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&p->start_time, 0, __ATOMIC_RELAXED);

@@ -1,8 +1,11 @@
 /* What a user sees of a process under the shim, over the emulated driver: its coverage counters
  * (allocations made, backed, passed through by reason, adopted ranges, peak) in `vmmctl ps`, its
  * --json and the client library, and VMMSHIM_STATS's line at exit, with the shim working, on a
- * device without VMM, and disabled; the registry named without its leading '/'. */
+ * device without VMM, and disabled; call sites named in `vmmctl show` (VMMSHIM_FRAMES) from the
+ * owner's frames file, after it died too, and from /proc while it lives, the file gone with the
+ * owner's exit or with gc; the registry named without its leading '/'. */
 #include <errno.h>
+#include <stdbool.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -13,6 +16,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "registry/layout.h"
 #include "spawn.h"
 #include "vmmshim.h"
 
@@ -258,6 +262,117 @@ static void test_coverage_passed(void)
           "own_vmm: %s", err);
 }
 
+/* The owner's frames file in /dev/shm (layout.h, FRAMES), found by its pid and start time. */
+static void frames_file(char *path, size_t len, int pid, uint64_t *start)
+{
+    vmm_registry *reg = NULL;
+    vmm_proc_info pi;
+    *start = 0;
+    if (vmm_open(registry, &reg) == VMM_OK && vmm_find_proc(reg, (uint32_t)pid, &pi) == VMM_OK) *start = pi.start_time;
+    if (reg) vmm_close(reg);
+    char name[256];
+    snprintf(name, sizeof name, VMM_REG_FRAMES_NAME, registry, (unsigned)pid, (unsigned long long)*start);
+    snprintf(path, len, "/dev/shm%s", name);
+}
+
+static int callsite_up(child *c, const char *const env[], char *addr, size_t len)
+{
+    char prog[600], line[256];
+    snprintf(prog, sizeof prog, "%s/progs/callsite", build);
+    char *argv[] = {prog, NULL};
+    int pid = 0;
+    unsigned long long a = 0;
+    if (child_start(c, argv, env) != 0 ||
+        sscanf(child_line(c, "ready", line, sizeof line), "ready %d %llx", &pid, &a) != 2)
+        return 0;
+    snprintf(addr, len, "0x%llx", a + 100);
+    return pid;
+}
+
+static void show(char *out, size_t len, int pid, const char *addr)
+{
+    char pidtxt[16];
+    snprintf(pidtxt, sizeof pidtxt, "%d", pid);
+    char err[4096];
+    char *argv[] = {vmmctl, "--registry", registry, "show", pidtxt, (char *)addr, NULL};
+    int rc = spawn_capture(argv, NULL, out, len, err, sizeof err, 60);
+    if (rc) snprintf(out, len, "(vmmctl show: exit %d: %s)", rc, err);
+}
+
+/* callsite_allocate of tests/progs/callsite, exported, made the allocation: `vmmctl show` names
+ * it at its place in the program, from the name the owner wrote; still after the owner is
+ * killed; gc takes the file with the dead owner's records.  A living owner whose file is gone is
+ * read from /proc (the function from the program's symbol table); an owner that exits removes
+ * its file; without VMMSHIM_FRAMES there is no file at all. */
+static void test_frames(void)
+{
+    char out[8192], err[4096], addr[32], path[512], line[512];
+    const char *frames4[] = {"VMMSHIM_FRAMES=4", NULL};
+    uint64_t start;
+    child c;
+    int pid = callsite_up(&c, frames4, addr, sizeof addr);
+    CHECK(pid > 0, "callsite did not start");
+    if (!pid) {
+        child_end(&c, err, sizeof err);
+        return;
+    }
+    frames_file(path, sizeof path, pid, &start);
+    FILE *f = fopen(path, "r");
+    bool named = false;
+    CHECK(f && fgets(line, sizeof line, f) && strcmp(line, VMM_REG_FRAMES_HEADER "\n") == 0, "frames file %s: %s", path,
+          f ? line : strerror(errno));
+    while (f && fgets(line, sizeof line, f)) named |= strstr(line, " callsite_allocate /") && strstr(line, "/progs/callsite\n");
+    if (f) fclose(f);
+    CHECK(named, "the owner did not name callsite_allocate in %s", path);
+    show(out, sizeof out, pid, addr);
+    CHECK(strstr(out, "frame 0      callsite+0x") && strstr(out, " (callsite_allocate)\nframe 1      callsite+0x") &&
+              strstr(out, "frame 3      "),
+          "vmmctl show:\n%s", out);
+    kill(c.pid, SIGKILL);
+    CHECK_EQ(child_end(&c, err, sizeof err), 128 + SIGKILL);
+    show(out, sizeof out, pid, addr);
+    CHECK(strstr(out, ", dead,") && strstr(out, "frame 0      callsite+0x") && strstr(out, " (callsite_allocate)\n"),
+          "vmmctl show of the dead owner:\n%s", out);
+    CHECK(access(path, F_OK) == 0, "the dead owner's file went before gc");
+    CHECK(ctl(out, sizeof out, "gc", NULL) == 0 && strstr(out, "reclaimed 1 record from 1 dead process"), "gc: %s", out);
+    CHECK(access(path, F_OK) != 0 && errno == ENOENT, "gc left %s", path);
+
+    pid = callsite_up(&c, frames4, addr, sizeof addr);
+    CHECK(pid > 0, "callsite did not start");
+    if (pid) {
+        frames_file(path, sizeof path, pid, &start);
+        CHECK(unlink(path) == 0, "%s: %s", path, strerror(errno));
+        show(out, sizeof out, pid, addr);
+        CHECK(strstr(out, "frame 0      callsite+0x") && strstr(out, " (callsite_allocate)\nframe 1      callsite+0x") &&
+                  strstr(out, " (main)\n"),
+              "vmmctl show from /proc:\n%s", out);
+        child_say(&c, "quit");
+    }
+    CHECK(child_end(&c, err, sizeof err) == 0 && err[0] == 0, "callsite: %s", err);
+
+    pid = callsite_up(&c, frames4, addr, sizeof addr);
+    CHECK(pid > 0, "callsite did not start");
+    if (pid) {
+        frames_file(path, sizeof path, pid, &start);
+        CHECK(access(path, R_OK) == 0, "%s: %s", path, strerror(errno));
+        child_say(&c, "quit");
+    }
+    CHECK(child_end(&c, err, sizeof err) == 0 && err[0] == 0, "callsite: %s", err);
+    CHECK(access(path, F_OK) != 0, "%s outlived its owner's exit", path);
+
+    const char *none[] = {"VMMSHIM_FRAMES=0", NULL};
+    pid = callsite_up(&c, none, addr, sizeof addr);
+    CHECK(pid > 0, "callsite did not start");
+    if (pid) {
+        frames_file(path, sizeof path, pid, &start);
+        CHECK(start != 0 && access(path, F_OK) != 0, "%s made without VMMSHIM_FRAMES", path);
+        show(out, sizeof out, pid, addr);
+        CHECK(strstr(out, "allocation ") && !strstr(out, "frame"), "vmmctl show without frames:\n%s", out);
+        child_say(&c, "quit");
+    }
+    child_end(&c, err, sizeof err);
+}
+
 int main(void)
 {
     const char *b = getenv("VMMSHIM_TEST_BUILD");
@@ -271,6 +386,7 @@ int main(void)
     test_registry_name();
     test_coverage();
     test_coverage_passed();
+    test_frames();
     shm_unlink(registry);
     CHECK_DONE();
 }

@@ -7,6 +7,7 @@
  * could not be read, 2 usage error.  Every error is one line on stderr, "vmmctl: error: ...". */
 #include "vmmshim.h"
 
+#include "callsite.h"
 #include "core/options.h"
 #include "core/version.h"
 
@@ -682,7 +683,8 @@ static int cmd_show(int argc, char **argv)
     if (a.exported_fd >= 0) printf(" (fd %d in the owner)", a.exported_fd);
     printf("\ncreated      %llu s ago\n", (unsigned long long)age_s(a.created_ns, now_ns()));
     printf("tag          %s\n", a.tag[0] ? a.tag : "-");
-    for (uint32_t i = 0; i < a.n_frames && i < 8; i++) printf("frame %u      0x%llx\n", i, (unsigned long long)a.frames[i]);
+    vmm_registry_info info;
+    if (a.n_frames && vmm_registry_describe(reg, &info) == VMM_OK) vmm__callsites_print(info.name, &a);
     vmm_close(reg);
     return EXIT_OK;
 }
