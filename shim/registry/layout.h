@@ -34,7 +34,7 @@
  * with release.  The counters of vmm_reg_proc (n_allocs... and the coverage counters below) are
  * outside that protocol: plain 8-byte atomic loads.
  *
- * COVERAGE (vmm_reg_proc 440..503, layout version 3): what became of the process's allocations
+ * COVERAGE (vmm_reg_proc 440..499, layout version 3): what became of the process's allocations
  * since it started, kept with relaxed atomic adds, so a reader may see one counter ahead of
  * another.  allocs counts allocation calls that made an allocation (cudaMalloc, cudaMallocAsync,
  * cuMemAlloc, cuMemAllocAsync, cuMemAllocPitch; zero bytes or a failed call is none):
@@ -47,10 +47,11 @@
  *                        for another reason, or it would not tell cuMemAllocPitch's pitch
  * (a process in which the shim is disabled, VMMSHIM_ENABLE=0 or a failed start, never registers:
  * VMMSHIM_STATS=1 reports its passed-through allocations).  maps_adopted counts ranges the
- * program mapped itself (cuMemMap) that were published exportable; they are not allocations.
- * peak_requested is the highest bytes_requested has been: the peak of the live bytes the
- * process's records cover as requested (what the program asked for, passed-through and adopted
- * memory included).  The counters are meaningful only while stats_generation == generation: a
+ * program mapped itself (cuMemMap) from handles the shim made exportable; they are not
+ * allocations.  peak_requested is the highest bytes_requested has been: the peak of what the
+ * program asked for among the memory it has records of (the shim's, what it noted for capture
+ * or a full device, adopted ranges; not what it passed through as unsupported, which it does
+ * not publish).  The counters are meaningful only while stats_generation == generation: a
  * writer of layout version 2 leaves 440..511 alone, so a slot it claims may hold an earlier
  * owner's values, and there stats_generation names that earlier generation.  stats_generation is
  * written with the identity, under seq.
