@@ -93,6 +93,8 @@ $(FAKERT_SO): $(call obj,$(FAKERT_SRC)) $(FAKE_SO) tests/fakecudart/cudart.map
 $(BUILD)/progs/%: $(BUILD)/obj/tests/progs/%.o $(FAKERT_SO)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $< -L$(BUILD)/fakecuda -l:libcudart.so.13 -l:libcuda.so.1 $(LDLIBS)
+# Its function is exported, so the shim's dladdr names it (tests/progs/callsite.c).
+$(BUILD)/progs/callsite: LDFLAGS += -rdynamic
 
 $(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(CLIENT_A) $(CORE_A)
 	@mkdir -p $(dir $@)

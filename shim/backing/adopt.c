@@ -15,6 +15,7 @@
 #include <uthash.h>
 
 #include "backing/backing.h"
+#include "backing/frames.h"
 #include "core/log.h"
 #include "core/options.h"
 #include "hooks/real.h"
@@ -33,6 +34,7 @@ typedef struct range {
     uint64_t addr; /* key */
     uint64_t size, offset;
     handle_entry *h;
+    vmm__frames frames;
     vmm__published pub;
     int unmapping;
     UT_hash_handle hh, hs; /* by address, by registry slot */
@@ -139,6 +141,8 @@ void vmm__adopt_props(CUmemAllocationProp *prop, CUmemGenericAllocationHandle ha
 void vmm__adopt_mapped(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle)
 {
     if (!__atomic_load_n(&A.handles, __ATOMIC_ACQUIRE)) return; /* nothing adopted: one load */
+    vmm__frames f;
+    vmm__frames_capture(&f); /* before the lock: it takes the loader lock */
     pthread_mutex_lock(&A.lock);
     handle_entry *e = NULL;
     HASH_FIND(hh, A.handles, &handle, sizeof handle, e);
@@ -148,8 +152,10 @@ void vmm__adopt_mapped(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneric
         r->size = size;
         r->offset = offset;
         r->h = e;
+        r->frames = f;
         e->n_maps++;
-        vmm__publish_range(r->addr, size, e->size, offset, e->chunk_id, e->dev, e->exportable, &r->pub);
+        if (e->exportable) vmm__count_adopted();
+        vmm__publish_range(r->addr, size, e->size, offset, e->chunk_id, e->dev, e->exportable, &f, &r->pub);
         range *old = NULL;
         HASH_FIND(hh, A.by_addr, &r->addr, sizeof r->addr, old);
         if (old) HASH_DELETE(hh, A.by_addr, old); /* stale: its unmap went by unseen */
@@ -204,7 +210,8 @@ void vmm__adopt_unmapped(CUdeviceptr ptr, size_t size, int ok)
         if (!r->unmapping) continue;
         r->unmapping = 0;
         if (!ok) { /* the driver kept the mapping: so does the registry */
-            vmm__publish_range(r->addr, r->size, r->h->size, r->offset, r->h->chunk_id, r->h->dev, r->h->exportable, &r->pub);
+            vmm__publish_range(r->addr, r->size, r->h->size, r->offset, r->h->chunk_id, r->h->dev, r->h->exportable,
+                               &r->frames, &r->pub);
             if (r->pub.slot != UINT32_MAX) HASH_ADD(hs, A.by_slot, pub.slot, sizeof(uint32_t), r);
             continue;
         }

@@ -16,11 +16,8 @@
 #include <unistd.h>
 #include <uthash.h>
 
-#include <dlfcn.h>
-#include <libgen.h>
-#include <limits.h>
-
 #include "backing/adopt.h"
+#include "backing/frames.h"
 #include "broker/broker.h"
 #include "core/log.h"
 #include "core/options.h"
@@ -104,7 +101,6 @@ static struct {
     int ready;  /* 1: backing active; 0: pass every call through */
     int failed; /* the start failed (strict mode refuses instead of passing through) */
     int export_pidfd;
-    int n_frames;
     int isolate;
     vmm__reg reg;
     int registry_ok;
@@ -122,27 +118,16 @@ static struct {
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
-/* libunwind exports _Unwind_* and a weak backtrace(): loaded globally it would take over the
- * host's C++ exception unwinding.  So it is opened privately, from beside the shim, and only
- * when call-site frames are asked for. */
-static int (*unwind_backtrace)(void **, int);
+/* The coverage counters (layout.h, COVERAGE) live in this process's registry record once it is
+ * attached, so companions see them; until then, and in a process the registry never sees (the
+ * shim disabled), here, so VMMSHIM_STATS can report them.  A disabled process never registers:
+ * its count has no field in the record. */
+static vmm_reg_proc local_coverage;
+static vmm_reg_proc *coverage = &local_coverage;
+static uint64_t passed_disabled;
 
-static void load_unwinder(void)
-{
-    Dl_info self;
-    char path[PATH_MAX];
-    void *h = NULL;
-    if (dladdr((void *)&S, &self) && self.dli_fname) {
-        snprintf(path, sizeof path, "%s", self.dli_fname);
-        char dir[PATH_MAX];
-        snprintf(dir, sizeof dir, "%s/libunwind.so.8", dirname(path));
-        h = dlopen(dir, RTLD_NOW | RTLD_LOCAL);
-    }
-    if (!h) h = dlopen("libunwind.so.8", RTLD_NOW | RTLD_LOCAL);
-    void *fn = h ? vmm__real_dlsym(h, "unw_backtrace") : NULL;
-    memcpy(&unwind_backtrace, &fn, sizeof fn);
-    if (!unwind_backtrace) vmm__log(VMM__LOG_WARNING, "VMMSHIM_FRAMES needs libunwind.so.8 beside the shim; frames are not recorded");
-}
+static void count(uint64_t *counter) { __atomic_add_fetch(counter, 1, __ATOMIC_RELAXED); }
+static vmm_reg_proc *coverage_now(void) { return __atomic_load_n(&coverage, __ATOMIC_ACQUIRE); }
 
 #define STR_(x) #x
 #define STR(x) STR_(x)
@@ -172,10 +157,51 @@ static int load_driver(char *why, size_t len)
     return 0;
 }
 
-static void on_exit_detach(void)
+/* 1.2 GiB: the size a person reads, formatted without allocating. */
+static const char *human_size(uint64_t v, char *buf, size_t len)
 {
-    /* Pure shared-memory work: CUDA may already be torn down at exit. */
-    if (S.registry_ok) vmm__reg_detach(&S.reg);
+    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+    int u = 0;
+    double d = (double)v;
+    while (u < 6 && d >= 1024.0) d /= 1024.0, u++;
+    snprintf(buf, len, u ? "%.1f %s" : "%.0f %s", d, units[u]);
+    return buf;
+}
+
+/* VMMSHIM_STATS=1: one line, like MIMALLOC_SHOW_STATS, whatever the log level. */
+static void print_coverage(const vmm_reg_proc *c)
+{
+    uint64_t made = __atomic_load_n(&c->allocs, __ATOMIC_RELAXED), dis = __atomic_load_n(&passed_disabled, __ATOMIC_RELAXED);
+    uint64_t cap = __atomic_load_n(&c->passed_capture, __ATOMIC_RELAXED), full = __atomic_load_n(&c->passed_device_full, __ATOMIC_RELAXED);
+    uint64_t uns = __atomic_load_n(&c->passed_unsupported, __ATOMIC_RELAXED), maps = __atomic_load_n(&c->maps_adopted, __ATOMIC_RELAXED);
+    char peak[32];
+    vmm__log_report("stats: pid %d: %llu allocation%s, %llu backed and exportable, %llu passed through (capture %llu, "
+                    "device full %llu, unsupported %llu, disabled %llu), %llu cuMemMap range%s adopted, peak %s",
+                    (int)getpid(), (unsigned long long)(made + dis), made + dis == 1 ? "" : "s",
+                    (unsigned long long)__atomic_load_n(&c->allocs_backed, __ATOMIC_RELAXED),
+                    (unsigned long long)(cap + full + uns + dis), (unsigned long long)cap, (unsigned long long)full,
+                    (unsigned long long)uns, (unsigned long long)dis, (unsigned long long)maps, maps == 1 ? "" : "s",
+                    human_size(__atomic_load_n(&c->peak_requested, __ATOMIC_RELAXED), peak, sizeof peak));
+}
+
+static void at_exit(void)
+{
+    /* Pure shared-memory work: CUDA may already be torn down at exit.  The counters move back
+     * here first: once detached, the record may be another process's. */
+    if (S.registry_ok) {
+        const vmm_reg_proc *c = coverage_now();
+        uint64_t *to[] = {&local_coverage.allocs, &local_coverage.allocs_backed, &local_coverage.passed_capture,
+                          &local_coverage.passed_device_full, &local_coverage.passed_unsupported,
+                          &local_coverage.maps_adopted, &local_coverage.peak_requested};
+        const uint64_t *from[] = {&c->allocs, &c->allocs_backed, &c->passed_capture, &c->passed_device_full,
+                                  &c->passed_unsupported, &c->maps_adopted, &c->peak_requested};
+        for (size_t i = 0; i < sizeof to / sizeof to[0]; i++)
+            __atomic_store_n(to[i], __atomic_load_n(from[i], __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+        __atomic_store_n(&coverage, &local_coverage, __ATOMIC_RELEASE);
+        vmm__reg_detach(&S.reg);
+        vmm__frames_exit();
+    }
+    if (vmm__opt_bool(VMM__OPT_STATS)) print_coverage(&local_coverage);
     if (vmm__opt_bool(VMM__OPT_VERBOSE))
         for (int i = 0; i < MAX_DEVICES; i++) {
             const vmm__pool *p = &S.dev[i].pool;
@@ -184,6 +210,14 @@ static void on_exit_detach(void)
                          i, (unsigned long long)p->chunks_made, (unsigned long long)p->chunks_released,
                          (unsigned long long)(p->reserved_high >> 20), (unsigned long long)(p->used_high >> 20));
         }
+}
+
+/* The child has made no allocation yet, whatever its parent counted. */
+static void coverage_after_fork(void)
+{
+    memset(&local_coverage, 0, sizeof local_coverage);
+    passed_disabled = 0;
+    coverage = &local_coverage;
 }
 
 static void after_fork_child(void)
@@ -200,11 +234,18 @@ static void after_fork_child(void)
     S.broker_path[0] = 0;
     vmm__broker_forget_after_fork();
     if (S.registry_ok && vmm__reg_attach(&S.reg, "") != 0) S.registry_ok = 0;
+    if (S.registry_ok) {
+        coverage = vmm__reg_self(&S.reg);
+        vmm__frames_after_fork(&S.reg);
+    }
 }
 
 static void init(void)
 {
     int opt_rc = vmm__opt_init();
+    /* Before anything can make the shim pass calls through: those are counted too. */
+    atexit(at_exit);
+    pthread_atfork(NULL, NULL, coverage_after_fork);
     if (vmm__opt_bool(VMM__OPT_VERBOSE)) vmm__log(VMM__LOG_INFO, "backing allocations with exportable VMM memory");
     if (opt_rc != 0) {
         S.failed = 1;
@@ -219,8 +260,6 @@ static void init(void)
         return;
     }
     S.export_pidfd = vmm__opt_enum(VMM__OPT_EXPORT) == 1;
-    S.n_frames = (int)vmm__opt_int(VMM__OPT_FRAMES);
-    if (S.n_frames > 0) load_unwinder();
     S.cache_limit = (size_t)vmm__opt_size(VMM__OPT_CACHE_SIZE);
     S.isolate = vmm__opt_bool(VMM__OPT_ISOLATE);
     snprintf(S.tag, sizeof S.tag, "%s", vmm__opt_str(VMM__OPT_TAG));
@@ -237,7 +276,8 @@ static void init(void)
         return;
     }
     S.registry_ok = 1;
-    atexit(on_exit_detach);
+    __atomic_store_n(&coverage, vmm__reg_self(&S.reg), __ATOMIC_RELEASE);
+    vmm__frames_init((int)vmm__opt_int(VMM__OPT_FRAMES), &S.reg);
     pthread_atfork(NULL, NULL, after_fork_child);
     S.ready = 1;
 }
@@ -530,7 +570,8 @@ static void start_broker(void)
     pthread_mutex_unlock(&S.lock);
 }
 
-static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream, uint64_t requested)
+static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream, uint64_t requested,
+                        const vmm__frames *f)
 {
     memset(d, 0, sizeof *d);
     d->device = (uint32_t)dev;
@@ -540,22 +581,19 @@ static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream
     d->stream = (uint64_t)(uintptr_t)stream;
     d->exported_fd = -1;
     memcpy(d->tag, S.tag, sizeof d->tag);
-    if (S.n_frames > 0 && unwind_backtrace) {
-        void *frames[8 + 4];
-        int n = unwind_backtrace(frames, S.n_frames + 4);
-        for (int i = 4; i < n && d->n_frames < 8; i++) d->frames[d->n_frames++] = (uint64_t)(uintptr_t)frames[i];
-    }
+    d->n_frames = f->n;
+    memcpy(d->frames, f->pc, f->n * sizeof f->pc[0]); /* the rest stays zero: no stack bytes in shared memory */
 }
 
 /* One record per allocation: bound (and indexed) at its address and extent, published with its
  * chunk.  Under S.lock, so the broker never sees a half-published block. */
-static void publish_locked(vmm__block *b, CUstream stream)
+static void publish_locked(vmm__block *b, CUstream stream, const vmm__frames *f)
 {
     b->slot = NO_SLOT;
     if (!S.registry_ok) return;
     vchunk *c = b->chunk->mech;
     vmm_reg_alloc d;
-    fill_common(&d, c->dev, b->api, stream, b->requested);
+    fill_common(&d, c->dev, b->api, stream, b->requested, f);
     d.mapped_size = c->size;
     d.chunk_id = c->id;
     d.chunk_offset = b->addr - c->base;
@@ -592,16 +630,18 @@ static void retract_locked(vmm__block *b)
 
 vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream stream, void **ptr)
 {
-    if (!ensure_init()) return S.failed && vmm__opt_bool(VMM__OPT_STRICT) ? VMM__REFUSED : VMM__PASS;
+    if (!ensure_init()) return S.failed && vmm__opt_bool(VMM__OPT_STRICT) ? VMM__REFUSED : VMM__DISABLED;
     if (!ptr || size == 0) return VMM__PASS; /* the runtime's own answer for these */
     CUcontext ctx;
     int runtime_api = api == VMM_API_CUDA_MALLOC || api == VMM_API_CUDA_MALLOC_ASYNC;
     int dev = current_device(&ctx, runtime_api);
-    if (dev < 0 || !device_usable(dev)) return vmm__opt_bool(VMM__OPT_STRICT) && dev >= 0 ? VMM__REFUSED : VMM__PASS;
+    if (dev < 0 || !device_usable(dev)) return vmm__opt_bool(VMM__OPT_STRICT) && dev >= 0 ? VMM__REFUSED : VMM__UNSUPPORTED;
     device_state *d = &S.dev[dev];
     /* the program's own pool is current: its allocations are its pool's, noted, not exportable */
-    if (stream_ordered && __atomic_load_n(&d->custom_pool, __ATOMIC_ACQUIRE)) return VMM__NOMEM;
+    if (stream_ordered && __atomic_load_n(&d->custom_pool, __ATOMIC_ACQUIRE)) return VMM__OWN_POOL;
     start_broker(); /* one atomic load once it has started */
+    vmm__frames f;
+    vmm__frames_capture(&f); /* before the lock: it takes the loader lock */
 
     pthread_mutex_lock(&S.lock);
     int err;
@@ -610,15 +650,18 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
         pthread_mutex_unlock(&S.lock);
         if (err == -ENOMEM) return VMM__NOMEM;
         vmm__log(VMM__LOG_WARNING, "VMM allocation of %zu bytes failed (%s); passing it through", size, strerror(-err));
-        return VMM__PASS;
+        return VMM__UNSUPPORTED;
     }
     b->requested = size;
     b->api = api;
     b->ctx = ctx;
     b->live = 1;
     HASH_ADD(hh, S.by_addr, addr, sizeof(uint64_t), b);
-    publish_locked(b, stream);
+    publish_locked(b, stream, &f);
     pthread_mutex_unlock(&S.lock);
+    vmm_reg_proc *c = coverage_now();
+    count(&c->allocs);
+    count(&c->allocs_backed);
     *ptr = (void *)(uintptr_t)b->addr;
     return VMM__DONE;
 }
@@ -774,9 +817,20 @@ void vmm__capture_ended(void)
     }
 }
 
-void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream)
+void vmm__note_passthrough(vmm__result why, void *ptr, size_t size, uint32_t api, CUstream stream)
 {
-    if (!S.ready || !ptr || !S.registry_ok) return;
+    if (!ptr || size == 0) return; /* no allocation was made */
+    vmm_reg_proc *c = coverage_now();
+    switch (why) {
+    case VMM__DISABLED: count(&passed_disabled); return;
+    case VMM__UNSUPPORTED: count(&c->passed_unsupported); break;
+    case VMM__OWN_POOL: count(&c->passed_unsupported); break;
+    case VMM__NOMEM: count(&c->passed_device_full); break;
+    case VMM__CAPTURED: count(&c->passed_capture); break;
+    default: return;
+    }
+    count(&c->allocs);
+    if (why == VMM__UNSUPPORTED || !S.ready || !S.registry_ok) return;
     note *n = calloc(1, sizeof *n);
     if (!n) return;
     n->va = (uint64_t)(uintptr_t)ptr;
@@ -785,6 +839,8 @@ void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream
     int dev = current_device(&ctx, 0);
     if (dev < 0) dev = 0;
     n->dev = dev;
+    vmm__frames f;
+    vmm__frames_capture(&f);
     pthread_mutex_lock(&S.lock);
     note *old = NULL;
     HASH_FIND(hh, S.notes, &n->va, sizeof n->va, old);
@@ -794,7 +850,7 @@ void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream
         return;
     }
     vmm_reg_alloc d;
-    fill_common(&d, dev, api, stream, size);
+    fill_common(&d, dev, api, stream, size, &f);
     d.flags = VMM_REG_F_NOT_EXPORTABLE;
     if (vmm__reg_add(&S.reg, n->va, size, &d, &n->slot, NULL) != 0) n->slot = NO_SLOT;
     HASH_ADD(hh, S.notes, va, sizeof(uint64_t), n);
@@ -885,13 +941,13 @@ int vmm__device_exportable(int dev)
 uint64_t vmm__new_chunk_id(void) { return __atomic_add_fetch(&S.next_chunk_id, 1, __ATOMIC_RELAXED); }
 
 void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size, uint64_t handle_offset,
-                        uint64_t chunk_id, int dev, int exportable, vmm__published *out)
+                        uint64_t chunk_id, int dev, int exportable, const vmm__frames *f, vmm__published *out)
 {
     out->slot = NO_SLOT;
     if (!S.registry_ok) return;
     start_broker();
     vmm_reg_alloc d;
-    fill_common(&d, dev, VMM_API_CU_MEM_MAP, NULL, extent);
+    fill_common(&d, dev, VMM_API_CU_MEM_MAP, NULL, extent, f);
     d.mapped_size = handle_size;
     d.chunk_id = chunk_id;
     d.chunk_offset = handle_offset;
@@ -905,6 +961,8 @@ void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size,
     out->generation = pub.generation;
     memcpy(out->alloc_id, pub.alloc_id, 16);
 }
+
+void vmm__count_adopted(void) { count(&coverage_now()->maps_adopted); }
 
 void vmm__retract_range(vmm__published *pub)
 {

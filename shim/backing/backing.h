@@ -7,13 +7,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* What the shim made of a call.  For an allocation, every answer but DONE and REFUSED sends it
+ * to the real function, and says why (the coverage counters, layout.h). */
 typedef enum {
-    VMM__DONE = 0,     /* handled by the shim: *ptr set */
-    VMM__PASS = 1,     /* not the shim's: call the real function */
-    VMM__NOMEM = 2,    /* out of memory even after giving back empty chunks (or the program's own pool is
-                          current): the real allocator decides, and the result is noted */
-    VMM__INVALID = 3,  /* the shim's memory, but a double free or interior pointer */
-    VMM__REFUSED = 4   /* VMMSHIM_STRICT=1 and the shim could not start */
+    VMM__DONE = 0,        /* handled by the shim: *ptr set */
+    VMM__PASS = 1,        /* not the shim's: call the real function (an allocation of no bytes, or none) */
+    VMM__NOMEM = 2,       /* out of memory even after giving back empty chunks: the real allocator decides,
+                             and the result is noted */
+    VMM__INVALID = 3,     /* the shim's memory, but a double free or interior pointer */
+    VMM__REFUSED = 4,     /* VMMSHIM_STRICT=1 and the shim could not start */
+    VMM__UNSUPPORTED = 5, /* the device lacks VMM or export, or the driver refused the shim's VMM calls */
+    VMM__OWN_POOL = 6,    /* the program's own pool is current: its memory, noted */
+    VMM__CAPTURED = 7,    /* (the hooks' answer) the stream is being captured: the real pool's memory, noted */
+    VMM__DISABLED = 8     /* the shim is not active in this process (VMMSHIM_ENABLE=0, a failed start) */
 } vmm__result;
 
 /* Allocate `size` bytes on the current context's device (binding the device's primary context
@@ -21,8 +27,10 @@ typedef enum {
 vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream stream, void **ptr);
 /* Free a pointer; async frees complete in `stream` order. */
 vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream);
-/* Record an allocation the shim passed through (e.g. made during stream capture). */
-void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream);
+/* The real function made the allocation that vmm__alloc (or the capture check) answered `why`:
+ * count it by reason, and publish it flagged not exportable when the shim notes such memory
+ * (NOMEM, OWN_POOL, CAPTURED). */
+void vmm__note_passthrough(vmm__result why, void *ptr, size_t size, uint32_t api, CUstream stream);
 /* Free bytes in the current device's pool (counted as free by cudaMemGetInfo). */
 size_t vmm__pool_free_bytes_current(void);
 /* A live shim allocation as the rest of the shim sees it. */
@@ -68,15 +76,17 @@ void vmm__pool_current_is_default(int dev, int is_default);
 int vmm__device_exportable(int dev);
 /* An id for a chunk, unique in this process and never reused (the pool's chunks use the same). */
 uint64_t vmm__new_chunk_id(void);
+struct vmm__frames;
 typedef struct vmm__published {
     uint32_t slot; /* UINT32_MAX: not published (no registry, or it is full) */
     uint64_t generation;
     uint8_t alloc_id[16];
 } vmm__published;
 /* Publish [address, address+extent), which maps `handle_size` bytes of a handle from
- * `handle_offset` on: one record, found by any interior address, imported through the broker. */
+ * `handle_offset` on: one record, found by any interior address, imported through the broker;
+ * f: the mapping's call site (frames.h). */
 void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size, uint64_t handle_offset,
-                        uint64_t chunk_id, int dev, int exportable, vmm__published *out);
+                        uint64_t chunk_id, int dev, int exportable, const struct vmm__frames *f, vmm__published *out);
 void vmm__retract_range(vmm__published *pub);
 /* dev's primary context is about to be reset (cudaDeviceReset, cuDevicePrimaryCtxReset): its
  * allocations and cached chunks go, as native reset frees them.  dev -1: the calling thread's
@@ -86,6 +96,8 @@ void vmm__device_reset(int dev);
  * does, a free never synchronizes a context, and its block waits for a safe moment. */
 void vmm__capture_begun(void);
 void vmm__capture_ended(void);
+/* The program mapped a range of a handle the shim made exportable (maps_adopted, layout.h). */
+void vmm__count_adopted(void);
 /* True when stream is being captured into a graph. */
 int vmm__stream_capturing(CUstream stream);
 #endif

@@ -59,14 +59,14 @@ static void write_line(int fd, const char *s, size_t n)
     }
 }
 
-static void emit_v(int fd, vmm__log_level level, const char *fmt, va_list ap)
+static void emit_prefixed(int fd, const char *prefix, const char *fmt, va_list ap)
 {
     char line[LOG_LINE_BYTES + 1]; /* + the NUL vsnprintf insists on */
-    const size_t plen = strlen(prefixes[level]);
+    const size_t plen = strlen(prefix);
     const size_t text_max = LOG_LINE_BYTES - 1 - plen;
     size_t len;
 
-    memcpy(line, prefixes[level], plen);
+    memcpy(line, prefix, plen);
     int n = vsnprintf(line + plen, text_max + 1, fmt, ap);
     if (n < 0) {
         len = plen + (size_t)snprintf(line + plen, text_max + 1, "(unformattable message: %s)", fmt);
@@ -85,6 +85,11 @@ static void emit_v(int fd, vmm__log_level level, const char *fmt, va_list ap)
     }
     line[len++] = '\n';
     write_line(fd, line, len);
+}
+
+static void emit_v(int fd, vmm__log_level level, const char *fmt, va_list ap)
+{
+    emit_prefixed(fd, prefixes[level], fmt, ap);
 }
 
 __attribute__((format(printf, 3, 4)))
@@ -230,6 +235,16 @@ void vmm__log_print(vmm__log_level level, const char *fmt, ...)
     va_list ap;
     va_start(ap, fmt);
     emit_v(log_fd(vmm__opt_usable()), clamp(level), fmt, ap);
+    va_end(ap);
+    errno = saved;
+}
+
+void vmm__log_report(const char *fmt, ...)
+{
+    int saved = errno;
+    va_list ap;
+    va_start(ap, fmt);
+    emit_prefixed(log_fd(vmm__opt_usable()), "vmmshim: ", fmt, ap);
     va_end(ap);
     errno = saved;
 }

@@ -13,6 +13,9 @@ typedef enum { VMM__LOG_ERROR, VMM__LOG_WARNING, VMM__LOG_INFO, VMM__LOG_DEBUG }
 void vmm__log(vmm__log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Unfiltered and uncapped: for output the user asked for explicitly (VMMSHIM_VERBOSE). */
 void vmm__log_print(vmm__log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* "vmmshim: <text>", unfiltered and uncapped: a report the user asked for (VMMSHIM_STATS), which
+ * is no message of any level. */
+void vmm__log_report(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 #define vmm__error(...) vmm__log(VMM__LOG_ERROR, __VA_ARGS__)
 #define vmm__warn(...)  vmm__log(VMM__LOG_WARNING, __VA_ARGS__)

@@ -31,8 +31,10 @@
 
 typedef enum { T_BOOL, T_INT, T_SIZE, T_ENUM, T_STRING } opt_type;
 
-/* Extra validation of a string value: NULL when fine, else the complaint ("is not ..."). */
-typedef const char *(*opt_check)(const char *value);
+/* Extra validation of a string value: NULL when fine, else the complaint ("is not ...").  A
+ * value that means the same as another spelling may be written out in that spelling into
+ * `norm` (len bytes), which is then stored instead; norm left "" keeps the value as given. */
+typedef const char *(*opt_check)(const char *value, char *norm, size_t len);
 
 typedef struct {
     const char *name;           /* with the prefix, so vmm__opt_name() needs no buffer */
@@ -44,9 +46,9 @@ typedef struct {
     const char *help;
 } opt_desc;
 
-static const char *check_registry(const char *v);
-static const char *check_abs_path(const char *v);
-static const char *check_tag(const char *v);
+static const char *check_registry(const char *v, char *norm, size_t len);
+static const char *check_abs_path(const char *v, char *norm, size_t len);
+static const char *check_tag(const char *v, char *norm, size_t len);
 
 static const char *const log_levels[] = {"error", "warning", "info", "debug", NULL};
 static const char *const export_modes[] = {"broker", "pidfd", NULL};
@@ -73,8 +75,8 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
     OPT(ENABLE, T_BOOL, "1", 0, 0, NULL, NULL,
         "0 passes every call through untouched."),
     OPT(REGISTRY, T_STRING, "", 0, 0, NULL, check_registry,
-        "POSIX shm name of the registry (`/name`, at most 200 chars); empty means per-user "
-        "`/vmmshim-<uid>`."),
+        "POSIX shm name of the registry (`/name`, or `name` meaning `/name`; at most 200 chars); "
+        "empty means per-user `/vmmshim-<uid>`."),
     OPT(REGISTRY_GROUP, T_STRING, "", 0, 0, NULL, NULL,
         "Group name or numeric gid given read-write access to the registry (mode 0660 "
         "instead of 0600)."),
@@ -101,6 +103,9 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
         "User tag stored with each allocation record (at most 31 bytes)."),
     OPT(FRAMES, T_INT, "0", 0, 8, NULL, NULL,
         "Call-site frames recorded per allocation."),
+    OPT(STATS, T_BOOL, "0", 0, 0, NULL, NULL,
+        "At exit, print one line: allocations made, how many were backed, how many passed through "
+        "and why, the peak requested."),
 };
 
 typedef struct {
@@ -128,6 +133,7 @@ static int load_status;
 static const char *load_conf_path;
 static char conf_buf[CONF_MAX + 1];
 static char conf_value[OPT_STR_MAX + 1];
+static char norm_value[OPT_STR_MAX]; /* a check's normalised spelling, static: apply may run on a small stack */
 
 /* ------------------------------------------------------------------------------------- */
 /* Parsing                                                                                */
@@ -234,24 +240,30 @@ static int parse_enum(const char *s, const char *const *values, long long *out)
     return P_SYNTAX;
 }
 
-static const char *check_registry(const char *v)
+/* "name" is taken as "/name", as the client library and vmmctl take it: the message a user
+ * gets from either then names the object the shim would have used. */
+static const char *check_registry(const char *v, char *norm, size_t len)
 {
-    size_t n = strlen(v);
-    if (n == 0) return NULL; /* the per-user default */
-    if (v[0] != '/' || n < 2 || n > 200 || strchr(v + 1, '/'))
-        return "is not a valid shm name (use '/name' with no other '/', at most 200 chars)";
+    if (v[0] == 0) return NULL; /* the per-user default */
+    const char *name = v[0] == '/' ? v + 1 : v;
+    size_t n = strlen(name);
+    if (n == 0 || n > 199 || strchr(name, '/'))
+        return "is not a valid shm name (use '/name' or 'name' with no other '/', at most 200 chars)";
+    if (name == v) snprintf(norm, len, "/%s", v);
     return NULL;
 }
 
 /* The shim and its companions run in different working directories; a relative broker
  * directory would name a different place for each of them. */
-static const char *check_abs_path(const char *v)
+static const char *check_abs_path(const char *v, char *norm, size_t len)
 {
+    (void)norm, (void)len;
     return v[0] && v[0] != '/' ? "is not an absolute path" : NULL;
 }
 
-static const char *check_tag(const char *v)
+static const char *check_tag(const char *v, char *norm, size_t len)
 {
+    (void)norm, (void)len;
     return strlen(v) > 31 ? "is too long (at most 31 bytes)" : NULL;
 }
 
@@ -386,8 +398,11 @@ static int apply(vmm__opt_id id, const char *text, vmm__opt_source src, const ch
     case T_STRING:
         if (strlen(text) >= OPT_STR_MAX)
             snprintf(why_buf, sizeof why_buf, "is too long (at most %d bytes)", OPT_STR_MAX - 1), why = why_buf;
-        else if (d->check)
-            why = d->check(text);
+        else if (d->check) {
+            norm_value[0] = 0;
+            why = d->check(text, norm_value, sizeof norm_value);
+            if (!why && norm_value[0]) text = norm_value;
+        }
         break;
     }
 

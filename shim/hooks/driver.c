@@ -24,22 +24,27 @@
 
 static CUstream per_thread(CUstream s) { return s ? s : CU_STREAM_PER_THREAD; }
 
+/* The real allocator's answer to a call the shim passed on for `why`. */
+static CUresult forward_alloc(vmm__result why, CUresult rc, CUdeviceptr *dptr, size_t size, uint32_t api, CUstream stream)
+{
+    if (rc == CUDA_SUCCESS) vmm__note_passthrough(why, (void *)(uintptr_t)*dptr, size, api, stream);
+    return rc;
+}
+
 static CUresult alloc(CUresult (*real)(CUdeviceptr *, size_t), CUdeviceptr *dptr, size_t size)
 {
     void *p = NULL;
-    if (!vmm__in_shim() && dptr) switch (vmm__alloc(size, VMM_API_CU_MEM_ALLOC, 0, NULL, &p)) {
-        case VMM__DONE: *dptr = (CUdeviceptr)(uintptr_t)p; return CUDA_SUCCESS;
-        case VMM__REFUSED: return CUDA_ERROR_NOT_SUPPORTED;
-        case VMM__NOMEM: { /* the real allocator decides, so an OOM stays native */
-            vmm__enter();
-            CUresult rc = real(dptr, size);
-            vmm__leave();
-            if (rc == CUDA_SUCCESS) vmm__note_passthrough((void *)(uintptr_t)*dptr, size, VMM_API_CU_MEM_ALLOC, NULL);
-            return rc;
-        }
-        default: break;
-        }
-    PASS_THROUGH(real(dptr, size));
+    if (vmm__in_shim() || !dptr) PASS_THROUGH(real(dptr, size));
+    vmm__result why = vmm__alloc(size, VMM_API_CU_MEM_ALLOC, 0, NULL, &p);
+    if (why == VMM__DONE) {
+        *dptr = (CUdeviceptr)(uintptr_t)p;
+        return CUDA_SUCCESS;
+    }
+    if (why == VMM__REFUSED) return CUDA_ERROR_NOT_SUPPORTED;
+    vmm__enter(); /* the real allocator decides, so an OOM stays native */
+    CUresult rc = real(dptr, size);
+    vmm__leave();
+    return forward_alloc(why, rc, dptr, size, VMM_API_CU_MEM_ALLOC, NULL);
 }
 
 VMM_HOOK CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
@@ -72,18 +77,18 @@ static CUresult alloc_async(CUresult (*real)(CUdeviceptr *, size_t, CUstream), C
 {
     void *p = NULL;
     if (vmm__in_shim() || !dptr) return real(dptr, size, stream);
-    if (!vmm__stream_capturing(cu_stream)) switch (vmm__alloc(size, VMM_API_CU_MEM_ALLOC_ASYNC, 1, cu_stream, &p)) {
-        case VMM__DONE: *dptr = (CUdeviceptr)(uintptr_t)p; return CUDA_SUCCESS;
-        case VMM__REFUSED: return CUDA_ERROR_NOT_SUPPORTED;
-        case VMM__NOMEM: break;
-        default: PASS_THROUGH(real(dptr, size, stream));
-        }
+    vmm__result why = vmm__stream_capturing(cu_stream) ? VMM__CAPTURED
+                                                      : vmm__alloc(size, VMM_API_CU_MEM_ALLOC_ASYNC, 1, cu_stream, &p);
+    if (why == VMM__DONE) {
+        *dptr = (CUdeviceptr)(uintptr_t)p;
+        return CUDA_SUCCESS;
+    }
+    if (why == VMM__REFUSED) return CUDA_ERROR_NOT_SUPPORTED;
     /* captured into a graph, or the device is full: the real pool's memory, noted not exportable */
     vmm__enter();
     CUresult rc = real(dptr, size, stream);
     vmm__leave();
-    if (rc == CUDA_SUCCESS) vmm__note_passthrough((void *)(uintptr_t)*dptr, size, VMM_API_CU_MEM_ALLOC_ASYNC, cu_stream);
-    return rc;
+    return forward_alloc(why, rc, dptr, size, VMM_API_CU_MEM_ALLOC_ASYNC, cu_stream);
 }
 
 VMM_HOOK CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream stream)
@@ -139,16 +144,20 @@ VMM_HOOK CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t wi
         if (real_free) real_free(probe);
     }
     vmm__leave();
-    if (rc != CUDA_SUCCESS || p == 0 || height > SIZE_MAX / p) PASS_THROUGH(real_(dptr, pitch, width, height, elem));
     void *ptr = NULL;
-    switch (vmm__alloc(p * height, VMM_API_CU_MEM_ALLOC_PITCH, 0, NULL, &ptr)) {
-    case VMM__DONE:
+    vmm__result why = rc != CUDA_SUCCESS || p == 0 || height > SIZE_MAX / p
+                          ? VMM__UNSUPPORTED /* no pitch to back the rows with */
+                          : vmm__alloc(p * height, VMM_API_CU_MEM_ALLOC_PITCH, 0, NULL, &ptr);
+    if (why == VMM__DONE) {
         *dptr = (CUdeviceptr)(uintptr_t)ptr;
         *pitch = p;
         return CUDA_SUCCESS;
-    case VMM__REFUSED: return CUDA_ERROR_NOT_SUPPORTED;
-    default: PASS_THROUGH(real_(dptr, pitch, width, height, elem));
     }
+    if (why == VMM__REFUSED) return CUDA_ERROR_NOT_SUPPORTED;
+    vmm__enter();
+    rc = real_(dptr, pitch, width, height, elem);
+    vmm__leave();
+    return forward_alloc(why, rc, dptr, rc == CUDA_SUCCESS ? *pitch * height : 0, VMM_API_CU_MEM_ALLOC_PITCH, NULL);
 }
 
 VMM_HOOK CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)

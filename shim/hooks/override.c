@@ -23,9 +23,10 @@ typedef cudaError_t (*free_async_fn)(void *, cudaStream_t);
 /* The per-thread default stream variants mean stream 0 as that thread's stream. */
 static CUstream per_thread(cudaStream_t s) { return s ? (CUstream)s : CU_STREAM_PER_THREAD; }
 
-static cudaError_t forward_malloc(cudaError_t rc, void **ptr, size_t size, uint32_t api, CUstream stream)
+/* The real allocator's answer to a call the shim passed on for `why`. */
+static cudaError_t forward_malloc(vmm__result why, cudaError_t rc, void **ptr, size_t size, uint32_t api, CUstream stream)
 {
-    if (rc == cudaSuccess) vmm__note_passthrough(*ptr, size, api, stream);
+    if (rc == cudaSuccess) vmm__note_passthrough(why, *ptr, size, api, stream);
     return rc;
 }
 
@@ -41,12 +42,12 @@ VMM_HOOK cudaError_t cudaMalloc(void **ptr, size_t size)
 {
     VMM_REAL_RUNTIME(cudaMalloc, cudaErrorInitializationError);
     if (vmm__in_shim()) return real_(ptr, size);
-    switch (vmm__alloc(size, VMM_API_CUDA_MALLOC, 0, NULL, ptr)) {
+    vmm__result why = vmm__alloc(size, VMM_API_CUDA_MALLOC, 0, NULL, ptr);
+    switch (why) {
     case VMM__DONE: return cudaSuccess;
     case VMM__REFUSED: return cudaErrorNotSupported;
-    case VMM__NOMEM: /* the real allocator decides, so OOM (and the sticky last error) stay native */
-        return forward_malloc(call_real_malloc(real_, ptr, size), ptr, size, VMM_API_CUDA_MALLOC, NULL);
-    default: return call_real_malloc(real_, ptr, size);
+    default: /* the real allocator decides, so OOM (and the sticky last error) stay native */
+        return forward_malloc(why, call_real_malloc(real_, ptr, size), ptr, size, VMM_API_CUDA_MALLOC, NULL);
     }
 }
 
@@ -79,25 +80,16 @@ VMM_HOOK cudaError_t cudaFree(void *ptr)
 static cudaError_t malloc_async(malloc_async_fn real, void **ptr, size_t size,
                                 cudaStream_t stream, CUstream cu_stream)
 {
-    cudaError_t rc;
     if (vmm__in_shim()) return real(ptr, size, stream);
-    if (!vmm__stream_capturing(cu_stream)) {
-        switch (vmm__alloc(size, VMM_API_CUDA_MALLOC_ASYNC, 1, cu_stream, ptr)) {
-        case VMM__DONE: return cudaSuccess;
-        case VMM__REFUSED: return cudaErrorNotSupported;
-        case VMM__NOMEM: break;
-        default:
-            vmm__enter();
-            rc = real(ptr, size, stream);
-            vmm__leave();
-            return rc;
-        }
-    }
+    vmm__result why = vmm__stream_capturing(cu_stream) ? VMM__CAPTURED
+                                                      : vmm__alloc(size, VMM_API_CUDA_MALLOC_ASYNC, 1, cu_stream, ptr);
+    if (why == VMM__DONE) return cudaSuccess;
+    if (why == VMM__REFUSED) return cudaErrorNotSupported;
     /* captured into a graph, or the device is full: the real pool's memory, noted as not exportable */
     vmm__enter();
-    rc = real(ptr, size, stream);
+    cudaError_t rc = real(ptr, size, stream);
     vmm__leave();
-    return forward_malloc(rc, ptr, size, VMM_API_CUDA_MALLOC_ASYNC, cu_stream);
+    return forward_malloc(why, rc, ptr, size, VMM_API_CUDA_MALLOC_ASYNC, cu_stream);
 }
 
 static cudaError_t free_async(free_async_fn real, void *ptr, cudaStream_t stream, CUstream cu_stream)

@@ -31,8 +31,30 @@
  * An odd seq means a write is in progress.  A seq that stays odd means the writer died mid-write:
  * check the owner (below) and treat the record as dead.  The writer increments seq (relaxed
  * store), issues a release fence, writes the fields with 8-byte stores, then stores seq+1 again
- * with release.  The live counters of vmm_reg_proc (n_allocs...) are outside that protocol:
- * plain 8-byte atomic loads.
+ * with release.  The counters of vmm_reg_proc (n_allocs... and the coverage counters below) are
+ * outside that protocol: plain 8-byte atomic loads.
+ *
+ * COVERAGE (vmm_reg_proc 440..499, layout version 3): what became of the process's allocations
+ * since it started, kept with relaxed atomic adds, so a reader may see one counter ahead of
+ * another.  allocs counts allocation calls that made an allocation (cudaMalloc, cudaMallocAsync,
+ * cuMemAlloc, cuMemAllocAsync, cuMemAllocPitch; zero bytes or a failed call is none):
+ * allocs == allocs_backed + passed_capture + passed_device_full + passed_unsupported, where
+ *   allocs_backed        the shim's VMM pool backed it: exportable (published unless the registry is full)
+ *   passed_capture       its stream was being captured into a graph: the real pool's memory
+ *   passed_device_full   the pool could not grow even after giving back its empty chunks: the real allocator's
+ *   passed_unsupported   the device lacks VMM or POSIX-fd export, a pool of the program's own was
+ *                        current (stream-ordered calls), the driver refused the shim's VMM calls
+ *                        for another reason, or it would not tell cuMemAllocPitch's pitch
+ * (a process in which the shim is disabled, VMMSHIM_ENABLE=0 or a failed start, never registers:
+ * VMMSHIM_STATS=1 reports its passed-through allocations).  maps_adopted counts ranges the
+ * program mapped itself (cuMemMap) from handles the shim made exportable; they are not
+ * allocations.  peak_requested is the highest bytes_requested has been: the peak of what the
+ * program asked for among the memory it has records of (the shim's, what it noted for capture
+ * or a full device, adopted ranges; not what it passed through as unsupported, which it does
+ * not publish).  The counters are meaningful only while stats_generation == generation: a
+ * writer of layout version 2 leaves 440..511 alone, so a slot it claims may hold an earlier
+ * owner's values, and there stats_generation names that earlier generation.  stats_generation is
+ * written with the identity, under seq.
  *
  * OWNERS AND LIVENESS: a record's owner is (pid, start_time, pidns).  A process is alive iff
  * /proc/<pid>/stat exists in a reader sharing pidns (compare the inode of /proc/self/ns/pid) and
@@ -63,6 +85,19 @@
  * work by incrementing index_seq (odd while rebuilding), and a reader whose search found nothing
  * retries if index_seq was odd or changed meanwhile.
  *
+ * FRAMES: vmm_reg_alloc.frames[] are raw return addresses in the owner, the innermost first (the
+ * shim's own frames left out).  With VMMSHIM_FRAMES > 0 the owner also keeps a text file beside
+ * the registry, the shm object VMM_REG_FRAMES_NAME (registry name, owner pid, owner start_time;
+ * as readable as the registry), which names each address it recorded once, on one line:
+ *     0x<address> 0x<offset from the module's base> <function, or ?> <module path to the end of the line>
+ * after a first line VMM_REG_FRAMES_HEADER; lines starting with '#' are comments.  The module's
+ * base is where its ELF header is mapped (dladdr's dli_fbase); the function is the exported
+ * symbol whose extent holds the address, else "?" (a reader may look in the module's .symtab,
+ * at offset + the first PT_LOAD's p_vaddr - p_offset).  An address missing from the file (the
+ * file was full, or the address is in no module) has no line: a reader of a living owner may
+ * look in /proc/<pid>/maps.  The owner removes the file at exit; gc removes those of the dead
+ * owners it reclaims.
+ *
  * LOCKS: readers take none.  Index writers exclude each other with index_lock, a word in the
  * header: 0 = free, else (holder's proc generation << 32) | (holder's proc index + 1), taken by CAS
  * and held for a few index stores.  A waiter may take it over when the holder's proc slot has moved
@@ -77,7 +112,12 @@
 #include <stdint.h>
 
 #define VMM_REG_MAGIC 0x4745525348534d56ull /* "VMMSHREG" little-endian */
-#define VMM_REG_VERSION 2u
+/* 3: the coverage counters of vmm_reg_proc, in bytes that were reserved (zero) before: a
+ * version-2 reader reads a version-3 segment as it always did, so compat_version stays 2.  The
+ * version still moves on so that a reader can tell a segment made by a writer that knows them;
+ * since writers of both versions may share one segment, each record says for itself
+ * (stats_generation). */
+#define VMM_REG_VERSION 3u
 #define VMM_REG_COMPAT_VERSION 2u /* 2: one record per pooled allocation, index by level */
 #define VMM_REG_CHUNK_RECORDS 64u
 #define VMM_REG_MIN_LEVEL 8u  /* 256 bytes */
@@ -87,6 +127,8 @@
 #define VMM_REG_LOCK_INIT 0
 #define VMM_REG_LOCK_GC 2
 #define VMM_REG_CHUNK_RECLAIMING (1ull << 63)
+#define VMM_REG_FRAMES_NAME "%s.frames.%u.%llu" /* registry name, pid, start_time (FRAMES) */
+#define VMM_REG_FRAMES_HEADER "# vmmshim frames 1: address offset function module"
 
 /* vmm_reg_alloc.state */
 enum { VMM_REG_UNBOUND = 0, VMM_REG_BOUND = 1, VMM_REG_LIVE = 2 };
@@ -148,7 +190,7 @@ typedef struct vmm_reg_header {
 
 typedef struct vmm_reg_proc {
     uint64_t claim;            /*   0 (generation << 32) | pid; pid 0 = free slot (CAS) */
-    uint32_t seq;              /*   8 sequence counter over the fields up to counters */
+    uint32_t seq;              /*   8 sequence counter over the fields up to the counters, and stats_generation */
     uint32_t pid;              /*  12 in the owner's pid namespace */
     uint64_t start_time;       /*  16 /proc/<pid>/stat field 22 */
     uint64_t pidns;            /*  24 inode of the owner's /proc/self/ns/pid */
@@ -160,7 +202,15 @@ typedef struct vmm_reg_proc {
     uint64_t n_allocs;         /* 416 live counters, atomic, outside the seq protocol */
     uint64_t bytes_requested;  /* 424 */
     uint64_t bytes_mapped;     /* 432 sum of the live allocations' extents */
-    uint8_t reserved[72];      /* 440 */
+    uint64_t allocs;           /* 440 coverage (COVERAGE above), cumulative, atomic, outside seq */
+    uint64_t allocs_backed;    /* 448 */
+    uint64_t passed_capture;   /* 456 */
+    uint64_t passed_device_full; /* 464 */
+    uint64_t passed_unsupported; /* 472 */
+    uint64_t maps_adopted;     /* 480 */
+    uint64_t peak_requested;   /* 488 highest bytes_requested, in bytes */
+    uint32_t stats_generation; /* 496 == generation when the counters 440..495 are this owner's */
+    uint8_t reserved[12];      /* 500 */
 } vmm_reg_proc;                /* 512 */
 
 typedef struct vmm_reg_alloc {
@@ -237,7 +287,15 @@ VMM_ASSERT_OFF(vmm_reg_proc, cmdline, 160);
 VMM_ASSERT_OFF(vmm_reg_proc, n_allocs, 416);
 VMM_ASSERT_OFF(vmm_reg_proc, bytes_requested, 424);
 VMM_ASSERT_OFF(vmm_reg_proc, bytes_mapped, 432);
-VMM_ASSERT_OFF(vmm_reg_proc, reserved, 440);
+VMM_ASSERT_OFF(vmm_reg_proc, allocs, 440);
+VMM_ASSERT_OFF(vmm_reg_proc, allocs_backed, 448);
+VMM_ASSERT_OFF(vmm_reg_proc, passed_capture, 456);
+VMM_ASSERT_OFF(vmm_reg_proc, passed_device_full, 464);
+VMM_ASSERT_OFF(vmm_reg_proc, passed_unsupported, 472);
+VMM_ASSERT_OFF(vmm_reg_proc, maps_adopted, 480);
+VMM_ASSERT_OFF(vmm_reg_proc, peak_requested, 488);
+VMM_ASSERT_OFF(vmm_reg_proc, stats_generation, 496);
+VMM_ASSERT_OFF(vmm_reg_proc, reserved, 500);
 
 _Static_assert(sizeof(vmm_reg_alloc) == 384, "alloc record size");
 VMM_ASSERT_OFF(vmm_reg_alloc, seq, 0);

@@ -255,10 +255,14 @@ int vmm__reg_open(vmm__reg *r, const char *name, int mode, uint64_t capacity, co
 {
     memset(r, 0, sizeof *r);
     r->fd = -1;
+    char given[sizeof r->name];
     if (name && *name)
-        snprintf(r->name, sizeof r->name, "%s", name);
+        snprintf(given, sizeof given, "%s", name);
     else
-        vmm__reg_default_name(r->name, sizeof r->name);
+        vmm__reg_default_name(given, sizeof given);
+    /* "name" means "/name", as VMMSHIM_REGISTRY takes it: every message then names the object opened. */
+    if (snprintf(r->name, sizeof r->name, "%s%s", given[0] == '/' ? "" : "/", given) >= (int)sizeof r->name)
+        return fail(err, errlen, -ENAMETOOLONG, "registry %s: %s", given, "name is too long");
     r->writable = mode != VMM__REG_READ;
     int oflags = (r->writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW;
     if (mode == VMM__REG_CREATE) oflags |= O_CREAT;
@@ -395,6 +399,15 @@ int vmm__reg_liveness(uint32_t pid, uint64_t start_time, uint64_t pidns)
 
 /* ---- writer ---- */
 
+/* The counters outside the seq protocol, zero for a new owner of the slot. */
+static void counters_clear(vmm_reg_proc *p)
+{
+    uint64_t *c[] = {&p->n_allocs,      &p->bytes_requested,    &p->bytes_mapped,       &p->allocs,
+                     &p->allocs_backed, &p->passed_capture,     &p->passed_device_full, &p->passed_unsupported,
+                     &p->maps_adopted,  &p->peak_requested};
+    for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) __atomic_store_n(c[i], 0, __ATOMIC_RELAXED);
+}
+
 static uint64_t chunk_tag(const vmm__reg *r) { return ((uint64_t)r->proc_gen << 32) | (r->proc_index + 1); }
 
 int vmm__reg_attach(vmm__reg *r, const char *broker_path)
@@ -440,9 +453,8 @@ int vmm__reg_attach(vmm__reg *r, const char *broker_path)
         /* claim stays as CAS'd; copy everything after seq up to the counters */
         copy_words_in((uint8_t *)p + 16, (uint8_t *)&v + 16, offsetof(vmm_reg_proc, n_allocs) - 16);
         __atomic_store_n(&p->pid, pid, __ATOMIC_RELAXED);
-        __atomic_store_n(&p->n_allocs, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&p->bytes_requested, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&p->bytes_mapped, 0, __ATOMIC_RELAXED);
+        counters_clear(p);
+        __atomic_store_n(&p->stats_generation, gen, __ATOMIC_RELAXED);
         seq_end(&p->seq);
         r->proc_index = i;
         r->proc_gen = gen;
@@ -456,6 +468,8 @@ int vmm__reg_attach(vmm__reg *r, const char *broker_path)
     }
     return -ENOSPC;
 }
+
+vmm_reg_proc *vmm__reg_self(vmm__reg *r) { return r->attached ? proc_at(r, r->proc_index) : NULL; }
 
 int vmm__reg_set_broker(vmm__reg *r, const char *broker_path)
 {
@@ -688,7 +702,10 @@ static void write_live(vmm__reg *r, vmm_reg_alloc *a, const vmm_reg_alloc *d, ui
     seq_end(&a->seq);
     vmm_reg_proc *p = proc_at(r, r->proc_index);
     __atomic_add_fetch(&p->n_allocs, 1, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&p->bytes_requested, v.requested_size, __ATOMIC_RELAXED);
+    uint64_t live = __atomic_add_fetch(&p->bytes_requested, v.requested_size, __ATOMIC_RELAXED);
+    /* a compare-and-swap only while a new peak is being set */
+    uint64_t peak = __atomic_load_n(&p->peak_requested, __ATOMIC_RELAXED);
+    while (live > peak && !__atomic_compare_exchange_n(&p->peak_requested, &peak, live, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
     __atomic_add_fetch(&p->bytes_mapped, v.extent, __ATOMIC_RELAXED);
     __atomic_add_fetch(&r->hdr->stat_publishes, 1, __ATOMIC_RELAXED);
     if (published) {
@@ -909,6 +926,13 @@ int vmm__reg_read_proc(const vmm__reg *r, uint32_t index, vmm_reg_proc *out)
     out->n_allocs = __atomic_load_n(&p->n_allocs, __ATOMIC_RELAXED);
     out->bytes_requested = __atomic_load_n(&p->bytes_requested, __ATOMIC_RELAXED);
     out->bytes_mapped = __atomic_load_n(&p->bytes_mapped, __ATOMIC_RELAXED);
+    out->allocs = __atomic_load_n(&p->allocs, __ATOMIC_RELAXED);
+    out->allocs_backed = __atomic_load_n(&p->allocs_backed, __ATOMIC_RELAXED);
+    out->passed_capture = __atomic_load_n(&p->passed_capture, __ATOMIC_RELAXED);
+    out->passed_device_full = __atomic_load_n(&p->passed_device_full, __ATOMIC_RELAXED);
+    out->passed_unsupported = __atomic_load_n(&p->passed_unsupported, __ATOMIC_RELAXED);
+    out->maps_adopted = __atomic_load_n(&p->maps_adopted, __ATOMIC_RELAXED);
+    out->peak_requested = __atomic_load_n(&p->peak_requested, __ATOMIC_RELAXED);
     return rc;
 }
 
@@ -986,6 +1010,15 @@ int vmm__reg_for_each(const vmm__reg *r, vmm__reg_visit_fn fn, void *ctx)
 
 /* ---- reclamation ---- */
 
+/* A dead owner's call-site names (layout.h, FRAMES) go with its records. */
+static void remove_frames_file(const vmm__reg *r, uint32_t pid, uint64_t start_time)
+{
+    char name[sizeof r->name + 48];
+    if (pid && start_time &&
+        snprintf(name, sizeof name, VMM_REG_FRAMES_NAME, r->name, pid, (unsigned long long)start_time) < (int)sizeof name)
+        shm_unlink(name);
+}
+
 int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
 {
     vmm__reg_gc_stats z = {0};
@@ -1060,13 +1093,12 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
         vmm_reg_proc *p = proc_at(r, i);
         uint64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
         if ((uint32_t)(c >> 32) != gens[i]) continue;
+        remove_frames_file(r, __atomic_load_n(&p->pid, __ATOMIC_RELAXED), __atomic_load_n(&p->start_time, __ATOMIC_RELAXED));
         seq_begin(&p->seq);
         __atomic_store_n(&p->pid, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&p->start_time, 0, __ATOMIC_RELAXED);
         seq_end(&p->seq);
-        __atomic_store_n(&p->n_allocs, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&p->bytes_requested, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&p->bytes_mapped, 0, __ATOMIC_RELAXED);
+        counters_clear(p);
         __atomic_compare_exchange_n(&p->claim, &c, (uint64_t)gens[i] << 32, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
     }
     __atomic_add_fetch(&r->hdr->stat_reclaimed, st->records_reclaimed, __ATOMIC_RELAXED);

@@ -36,7 +36,8 @@ typedef struct vmm__reg_gc_stats {
 } vmm__reg_gc_stats;
 
 /* Open (and with VMM__REG_CREATE create) the registry.  `name` NULL means VMMSHIM_REGISTRY or
- * the per-user default.  On failure returns -errno-ish code and writes a one-line reason. */
+ * the per-user default; a name without its leading '/' means "/name".  On failure returns
+ * -errno-ish code and writes a one-line reason. */
 int vmm__reg_open(vmm__reg *r, const char *name, int mode, uint64_t capacity, const char *group, char *err,
                   size_t errlen);
 void vmm__reg_close(vmm__reg *r);
@@ -47,6 +48,9 @@ int vmm__reg_validate(const void *base, size_t size, char *err, size_t errlen);
 /* Writer: claim this process's proc slot; detach releases every record it still holds. */
 int vmm__reg_attach(vmm__reg *r, const char *broker_path);
 int vmm__reg_set_broker(vmm__reg *r, const char *broker_path);
+/* This process's record (NULL unless attached), for the writer's coverage counters (layout.h,
+ * COVERAGE): relaxed atomic adds, outside the seq protocol. */
+vmm_reg_proc *vmm__reg_self(vmm__reg *r);
 void vmm__reg_detach(vmm__reg *r);
 /* After fork(), the child must not write as its parent: drop writer state without touching
  * shared memory. */

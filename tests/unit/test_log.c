@@ -103,6 +103,14 @@ static void test_levels(void)
     vmm__debug("d");
     vmm__log_print(VMM__LOG_DEBUG, "asked for"); /* VERBOSE output ignores the level */
     CHECK(strcmp(cap_text(), "vmmshim: info: i\nvmmshim: debug: asked for\n") == 0, "%s", cap_buf);
+
+    /* VMMSHIM_STATS's report has no level, and takes no budget of any: all 60 lines come out */
+    set_level("error");
+    cap_begin();
+    for (int i = 0; i < 60; i++) vmm__log_report("stats: %d", i);
+    CHECK(count_lines(cap_text()) == 60 && strncmp(cap_buf, "vmmshim: stats: 0\n", 18) == 0 &&
+              strstr(cap_buf, "vmmshim: stats: 59\n"),
+          "%s", cap_buf);
     set_level(NULL);
 }
 

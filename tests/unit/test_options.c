@@ -169,6 +169,7 @@ static void test_good_values(void)
     CHECK(strcmp(vmm__opt_str(VMM__OPT_TAG), "job-42") == 0, "%s", vmm__opt_str(VMM__OPT_TAG));
     good(VMM__OPT_TAG, "0123456789012345678901234567890", "0123456789012345678901234567890"); /* 31 */
     good(VMM__OPT_REGISTRY, "/my-registry", "/my-registry");
+    good(VMM__OPT_REGISTRY, "my-registry", "/my-registry"); /* the client library's reading too */
     good(VMM__OPT_REGISTRY, "", "");
     good(VMM__OPT_BROKER_DIR, "/run/user/1000/vmm", "/run/user/1000/vmm");
     good(VMM__OPT_REGISTRY_GROUP, "video", "video");
@@ -240,7 +241,7 @@ static void test_bad_values(void)
     bad(VMM__OPT_EXPORT, "fd", "is not one of broker|pidfd");
     bad(VMM__OPT_FABRIC, "on", "is not one of auto|off");
 
-    bad(VMM__OPT_REGISTRY, "noslash", "is not a valid shm name");
+    bad(VMM__OPT_REGISTRY, "a/b", "is not a valid shm name");
     bad(VMM__OPT_REGISTRY, "/a/b", "is not a valid shm name");
     bad(VMM__OPT_REGISTRY, "/", "is not a valid shm name");
     long_name[0] = '/';
@@ -254,6 +255,13 @@ static void test_bad_values(void)
     CHECK(strstr(cap_buf, "...'") != NULL, "long value shortened: %s", cap_buf);
     long_name[200] = 0; /* 200 chars: fine */
     good(VMM__OPT_REGISTRY, long_name, long_name);
+    good(VMM__OPT_REGISTRY, long_name + 1, long_name); /* 199 without the '/': the same 200 */
+    memset(long_name, 'r', 200); /* 200 without the '/': 201 with it */
+    clear_env();
+    setenv("VMMSHIM_REGISTRY", long_name, 1);
+    CHECK_EQ(reload(), 0);
+    CHECK(count_lines(cap_text()) == 1 && strstr(cap_buf, "is not a valid shm name") && fmt(VMM__OPT_REGISTRY)[0] == 0,
+          "%s", cap_buf);
 
     bad(VMM__OPT_TAG, "01234567890123456789012345678901", "is too long (at most 31 bytes)");
     bad(VMM__OPT_BROKER_DIR, "relative/dir", "is not an absolute path");

@@ -389,10 +389,58 @@ static void test_add_remove(void)
           "counters after remove");
     CHECK_EQ(vmm__reg_remove(&r, s), -EINVAL);
     CHECK_EQ(index_count(&r, UINT64_MAX), 0);
+    CHECK(p.stats_generation == p.generation && p.peak_requested == 4000, "coverage kept: stats generation %u of %u, peak %llu",
+          p.stats_generation, p.generation, (unsigned long long)p.peak_requested);
     uint32_t s2;
     CHECK(vmm__reg_add(&r, BASE_ADDR, 512, &d, &s2, NULL) == 0 && s2 == s, "the slot is reused");
     CHECK_EQ(vmm__reg_add(&r, 0, 512, &d, &s2, NULL), -EINVAL);
     CHECK_EQ(vmm__reg_add(&r, BASE_ADDR, 0, &d, &s2, NULL), -EINVAL);
+    vmm__reg_close(&r);
+    shm_unlink(name);
+}
+
+/* The coverage counters: the peak of bytes_requested follows adds and stays past removes; the
+ * writer's own counters through vmm__reg_self; a new owner of the slot starts from zero with
+ * its own stats_generation, and an owner that did not write one (a layout-2 writer) is told. */
+static void test_coverage(void)
+{
+    const char *name = new_name();
+    vmm__reg r;
+    if (open_reg(&r, name, VMM__REG_CREATE, 1024)) return;
+    CHECK(vmm__reg_self(&r) == NULL, "no record before attach");
+    CHECK_EQ(vmm__reg_attach(&r, NULL), 0);
+    vmm_reg_proc *self = vmm__reg_self(&r), p;
+    uint32_t pi = r.proc_index, s[3];
+    vmm_reg_alloc d;
+    desc(&d, 0, "peak", 0, VMM_API_CUDA_MALLOC);
+    for (int i = 0; i < 3; i++) {
+        d.requested_size = (uint64_t)(i + 1) * 1000;
+        CHECK_EQ(vmm__reg_add(&r, BASE_ADDR + (uint64_t)i * TWO_MIB, TWO_MIB, &d, &s[i], NULL), 0);
+    }
+    CHECK_EQ(vmm__reg_remove(&r, s[2]), 0);
+    CHECK_EQ(vmm__reg_remove(&r, s[0]), 0);
+    d.requested_size = 3500; /* live 5500 now, below the 6000 of before */
+    CHECK_EQ(vmm__reg_add(&r, BASE_ADDR, TWO_MIB, &d, &s[0], NULL), 0);
+    CHECK(self != NULL, "vmm__reg_self");
+    if (self) {
+        __atomic_add_fetch(&self->allocs, 4, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&self->passed_device_full, 1, __ATOMIC_RELAXED);
+    }
+    CHECK(vmm__reg_read_proc(&r, pi, &p) == 0 && p.bytes_requested == 5500 && p.peak_requested == 6000 &&
+              p.allocs == 4 && p.passed_device_full == 1 && p.stats_generation == p.generation,
+          "live %llu peak %llu allocs %llu full %llu stats generation %u of %u", (unsigned long long)p.bytes_requested,
+          (unsigned long long)p.peak_requested, (unsigned long long)p.allocs, (unsigned long long)p.passed_device_full,
+          p.stats_generation, p.generation);
+    vmm__reg_detach(&r);
+    CHECK(vmm__reg_self(&r) == NULL, "no record after detach");
+    CHECK_EQ(vmm__reg_attach(&r, NULL), 0);
+    CHECK(r.proc_index == pi && vmm__reg_read_proc(&r, pi, &p) == 0 && p.allocs == 0 && p.peak_requested == 0 &&
+              p.passed_device_full == 0 && p.stats_generation == p.generation,
+          "the slot again: allocs %llu peak %llu, stats generation %u of %u", (unsigned long long)p.allocs,
+          (unsigned long long)p.peak_requested, p.stats_generation, p.generation);
+    /* a layout-2 writer claims a slot without touching 440..511 */
+    __atomic_store_n(&vmm__reg_self(&r)->stats_generation, p.generation - 1, __ATOMIC_RELAXED);
+    CHECK(vmm__reg_read_proc(&r, pi, &p) == 0 && p.stats_generation != p.generation, "an older writer's record");
     vmm__reg_close(&r);
     shm_unlink(name);
 }
@@ -1872,6 +1920,7 @@ int main(void)
         {"layout", test_layout},
         {"publish", test_publish},
         {"add_remove", test_add_remove},
+        {"coverage", test_coverage},
         {"bind_huge_size", test_bind_huge_size},
         {"million", test_million},
         {"kill_mid_publish", test_kill_mid_publish},

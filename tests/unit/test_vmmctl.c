@@ -591,6 +591,35 @@ int main(void)
     CHECK(r.status == 0 && json_array_len(r.out) == 2 && strstr(r.out, "\"broker_path\": \"/tmp/vmmshim-tv/broker.sock\""),
           "ps --json: %s", r.out);
 
+    /* the coverage counters, as a shim keeps them in its record; the child's as a layout-2 writer
+     * leaves them (not its own): unknown, not zero */
+    vmm_reg_proc *self = vmm__reg_self(&w);
+    uint64_t *counters[] = {&self->allocs, &self->allocs_backed, &self->passed_capture, &self->passed_device_full,
+                            &self->passed_unsupported, &self->maps_adopted};
+    const uint64_t values[] = {7, 4, 1, 1, 1, 2};
+    for (int i = 0; i < 6; i++) __atomic_store_n(counters[i], values[i], __ATOMIC_RELAXED);
+    vmm_reg_proc cp;
+    uint32_t cidx = 0;
+    if (child > 0 && vmm__reg_find_proc(&w, (uint32_t)child, &cp, &cidx) == 0)
+        __atomic_store_n(&((vmm_reg_proc *)(w.base + w.hdr->proc_off))[cidx].stats_generation, cp.generation - 1,
+                         __ATOMIC_RELAXED);
+    RUN(&r, no_env, reg_opt, "ps");
+    CHECK(strstr(r.out, "PEAK") && strstr(r.out, "MADE") && strstr(r.out, "BACKED") && strstr(r.out, "CAPTURE") &&
+              strstr(r.out, "FULL") && strstr(r.out, "UNSUPP") && strstr(r.out, "ADOPTED"),
+          "ps coverage header: %s", r.out);
+    line_with(r.out, "/tmp/vmmshim-tv/broker.sock", line, sizeof line);
+    CHECK(strstr(line, "   3   1.50 GiB   2.01 GiB   1.50 GiB       7       4       1       1       1       2 "),
+          "ps coverage: %s", line);
+    line_with(r.out, pidbuf, line, sizeof line);
+    CHECK(strstr(line, "    -       -       -       -       -       -       - ") != NULL, "ps of an older writer: %s", line);
+    RUN(&r, no_env, reg_opt, "ps", "--json");
+    CHECK(r.status == 0 && json_array_len(r.out) == 2 &&
+              strstr(r.out, "\"allocations_made\": 7, \"allocations_backed\": 4, \"passed_capture\": 1, "
+                            "\"passed_device_full\": 1, \"passed_unsupported\": 1, \"maps_adopted\": 2, "
+                            "\"peak_bytes_requested\": 1613762560, ") &&
+              strstr(r.out, "\"allocations_made\": null, ") && strstr(r.out, "\"peak_bytes_requested\": null, "),
+          "ps --json coverage: %s", r.out);
+
     /* ---- check: clean, then with a dead owner; gc; clean again ---- */
     RUN(&r, no_env, reg_opt, "check");
     CHECK_EQ(r.status, 0);
@@ -683,6 +712,17 @@ int main(void)
     RUN(&r, env_bad, "list");
     CHECK(r.status == 1 && strcmp(r.err, want) == 0, "missing registry via VMMSHIM_REGISTRY: %d '%s'", r.status,
           r.err);
+    /* A name without its leading '/' is the name with it, from --registry and VMMSHIM_REGISTRY
+     * alike (as the shim takes it), and the error names the object looked for. */
+    char env_bare[160];
+    snprintf(env_bare, sizeof env_bare, "VMMSHIM_REGISTRY=%s", reg_name + 1);
+    const char *const env_bare_name[] = {env_bare, NULL};
+    RUN(&r, no_env, "--registry", reg_name + 1, "list");
+    CHECK(r.status == 0 && count_matching(r.out, " 0x7f00") == 3, "--registry without '/': %d %s", r.status, r.err);
+    RUN(&r, env_bare_name, "ps");
+    CHECK(r.status == 0 && strstr(r.out, mypid), "VMMSHIM_REGISTRY without '/': %d %s", r.status, r.err);
+    RUN(&r, no_env, "--registry", missing + 1, "list");
+    CHECK(r.status == 1 && strcmp(r.err, want) == 0, "missing registry named without '/': %d '%s'", r.status, r.err);
     /* not a registry: exit 1, one line */
     char junk[96];
     snprintf(junk, sizeof junk, "%s-junk", reg_name);

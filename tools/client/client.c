@@ -328,6 +328,16 @@ static void proc_info_from(vmm_proc_info *o, const vmm_reg_proc *p, uint32_t pid
     o->n_allocs = p->n_allocs;
     o->bytes_requested = p->bytes_requested;
     o->bytes_mapped = p->bytes_mapped;
+    /* an owner of layout 2 leaves the counters as the slot's earlier owner left them */
+    o->stats_known = p->generation != 0 && p->stats_generation == p->generation;
+    if (!o->stats_known) return;
+    o->allocs = p->allocs;
+    o->allocs_backed = p->allocs_backed;
+    o->passed_capture = p->passed_capture;
+    o->passed_device_full = p->passed_device_full;
+    o->passed_unsupported = p->passed_unsupported;
+    o->maps_adopted = p->maps_adopted;
+    o->peak_requested = p->peak_requested;
 }
 
 /* ------------------------------------------------------------------------------------------ */

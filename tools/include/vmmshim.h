@@ -101,6 +101,18 @@ typedef struct vmm_proc_info {
     char broker_path[112];    /* "" until the owner's broker has started */
     char cmdline[256];        /* arguments joined by spaces */
     uint64_t n_allocs, bytes_requested, bytes_mapped;
+    /* What became of the process's allocations since it started (the registry's COVERAGE, in
+     * layout.h), read with relaxed loads while it runs, so one may be ahead of another.
+     * stats_known is 0, and the rest 0, for an owner whose shim predates them. */
+    int stats_known;
+    uint64_t allocs;             /* allocations made: allocs_backed + the three passed_* */
+    uint64_t allocs_backed;      /* by the shim's VMM pool: exportable */
+    uint64_t passed_capture;     /* to the real allocator: its stream was being captured */
+    uint64_t passed_device_full; /* to the real allocator: the pool could not grow */
+    uint64_t passed_unsupported; /* to the real allocator: no VMM or export on the device, the
+                                    program's own memory pool current, the driver refused */
+    uint64_t maps_adopted;       /* ranges the program mapped itself, made exportable */
+    uint64_t peak_requested;     /* highest bytes_requested since it started */
 } vmm_proc_info;
 
 typedef struct vmm_registry_info {
@@ -122,7 +134,8 @@ const char *vmm_strerror(vmm_status status);
 /* The calling thread's last failure, one line; "" when none. */
 const char *vmm_last_error(void);
 
-/* Open the registry read-only (name NULL: $VMMSHIM_REGISTRY, else "/vmmshim-<uid>"). */
+/* Open the registry read-only (name NULL: $VMMSHIM_REGISTRY, else "/vmmshim-<uid>"; a name
+ * without its leading '/', as "jobs", means "/jobs", as the shim takes VMMSHIM_REGISTRY). */
 vmm_status vmm_open(const char *name, vmm_registry **out);
 /* Open it for reclaiming dead owners' records (vmm_gc). */
 vmm_status vmm_open_writable(const char *name, vmm_registry **out);

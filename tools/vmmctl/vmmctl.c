@@ -7,6 +7,7 @@
  * could not be read, 2 usage error.  Every error is one line on stderr, "vmmctl: error: ...". */
 #include "vmmshim.h"
 
+#include "callsite.h"
 #include "core/options.h"
 #include "core/version.h"
 
@@ -31,12 +32,13 @@ static const char usage_text[] =
     "commands:\n"
     "  list [--pid PID] [--json] [--all]\n"
     "                 one row per allocation; --all also shows those of dead processes\n"
-    "  ps [--json]    one row per registered process, with its totals\n"
+    "  ps [--json]    one row per registered process: its live totals, and what became of its\n"
+    "                 allocations since it started (made, backed, passed through and why)\n"
     "  check          validate the registry; exit 1 if dead owners' records, torn records\n"
     "                 or a damaged segment are found\n"
     "  gc             reclaim the records of dead processes\n"
-    "  show PID ADDR  one allocation (any address inside it) in full, with its chunk and the\n"
-    "                 other live allocations sharing it\n"
+    "  show PID ADDR  one allocation (any address inside it) in full, with its chunk, the\n"
+    "                 other live allocations sharing it and its call sites (VMMSHIM_FRAMES)\n"
     "  import-test PID ADDR [LEN]\n"
     "                 import it as a companion does, print the FNV-1a checksum of LEN bytes\n"
     "                 from ADDR (default: to the end of the allocation) and the import times;\n"
@@ -57,8 +59,8 @@ static const char usage_text[] =
     "  config         every VMMSHIM_* option: its value and where it came from\n"
     "\n"
     "options:\n"
-    "  --registry NAME  registry shm name (default: $VMMSHIM_REGISTRY, the config file's,\n"
-    "                   else /vmmshim-<uid>)\n"
+    "  --registry NAME  registry shm name, /NAME or NAME (default: $VMMSHIM_REGISTRY, the\n"
+    "                   config file's, else /vmmshim-<uid>)\n"
     "  -h, --help       this text\n"
     "  -V, --version    the version\n"
     "\n"
@@ -403,27 +405,51 @@ typedef struct {
     unsigned alive, dead, unknown;
 } ps_ctx;
 
+/* The coverage counters in ps's order: made, backed, passed for capture, full device, unsupported,
+ * adopted ranges. */
+#define N_COVERAGE 6
+static void coverage_of(const vmm_proc_info *p, uint64_t v[N_COVERAGE])
+{
+    v[0] = p->allocs, v[1] = p->allocs_backed, v[2] = p->passed_capture, v[3] = p->passed_device_full;
+    v[4] = p->passed_unsupported, v[5] = p->maps_adopted;
+}
+
 static int ps_row(void *ctx, const vmm_proc_info *p)
 {
     ps_ctx *c = ctx;
+    uint64_t cov[N_COVERAGE];
+    coverage_of(p, cov);
     if (c->json) {
+        static const char *const keys[N_COVERAGE] = {"allocations_made",   "allocations_backed", "passed_capture",
+                                                     "passed_device_full", "passed_unsupported", "maps_adopted"};
         printf("%s\n  {\"pid\": %u, \"state\": \"%s\", \"start_time\": %llu, \"pidns\": %llu, \"uid\": %u, "
-               "\"registered_ns\": %llu, \"n_allocs\": %llu, \"bytes_requested\": %llu, \"bytes_mapped\": %llu, "
-               "\"broker_path\": ",
+               "\"registered_ns\": %llu, \"n_allocs\": %llu, \"bytes_requested\": %llu, \"bytes_mapped\": %llu, ",
                c->n ? "," : "", p->pid, vmm__ctl_owner_name(p->alive, true), (unsigned long long)p->start_time,
                (unsigned long long)p->pidns, p->uid, (unsigned long long)p->registered_ns,
                (unsigned long long)p->n_allocs, (unsigned long long)p->bytes_requested,
                (unsigned long long)p->bytes_mapped);
+        /* null: an owner whose shim does not keep them */
+        char v[24] = "null";
+        for (int i = 0; i < N_COVERAGE; i++) {
+            if (p->stats_known) snprintf(v, sizeof v, "%llu", (unsigned long long)cov[i]);
+            printf("\"%s\": %s, ", keys[i], v);
+        }
+        if (p->stats_known) snprintf(v, sizeof v, "%llu", (unsigned long long)p->peak_requested);
+        printf("\"peak_bytes_requested\": %s, \"broker_path\": ", v);
         vmm__ctl_json_str(stdout, p->broker_path);
         printf(", \"cmdline\": ");
         vmm__ctl_json_str(stdout, p->cmdline);
         putchar('}');
     } else {
-        hbuf req, map;
-        char broker[sizeof p->broker_path], cmd[sizeof p->cmdline];
-        printf("%7u %-5s %7llu %10s %10s %-24s %s\n", p->pid, vmm__ctl_owner_name(p->alive, false),
-               (unsigned long long)p->n_allocs, vmm__ctl_human(p->bytes_requested, &req),
-               vmm__ctl_human(p->bytes_mapped, &map),
+        hbuf req, map, peak;
+        char broker[sizeof p->broker_path], cmd[sizeof p->cmdline], n[N_COVERAGE][24];
+        for (int i = 0; i < N_COVERAGE; i++) {
+            if (p->stats_known) snprintf(n[i], sizeof n[i], "%llu", (unsigned long long)cov[i]);
+            else snprintf(n[i], sizeof n[i], "-");
+        }
+        printf("%7u %-5s %7llu %10s %10s %10s %7s %7s %7s %7s %7s %7s %-24s %s\n", p->pid, vmm__ctl_owner_name(p->alive, false),
+               (unsigned long long)p->n_allocs, vmm__ctl_human(p->bytes_requested, &req), vmm__ctl_human(p->bytes_mapped, &map),
+               p->stats_known ? vmm__ctl_human(p->peak_requested, &peak) : "-", n[0], n[1], n[2], n[3], n[4], n[5],
                vmm__ctl_cell(p->broker_path, broker, sizeof broker), vmm__ctl_cell(p->cmdline, cmd, sizeof cmd));
     }
     c->n++;
@@ -452,7 +478,8 @@ static int cmd_ps(int argc, char **argv)
     if (c.json)
         putchar('[');
     else
-        printf("%7s %-5s %7s %10s %10s %-24s %s\n", "PID", "STATE", "ALLOCS", "REQUESTED", "MAPPED", "BROKER", "CMD");
+        printf("%7s %-5s %7s %10s %10s %10s %7s %7s %7s %7s %7s %7s %-24s %s\n", "PID", "STATE", "ALLOCS", "REQUESTED",
+               "MAPPED", "PEAK", "MADE", "BACKED", "CAPTURE", "FULL", "UNSUPP", "ADOPTED", "BROKER", "CMD");
     vmm_status st = vmm_foreach_proc(reg, ps_row, &c);
     vmm_close(reg);
     if (st != VMM_OK) return vmm__ctl_api_error(st);
@@ -676,7 +703,8 @@ static int cmd_show(int argc, char **argv)
     if (a.exported_fd >= 0) printf(" (fd %d in the owner)", a.exported_fd);
     printf("\ncreated      %llu s ago\n", (unsigned long long)age_s(a.created_ns, vmm__ctl_now_ns()));
     printf("tag          %s\n", a.tag[0] ? a.tag : "-");
-    for (uint32_t i = 0; i < a.n_frames && i < 8; i++) printf("frame %u      0x%llx\n", i, (unsigned long long)a.frames[i]);
+    vmm_registry_info info;
+    if (a.n_frames && vmm_registry_describe(reg, &info) == VMM_OK) vmm__callsites_print(info.name, &a);
     vmm_close(reg);
     return EXIT_OK;
 }
