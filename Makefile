@@ -112,9 +112,10 @@ test-gpu:
 
 # On the GPU machine as test-gpu: the shim's cost against native (churn, many small allocations,
 # out-of-memory reach, alignment, PyTorch steps), native and shim runs alternated, one ratio table
-# (tests/gpu/bench.sh; ROUNDS, default 3).
+# (tests/gpu/bench.sh; ROUNDS, default 3); then what a companion costs: imports and dump
+# (tests/gpu/companion_bench.sh).
 bench-gpu:
-	@BUILD=$(BUILD) tests/gpu/bench.sh
+	@BUILD=$(BUILD) tests/gpu/bench.sh; a=$$?; BUILD=$(BUILD) tests/gpu/companion_bench.sh && exit $$a
 
 # On the GPU machine as test-gpu: real programs and frameworks (static runtime, driver API, legacy
 # IPC, PyTorch, JAX, CuPy, cuBLAS) natively and under the shim, one table (tests/gpu/matrix.sh).

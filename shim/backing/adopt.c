@@ -7,6 +7,7 @@
 #include "backing/adopt.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,7 @@ typedef struct handle_entry {
     int dev, exportable, released;
     unsigned asked_types; /* the handle types the program asked for */
     unsigned n_maps;
+    int broker_fd; /* exported at the first broker request, dup'ed for each after (backing.c: broker_fd) */
     UT_hash_handle hh;
 } handle_entry;
 
@@ -68,6 +70,12 @@ static int load_driver(void)
     return 1;
 }
 
+static void entry_free(handle_entry *e)
+{
+    if (e->broker_fd >= 0) close(e->broker_fd);
+    free(e);
+}
+
 CUresult vmm__adopt_create(vmm__mem_create_fn real, CUmemGenericAllocationHandle *handle, size_t size,
                            const CUmemAllocationProp *prop, unsigned long long flags)
 {
@@ -105,12 +113,13 @@ CUresult vmm__adopt_create(vmm__mem_create_fn real, CUmemGenericAllocationHandle
     e->exportable = exportable;
     e->asked_types = (unsigned)prop->requestedHandleTypes;
     e->chunk_id = vmm__new_chunk_id();
+    e->broker_fd = -1;
     pthread_mutex_lock(&A.lock);
     handle_entry *old = NULL;
     HASH_FIND(hh, A.handles, &e->handle, sizeof e->handle, old);
     if (old) { /* a handle value the driver reused after a release we did not see */
         HASH_DELETE(hh, A.handles, old);
-        if (!old->n_maps) free(old);
+        if (!old->n_maps) entry_free(old);
     }
     HASH_ADD(hh, A.handles, handle, sizeof e->handle, e);
     pthread_mutex_unlock(&A.lock);
@@ -154,7 +163,7 @@ static void forget_handle_if_done(handle_entry *e)
 {
     if (e->released && !e->n_maps) {
         HASH_DELETE(hh, A.handles, e);
-        free(e);
+        entry_free(e);
     }
 }
 
@@ -239,13 +248,18 @@ int vmm__adopt_export(uint64_t slot, uint64_t generation, const uint8_t id[16], 
         /* the program may have released its handle already: take our own reference from the mapping */
         CUmemGenericAllocationHandle h;
         rc = -EIO;
-        if (A.RetainAllocationHandle(&h, (void *)(uintptr_t)r->addr) == CUDA_SUCCESS) {
+        if (r->h->broker_fd >= 0) {
+            rc = (*fd = fcntl(r->h->broker_fd, F_DUPFD_CLOEXEC, 0)) < 0 ? -errno : 0;
+        } else if (A.RetainAllocationHandle(&h, (void *)(uintptr_t)r->addr) == CUDA_SUCCESS) {
             if (A.ExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) == CUDA_SUCCESS) {
                 rc = 0;
-                *mapped = r->h->size;
-                *device = (uint32_t)r->h->dev;
+                r->h->broker_fd = fcntl(*fd, F_DUPFD_CLOEXEC, 1024);
             }
             A.Release(h);
+        }
+        if (rc == 0) {
+            *mapped = r->h->size;
+            *device = (uint32_t)r->h->dev;
         }
     }
     pthread_mutex_unlock(&A.lock);

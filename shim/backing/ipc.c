@@ -11,6 +11,8 @@
  * Every CUDA call made here is bracketed by vmm__enter/vmm__leave so the hooks pass it through. */
 #include "backing/ipc.h"
 
+#include "../../tools/client/client_internal.h"
+
 #include <cuda.h>
 #include <errno.h>
 #include <pthread.h>
@@ -116,6 +118,7 @@ static const vmm__reg *reader_locked(char *why, size_t len)
 /* Lock held.  The client library's handle on the same registry, for vmm_import. */
 static vmm_registry *client_locked(char *why, size_t len)
 {
+    if (!I.client) vmm__import_keep_nothing();
     if (!I.client && vmm_open(registry_name(), &I.client) != VMM_OK) {
         snprintf(why, len, "%s", vmm_last_error());
         I.client = NULL;

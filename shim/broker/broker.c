@@ -28,7 +28,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#define BROKER_CLIENT_TIMEOUT_MS 1000 /* one stuck peer stalls the broker at most this long */
+#define BROKER_MAX_CONNS 64  /* open peer connections; the longest idle makes room for a new one */
+#define BROKER_IDLE_MS 60000 /* a connection without a request for this long is closed */
 #define BROKER_BACKLOG 64
 #define BROKER_MAX_GROUPS 1024
 #define BROKER_STALE_SCAN_MAX 4096 /* directory entries looked at when removing stale sockets */
@@ -41,7 +42,7 @@ static int g_state = ST_IDLE;
 static pid_t g_owner_pid;                      /* the process whose socket g_path is */
 static char g_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static int g_listen_fd = -1;
-static int g_conn_fd = -1;                     /* the connection being served, for the fork child */
+static int g_conn_fds[BROKER_MAX_CONNS];       /* fd + 1 of each open connection (0: none), for the fork child */
 static int g_atexit_done;
 static int g_warned_start;
 
@@ -281,7 +282,7 @@ static bool peer_in_group(int fd, pid_t pid, gid_t gid)
     }
 }
 
-static void send_reply(int fd, int32_t status, uint64_t mapped_size, uint32_t device, int pass_fd)
+static void send_reply(int fd, int32_t status, uint64_t mapped_size, uint32_t device, int pass_fd, uint32_t export_ns)
 {
     vmm_broker_reply rep;
     memset(&rep, 0, sizeof rep);
@@ -289,6 +290,7 @@ static void send_reply(int fd, int32_t status, uint64_t mapped_size, uint32_t de
     rep.status = status;
     rep.mapped_size = mapped_size;
     rep.device = device;
+    rep.export_ns = export_ns;
     struct iovec iov = {.iov_base = &rep, .iov_len = sizeof rep};
     union {
         struct cmsghdr align;
@@ -314,14 +316,34 @@ static void send_reply(int fd, int32_t status, uint64_t mapped_size, uint32_t de
     while (n < 0 && errno == EINTR);
 }
 
-static void serve_one(const broker_cfg *cfg, int fd)
-{
-    struct pollfd p = {.fd = fd, .events = POLLIN};
-    int pr;
-    do pr = poll(&p, 1, BROKER_CLIENT_TIMEOUT_MS);
-    while (pr < 0 && errno == EINTR);
-    if (pr <= 0 || !(p.revents & POLLIN)) return; /* silent or gone: drop it */
+/* A connection stays open for as many requests as its peer makes: a companion keeps one per
+ * owner, so an import costs one round trip, not a connect and an accept too.  Peers are judged
+ * once, at accept (SO_PEERCRED is the connecting process's credentials anyway). */
+typedef struct broker_conn {
+    int fd; /* -1: free */
+    bool allowed;
+    struct timespec last; /* CLOCK_MONOTONIC of its last request */
+} broker_conn;
 
+static long ms_since(const struct timespec *t, const struct timespec *now)
+{
+    return (long)(now->tv_sec - t->tv_sec) * 1000 + (now->tv_nsec - t->tv_nsec) / 1000000;
+}
+
+static bool peer_allowed(const broker_cfg *cfg, int fd)
+{
+    struct ucred cred;
+    socklen_t clen = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 || clen != sizeof cred) return false;
+    bool ok = cred.uid == cfg->uid;
+    if (!ok && cfg->have_group) ok = cred.gid == cfg->group || peer_in_group(fd, cred.pid, cfg->group);
+    if (!ok) vmm__log(VMM__LOG_WARNING, "broker: refused uid %u (pid %d)", (unsigned)cred.uid, (int)cred.pid);
+    return ok;
+}
+
+/* Answer one request.  False when the connection is done with (closed, broken, or refused). */
+static bool serve_request(const broker_cfg *cfg, broker_conn *c)
+{
     union {
         vmm_broker_request req;
         uint8_t raw[sizeof(vmm_broker_request) + 64];
@@ -330,62 +352,105 @@ static void serve_one(const broker_cfg *cfg, int fd)
     /* MSG_TRUNC: the datagram's real length, so an oversized one is caught; any fds a peer
      * tried to pass are discarded by the kernel (no control buffer given). */
     ssize_t n;
-    do n = recv(fd, in.raw, sizeof in.raw, MSG_DONTWAIT | MSG_TRUNC);
+    do n = recv(c->fd, in.raw, sizeof in.raw, MSG_DONTWAIT | MSG_TRUNC);
     while (n < 0 && errno == EINTR);
-    if (n <= 0) return;
-
-    struct ucred cred;
-    socklen_t clen = sizeof cred;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 || clen != sizeof cred) {
-        send_reply(fd, -EACCES, 0, 0, -1);
-        return;
-    }
-    bool ok = cred.uid == cfg->uid;
-    if (!ok && cfg->have_group) ok = cred.gid == cfg->group || peer_in_group(fd, cred.pid, cfg->group);
-    if (!ok) {
-        vmm__log(VMM__LOG_WARNING, "broker: refused uid %u (pid %d)", (unsigned)cred.uid, (int)cred.pid);
-        send_reply(fd, -EACCES, 0, 0, -1);
-        return;
+    if (n < 0) return errno == EAGAIN;
+    if (n == 0) return false;
+    if (!c->allowed) {
+        send_reply(c->fd, -EACCES, 0, 0, -1, 0);
+        return false;
     }
     if ((size_t)n != sizeof(vmm_broker_request) || in.req.magic != VMM_BROKER_MAGIC ||
         in.req.version != VMM_BROKER_VERSION) {
-        send_reply(fd, -EPROTO, 0, 0, -1);
-        return;
+        send_reply(c->fd, -EPROTO, 0, 0, -1, 0);
+        return false;
     }
     int xfd = -1;
     uint64_t mapped = 0;
     uint32_t device = 0;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     int rc = cfg->export_fn(in.req.slot, in.req.generation, in.req.alloc_id, &xfd, &mapped, &device);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
     if (rc > 0) rc = -rc;
     if (rc == 0 && xfd < 0) rc = -EIO;
     if (rc != 0) {
         if (xfd >= 0) close(xfd);
-        send_reply(fd, rc, 0, 0, -1);
+        send_reply(c->fd, rc, 0, 0, -1, 0);
+        return true; /* a stale allocation is the peer's news, not the connection's fault */
+    }
+    int64_t ns = (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
+    send_reply(c->fd, 0, mapped, device, xfd, ns < 0 ? 0 : ns > UINT32_MAX ? UINT32_MAX : (uint32_t)ns);
+    close(xfd); /* the peer holds its own reference now (or never will) */
+    return true;
+}
+
+static void conn_close(broker_conn *c, int slot)
+{
+    /* cleared before the close, so a fork child never closes a number reused meanwhile */
+    __atomic_store_n(&g_conn_fds[slot], 0, __ATOMIC_RELEASE);
+    close(c->fd);
+    c->fd = -1;
+}
+
+/* A new peer.  When every slot is taken, the connection idle the longest makes room: its peer
+ * reconnects on its next request. */
+static void conn_accept(const broker_cfg *cfg, broker_conn *conns, const struct timespec *now)
+{
+    int fd = accept4(cfg->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+        int e = errno;
+        if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM)
+            (void)poll(NULL, 0, 100); /* out of fds: back off instead of spinning */
         return;
     }
-    send_reply(fd, 0, mapped, device, xfd);
-    close(xfd); /* the peer holds its own reference now (or never will) */
+    int slot = -1;
+    for (int i = 0; i < BROKER_MAX_CONNS; i++) {
+        if (conns[i].fd < 0) {
+            slot = i;
+            break;
+        }
+        if (slot < 0 || ms_since(&conns[i].last, now) > ms_since(&conns[slot].last, now)) slot = i;
+    }
+    if (conns[slot].fd >= 0) conn_close(&conns[slot], slot);
+    conns[slot].fd = fd;
+    conns[slot].allowed = peer_allowed(cfg, fd);
+    conns[slot].last = *now;
+    __atomic_store_n(&g_conn_fds[slot], fd + 1, __ATOMIC_RELEASE);
 }
 
 static void *broker_thread(void *arg)
 {
     broker_cfg cfg = *(const broker_cfg *)arg;
+    broker_conn conns[BROKER_MAX_CONNS];
+    for (int i = 0; i < BROKER_MAX_CONNS; i++) conns[i].fd = -1;
+    struct pollfd pf[1 + BROKER_MAX_CONNS];
+    int at[1 + BROKER_MAX_CONNS]; /* pf[k] watches conns[at[k]] */
     for (;;) {
-        int fd = accept4(cfg.listen_fd, NULL, NULL, SOCK_CLOEXEC);
-        if (fd < 0) {
-            int e = errno;
-            if (e == EINTR || e == ECONNABORTED || e == EPROTO) continue;
-            if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) {
-                (void)poll(NULL, 0, 100); /* out of fds: back off instead of spinning */
+        int n = 0;
+        pf[n++] = (struct pollfd){.fd = cfg.listen_fd, .events = POLLIN};
+        for (int i = 0; i < BROKER_MAX_CONNS; i++)
+            if (conns[i].fd >= 0) {
+                at[n] = i;
+                pf[n++] = (struct pollfd){.fd = conns[i].fd, .events = POLLIN};
+            }
+        int pr = poll(pf, (nfds_t)n, BROKER_IDLE_MS / 4);
+        if (pr < 0 && errno != EINTR) return NULL;
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (pr > 0 && (pf[0].revents & (POLLERR | POLLHUP | POLLNVAL))) return NULL; /* the listening socket is gone */
+        for (int k = 1; pr > 0 && k < n; k++) {
+            broker_conn *c = &conns[at[k]];
+            if (!pf[k].revents) continue;
+            if (!(pf[k].revents & POLLIN) || !serve_request(&cfg, c)) {
+                conn_close(c, at[k]);
                 continue;
             }
-            return NULL; /* the listening socket is gone */
+            c->last = now;
         }
-        __atomic_store_n(&g_conn_fd, fd, __ATOMIC_RELEASE);
-        serve_one(&cfg, fd);
-        /* cleared before the close, so a fork child never closes a number reused meanwhile */
-        __atomic_store_n(&g_conn_fd, -1, __ATOMIC_RELEASE);
-        close(fd);
+        for (int i = 0; i < BROKER_MAX_CONNS; i++)
+            if (conns[i].fd >= 0 && ms_since(&conns[i].last, &now) > BROKER_IDLE_MS) conn_close(&conns[i], i);
+        if (pr > 0 && (pf[0].revents & POLLIN)) conn_accept(&cfg, conns, &now);
     }
 }
 
@@ -517,8 +582,10 @@ void vmm__broker_forget_after_fork(void)
      * and connection (the parent keeps serving through its own), never its socket file. */
     int fd = __atomic_exchange_n(&g_listen_fd, -1, __ATOMIC_ACQ_REL);
     if (fd >= 0) close(fd);
-    fd = __atomic_exchange_n(&g_conn_fd, -1, __ATOMIC_ACQ_REL);
-    if (fd >= 0) close(fd);
+    for (int i = 0; i < BROKER_MAX_CONNS; i++) {
+        fd = __atomic_exchange_n(&g_conn_fds[i], 0, __ATOMIC_ACQ_REL) - 1;
+        if (fd >= 0) close(fd);
+    }
     g_path[0] = 0;
     g_owner_pid = 0;
     __atomic_store_n(&g_warned_start, 0, __ATOMIC_RELAXED);

@@ -222,23 +222,15 @@ static int raw_connect(const char *path)
     return s;
 }
 
-/* Sends len bytes of req; 0 with *rep and *fd (-1 when none came), or -errno. */
-static int raw_request(const char *path, const void *req, size_t len, vmm_broker_reply *rep, int *fd)
+/* Sends len bytes of req on connection s; 0 with *rep and *fd (-1 when none came), or -errno
+ * (-ECONNRESET when the broker closed the connection instead of replying). */
+static int raw_exchange(int s, const void *req, size_t len, vmm_broker_reply *rep, int *fd)
 {
     *fd = -1;
     memset(rep, 0, sizeof *rep);
-    int s = raw_connect(path);
-    if (s < 0) return s;
-    if (send(s, req, len, MSG_NOSIGNAL) != (ssize_t)len) {
-        int e = errno;
-        close(s);
-        return -e;
-    }
+    if (send(s, req, len, MSG_NOSIGNAL) != (ssize_t)len) return -errno;
     struct pollfd pf = {.fd = s, .events = POLLIN};
-    if (poll(&pf, 1, 5000) != 1) {
-        close(s);
-        return -ETIMEDOUT;
-    }
+    if (poll(&pf, 1, 5000) != 1) return -ETIMEDOUT;
     union {
         struct cmsghdr a;
         char b[CMSG_SPACE(sizeof(int))];
@@ -251,13 +243,24 @@ static int raw_request(const char *path, const void *req, size_t len, vmm_broker
     mh.msg_control = ctl.b;
     mh.msg_controllen = sizeof ctl.b;
     ssize_t n = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
-    int e = errno;
-    close(s);
-    if (n < 0) return -e;
+    if (n < 0) return -errno;
+    if (n == 0) return -ECONNRESET;
     if (n != (ssize_t)sizeof *rep) return -EPROTO;
     struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
     if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) memcpy(fd, CMSG_DATA(c), sizeof(int));
     return 0;
+}
+
+/* One request on a connection of its own. */
+static int raw_request(const char *path, const void *req, size_t len, vmm_broker_reply *rep, int *fd)
+{
+    *fd = -1;
+    memset(rep, 0, sizeof *rep);
+    int s = raw_connect(path);
+    if (s < 0) return s;
+    int rc = raw_exchange(s, req, len, rep, fd);
+    close(s);
+    return rc;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -939,6 +942,34 @@ static void case_broker_basic(void)
     CHECK(waited < 3000, "a silent peer stalled the broker for %ld ms", waited);
     if (fd >= 0) close(fd);
     if (silent >= 0) close(silent);
+
+    /* one connection carries many requests, a refused one included */
+    int conn = raw_connect(o.info.sock);
+    CHECK(conn >= 0, "connect: %s", strerror(-conn));
+    for (int i = 0; conn >= 0 && i < 3; i++) {
+        make_request(&req, &o.info);
+        CHECK_EQ(raw_exchange(conn, &req, sizeof req, &rep, &fd), 0);
+        CHECK(rep.status == 0 && fd >= 0, "request %d on one connection: status %d fd %d", i, rep.status, fd);
+        if (fd >= 0) close(fd);
+        req.slot ^= 1;
+        CHECK_EQ(raw_exchange(conn, &req, sizeof req, &rep, &fd), 0);
+        CHECK(rep.status == -ENOENT && fd < 0, "wrong slot on one connection: status %d fd %d", rep.status, fd);
+    }
+    /* past 64 open connections, the one idle the longest (conn) is closed to make room */
+    int many[BROKER_MAX_CONNS + 1];
+    for (int i = 0; i <= BROKER_MAX_CONNS; i++) {
+        many[i] = raw_connect(o.info.sock);
+        make_request(&req, &o.info);
+        fd = -1;
+        if (many[i] >= 0 && raw_exchange(many[i], &req, sizeof req, &rep, &fd) == 0 && fd >= 0) close(fd);
+    }
+    CHECK(rep.status == 0, "the newest of %d connections: status %d", BROKER_MAX_CONNS + 1, rep.status);
+    make_request(&req, &o.info);
+    int evicted = conn >= 0 ? raw_exchange(conn, &req, sizeof req, &rep, &fd) : 0;
+    CHECK(evicted == -ECONNRESET || evicted == -EPIPE, "the longest idle connection was not closed: %d", evicted);
+    for (int i = 0; i <= BROKER_MAX_CONNS; i++)
+        if (many[i] >= 0) close(many[i]);
+    if (conn >= 0) close(conn);
 
     /* stale generation: the owner frees and reallocates; the old generation is refused */
     owner_info old = o.info, cur;

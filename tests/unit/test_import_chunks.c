@@ -392,18 +392,43 @@ static void case_two_in_one_chunk(owner *o)
     CHECK_SAME_DRIVER_STATE(c1, c3, "A released, B held");
     CHECK(pattern_at(pb, LAYOUT[B].requested, 77), "B's bytes after A was released");
 
-    /* the last release unmaps the chunk and lets the imported handle go */
+    /* the last release leaves the chunk mapped, idle, while the owner holds it */
     CHECK_EQ(vmm_import_release(ib), VMM_OK);
     struct fakecuda_counters c4 = counters();
-    CHECK_SAME_DRIVER_STATE(c0, c4, "both released");
-    CHECK(c4.calls_cuMemRelease > c3.calls_cuMemRelease, "the imported handle was not released");
+    CHECK_SAME_DRIVER_STATE(c1, c4, "both released, the chunk idle");
 
-    /* nothing is kept: the next import asks the broker again */
+    /* so the next import costs no broker request and no driver import */
+    ib = NULL;
+    CHECK_EQ(vmm_import(g_client, &b, &ib), VMM_OK);
+    CHECK_EQ(broker_requests(o), r0 + 1);
+    CHECK_SAME_DRIVER_STATE(c1, counters(), "B imported again from the idle chunk");
+    vmm_import_timing t;
+    CHECK_EQ(vmm_import_last_timing(&t), VMM_OK);
+    CHECK(t.cached == 1 && t.route == 0 && t.request_ns == 0 && t.map_ns == 0 && t.total_ns > 0,
+          "timing of a cached import: cached %u route %u request %llu map %llu total %llu", t.cached, t.route,
+          (unsigned long long)t.request_ns, (unsigned long long)t.map_ns, (unsigned long long)t.total_ns);
+    CHECK(ib && pattern_at((const uint8_t *)(uintptr_t)vmm_import_ptr(ib), LAYOUT[B].requested, 77), "B again");
+    CHECK_EQ(vmm_import_release(ib), VMM_OK);
+
+    /* vmm_import_drop_idle unmaps it and lets the imported handle go */
+    CHECK_EQ(vmm_import_drop_idle(), VMM_OK);
+    struct fakecuda_counters c5 = counters();
+    CHECK(c5.calls_cuMemRelease > c4.calls_cuMemRelease, "the imported handle was not released");
+    CHECK_SAME_DRIVER_STATE(c0, c5, "idle chunk dropped");
+
+    /* then the next import asks the broker again, on the kept connection, and times each step */
     ib = NULL;
     CHECK_EQ(vmm_import(g_client, &b, &ib), VMM_OK);
     CHECK_EQ(broker_requests(o), r0 + 2);
+    CHECK_EQ(vmm_import_last_timing(&t), VMM_OK);
+    CHECK(t.cached == 0 && t.route == VMM_KIND_BROKER && t.request_ns > 0 && t.import_ns > 0 && t.map_ns > 0 &&
+              t.access_ns > 0 && t.total_ns >= t.request_ns + t.import_ns + t.map_ns,
+          "timing of a broker import: cached %u route %u request %llu import %llu map %llu total %llu", t.cached,
+          t.route, (unsigned long long)t.request_ns, (unsigned long long)t.import_ns, (unsigned long long)t.map_ns,
+          (unsigned long long)t.total_ns);
     CHECK(ib && pattern_at((const uint8_t *)(uintptr_t)vmm_import_ptr(ib), LAYOUT[B].requested, 77), "B again");
     CHECK_EQ(vmm_import_release(ib), VMM_OK);
+    CHECK_EQ(vmm_import_drop_idle(), VMM_OK);
     CHECK_SAME_DRIVER_STATE(c0, counters(), "B imported and released again");
 }
 
@@ -449,6 +474,7 @@ static void case_stale(owner *o)
         ib = NULL;
     }
     CHECK_EQ(vmm_import_release(ia), VMM_OK);
+    CHECK_EQ(vmm_import_drop_idle(), VMM_OK);
     CHECK_SAME_DRIVER_STATE(c0, counters(), "after the stale imports");
 
     /* nothing mapped: the owner's broker refuses the old generation */
@@ -456,6 +482,65 @@ static void case_stale(owner *o)
     CHECK(st == VMM_ERR_STALE && ib == NULL, "stale B, nothing mapped: %d %s", st, vmm_last_error());
     CHECK_EQ(broker_requests(o), r0 + 1);
     CHECK_SAME_DRIVER_STATE(c0, counters(), "after the refused import");
+}
+
+/* An idle mapping goes when its witness (the allocation last imported from it) is freed, and when
+ * the registry it was read through is closed; held ones stay. */
+static bool driver_state_back(const struct fakecuda_counters *c0, int ms)
+{
+    for (int waited = 0;; waited += 10) {
+        struct fakecuda_counters c = counters();
+        if (c.mappings_live == c0->mappings_live && c.reservations_live == c0->reservations_live &&
+            c.imports_live == c0->imports_live && c.handles_live == c0->handles_live)
+            return true;
+        if (waited >= ms) return false;
+        usleep(10000);
+    }
+}
+
+static void case_idle(owner *o)
+{
+    vmm_alloc_info a, b;
+    if (!find(o, A, 0, &a) || !find(o, B, 0, &b)) return;
+    struct fakecuda_counters c0 = counters();
+    vmm_imported *ib = NULL, *held = NULL;
+    CHECK_EQ(vmm_import(g_client, &b, &ib), VMM_OK);
+    CHECK_EQ(vmm_import(g_client, &b, &held), VMM_OK);
+    CHECK_EQ(vmm_import_check(g_client, held), VMM_OK);
+    CHECK_EQ(vmm_import_release(ib), VMM_OK);
+    CHECK_EQ(counters().mappings_live, c0.mappings_live + 1);
+    /* the owner frees B and allocates it again, in the same place and slot: the held import stays
+     * valid memory and tells the allocation is gone (its generation moved on) */
+    owner_info now;
+    CHECK(owner_cmd(o, 'R', B, 0, &now, sizeof now) && now.rc == 0, "re-publishing B failed");
+    o->info = now;
+    vmm_status st = held ? vmm_import_check(g_client, held) : VMM_ERR_INVALID;
+    CHECK(st == VMM_ERR_STALE && strstr(vmm_last_error(), "generation"), "check after B was freed: %d %s", st,
+          vmm_last_error());
+    CHECK(held && pattern_at((const uint8_t *)(uintptr_t)vmm_import_ptr(held), LAYOUT[B].requested, g_seed[B]),
+          "the held import's bytes after the owner freed B");
+    CHECK_EQ(vmm_import_release(held), VMM_OK);
+    /* and with nothing held, the reaper unmaps the idle chunk */
+    double t0 = now_us();
+    CHECK(driver_state_back(&c0, 3000), "the idle chunk was still mapped 3 s after its witness was freed");
+    printf("stat: an idle chunk was unmapped %.0f ms after its witness was freed\n", (now_us() - t0) / 1000);
+
+    /* closing the registry handle an idle chunk was read through unmaps it; a held one stays */
+    vmm_registry *second = NULL;
+    CHECK_EQ(vmm_open(g_reg, &second), VMM_OK);
+    if (!second || !find(o, B, 0, &b)) return;
+    vmm_imported *ia = NULL;
+    ib = NULL;
+    CHECK_EQ(vmm_import(second, &b, &ib), VMM_OK);
+    CHECK_EQ(vmm_import_release(ib), VMM_OK);
+    CHECK_EQ(vmm_import(second, &a, &ia), VMM_OK);
+    CHECK_EQ(counters().mappings_live, c0.mappings_live + (a.chunk_id == b.chunk_id ? 1 : 2));
+    vmm_close(second);
+    CHECK(ia && pattern_at((const uint8_t *)(uintptr_t)vmm_import_ptr(ia), LAYOUT[A].requested, g_seed[A]),
+          "A, held, after its registry handle was closed");
+    if (a.chunk_id != b.chunk_id) CHECK_EQ(counters().mappings_live, c0.mappings_live + 1);
+    CHECK_EQ(vmm_import_release(ia), VMM_OK);
+    CHECK_SAME_DRIVER_STATE(c0, counters(), "idle and held chunks of a closed registry handle");
 }
 
 /* The broker hands over a chunk of another size than the record's: refused, nothing left over. */
@@ -506,6 +591,7 @@ static void case_own_chunk(owner *o)
     CHECK(i2 && pattern_at((const uint8_t *)(uintptr_t)vmm_import_ptr(i2), LAYOUT[L].requested, g_seed[L]),
           "L after one of its two imports was released");
     vmm_import_release(i2);
+    CHECK_EQ(vmm_import_drop_idle(), VMM_OK);
     CHECK_SAME_DRIVER_STATE(c0, counters(), "own chunk released");
 }
 
@@ -571,6 +657,11 @@ static void case_threads(owner *o)
         failures += w[t].failures;
     }
     pthread_barrier_destroy(&gate);
+    /* the chunk stayed mapped, idle, between rounds: only threads racing in the first round
+     * (each missing it before another had mapped it) asked the owner */
+    CHECK(broker_requests(o) - r0 <= THREADS, "%llu broker requests for %d threads",
+          (unsigned long long)(broker_requests(o) - r0), THREADS);
+    CHECK_EQ(vmm_import_drop_idle(), VMM_OK);
     struct fakecuda_counters c1 = counters();
     CHECK_SAME_DRIVER_STATE(c0, c1, "after the threads");
     printf("stat: %d threads x %d rounds of two imports of one chunk: %llu broker requests, %llu driver imports\n",
@@ -886,6 +977,8 @@ static void case_owner_dead(owner *o)
     CHECK(st == VMM_ERR_OWNER_DEAD && ib == NULL, "chunk mapped, owner dead: %d %s", st, vmm_last_error());
     CHECK(ia && pattern_at((const uint8_t *)(uintptr_t)vmm_import_ptr(ia), LAYOUT[A].requested, g_seed[A]),
           "A's bytes after the owner died");
+    st = ia ? vmm_import_check(g_client, ia) : VMM_ERR_INVALID;
+    CHECK(st == VMM_ERR_OWNER_DEAD, "check after the owner died: %d %s", st, vmm_last_error());
     vmm_import_release(ia);
     st = vmm_import(g_client, &b, &ib);
     CHECK(st == VMM_ERR_OWNER_DEAD && ib == NULL, "nothing mapped, owner dead: %d %s", st, vmm_last_error());
@@ -908,15 +1001,25 @@ int main(int argc, char **argv)
     CHECK(vmm_open(g_reg, &g_client) == VMM_OK, "open: %s", vmm_last_error());
     if (g_client) {
         case_records(&o);
+        (void)vmm_import_drop_idle(); /* each case starts with nothing mapped */
         case_two_in_one_chunk(&o);
         vmm_alloc_info stale_b;
         bool have_b = find(&o, B, 0, &stale_b);
+        (void)vmm_import_drop_idle();
         case_stale(&o);
+        (void)vmm_import_drop_idle();
+        case_idle(&o);
+        (void)vmm_import_drop_idle();
         case_size_mismatch(&o);
+        (void)vmm_import_drop_idle();
         case_own_chunk(&o);
+        (void)vmm_import_drop_idle();
         case_threads(&o);
+        (void)vmm_import_drop_idle();
         case_vmmctl(&o);
+        (void)vmm_import_drop_idle();
         if (have_b) case_ipc(&o, &stale_b);
+        (void)vmm_import_drop_idle();
         case_owner_dead(&o);
         vmm_close(g_client);
     } else {

@@ -456,6 +456,7 @@ static void case_single(owner *o)
     CHECK_EQ(vmm_import_release(r), VMM_OK);
     CHECK(whole && bytes_are(ptr_of(whole), R_MAIN, rec_addr(PG3), PAGE), "the chunk import outlives the range");
     CHECK_EQ(vmm_import_release(whole), VMM_OK);
+    CHECK_EQ(vmm_import_drop_idle(), VMM_OK); /* the chunk import's mapping stayed, idle */
     CHECK_SAME_DRIVER_STATE(c0, counters(), "range and chunk import released");
 
     /* a pooled allocation at an offset of its chunk that is no granule boundary */

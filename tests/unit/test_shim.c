@@ -182,7 +182,11 @@ static int pattern_ok(const uint8_t *p, size_t n, int buf)
 static void test_publish_and_import(void)
 {
     owner o;
-    CHECK(owner_start(&o, NULL, "3 1a") == 0, "owner did not start");
+    char counters_env[700], counters_path[600];
+    snprintf(counters_path, sizeof counters_path, "/tmp/vmmshim-shim-counters-%d", (int)getpid());
+    snprintf(counters_env, sizeof counters_env, "FAKECUDA_COUNTERS_AT_EXIT=%s", counters_path);
+    const char *env[] = {counters_env, NULL};
+    CHECK(owner_start(&o, env, "3 1a") == 0, "owner did not start");
     if (o.n != 2) return;
     vmm_registry *reg = NULL;
     CHECK(vmm_open(registry, &reg) == VMM_OK, "open: %s", vmm_last_error());
@@ -221,6 +225,9 @@ static void test_publish_and_import(void)
     char want[40];
     snprintf(want, sizeof want, "fnv %s", o.fnv[1]);
     CHECK(rc == 0 && strstr(out, want), "vmmctl import-test: want %s, got rc %d:\n%s%s", want, rc, out, err);
+    CHECK(strstr(out, "1000 first imports in a row") && strstr(out, "1000 repeat imports in a row") &&
+              strstr(out, "(of which the owner's export"),
+          "vmmctl import-test figures:\n%s", out);
     char reply[128];
     owner_cmd(&o, "free", reply, sizeof reply);
     CHECK(strncmp(reply, "freed", 5) == 0, "free: %s", reply);
@@ -231,6 +238,15 @@ static void test_publish_and_import(void)
     CHECK(st == VMM_ERR_STALE && imp == NULL, "stale import gave %d: %s", st, vmm_last_error());
     owner_end(&o);
     vmm_close(reg);
+    /* over a thousand broker requests, yet each chunk was exported once: the broker hands out
+     * duplicates of its first export */
+    char line[256];
+    long exports = -1;
+    FILE *f = fopen(counters_path, "r");
+    while (f && fgets(line, sizeof line, f)) sscanf(line, "exports=%ld", &exports);
+    if (f) fclose(f);
+    unlink(counters_path);
+    CHECK(exports == 2, "the owner exported %ld times for 2 imported chunks", exports);
 }
 
 typedef struct { uint64_t addr; int found, kinds; uint32_t api; } capture_seen;

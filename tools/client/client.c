@@ -200,6 +200,7 @@ VMM_PUBLIC vmm_status vmm_open_writable(const char *name, vmm_registry **out)
 VMM_PUBLIC void vmm_close(vmm_registry *reg)
 {
     if (!reg) return;
+    vmm__import_forget_registry(reg);
     vmm__reg_close(&reg->r);
     free(reg);
 }

@@ -20,6 +20,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -161,6 +162,141 @@ static vmm_status owner_dead(const vmm_alloc_info *a)
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Owners and timing                                                                           */
+
+/* The calling thread's last vmm_import, step by step (vmm_import_last_timing). */
+static _Thread_local vmm_import_timing tm;
+
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* An owner this process imports from: its kept broker connection, and a pidfd that tells in one
+ * poll() whether it has exited (reading /proc/<pid>/stat costs more than a whole cached import).
+ * Entries go when the owner has exited, or has been idle for OWNER_IDLE_NS, and nothing of it is
+ * mapped or in use (the reaper below). */
+typedef struct owner_ref {
+    uint32_t pid;
+    uint64_t start_time, pidns;
+    int pidfd;            /* -1: judged through /proc each time (another pid namespace, no pidfd_open) */
+    int sock;             /* the kept connection to its broker, -1 none; used under io */
+    pthread_mutex_t io;   /* one request at a time on sock */
+    unsigned long chunks; /* chunks of it in the chunk table, held or idle */
+    unsigned long busy;   /* threads using the entry outside chunks_lock */
+    uint64_t last_used_ns;
+    struct owner_ref *next;
+} owner_ref;
+
+#define OWNER_IDLE_NS (30ull * 1000000000u) /* under the broker's 60 s, so it never closes a kept one first */
+
+/* Lookups and counts are under chunks_lock; driver and broker calls never are, so a slow owner
+ * stalls only the imports that wait for it. */
+static owner_ref *owners;
+static pthread_mutex_t chunks_lock = PTHREAD_MUTEX_INITIALIZER;
+static bool keep_nothing; /* vmm__import_keep_nothing */
+static void reaper_wake_locked(void);
+
+/* A pidfd of the allocation's owner, or -1.  Opened first and judged after: if the process
+ * behind the pid is the owner now, the pidfd is the owner's for good (it never follows a reused
+ * pid). */
+static int owner_pidfd(const vmm_alloc_info *a)
+{
+    int fd = (int)syscall(SYS_pidfd_open, (pid_t)a->pid, 0); /* close-on-exec */
+    if (fd >= 0 && owner_liveness(a) != VMM__ALIVE) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+/* Lock held. */
+static owner_ref *owner_find_locked(const vmm_alloc_info *a)
+{
+    for (owner_ref *o = owners; o; o = o->next)
+        if (o->pid == a->pid && o->start_time == a->owner_start_time && o->pidns == a->owner_pidns) return o;
+    return NULL;
+}
+
+static void owner_free(owner_ref *o)
+{
+    if (o->sock >= 0) close(o->sock);
+    if (o->pidfd >= 0) close(o->pidfd);
+    pthread_mutex_destroy(&o->io);
+    free(o);
+}
+
+/* The owner's entry, made when new, marked busy until owner_put. */
+static vmm_status owner_get(const vmm_alloc_info *a, owner_ref **out)
+{
+    pthread_mutex_lock(&chunks_lock);
+    owner_ref *o = owner_find_locked(a);
+    if (o) o->busy++;
+    pthread_mutex_unlock(&chunks_lock);
+    if (o) {
+        *out = o;
+        return VMM_OK;
+    }
+    owner_ref *fresh = calloc(1, sizeof *fresh);
+    if (!fresh) return set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
+    fresh->pid = a->pid;
+    fresh->start_time = a->owner_start_time;
+    fresh->pidns = a->owner_pidns;
+    fresh->pidfd = owner_pidfd(a);
+    fresh->sock = -1;
+    pthread_mutex_init(&fresh->io, NULL);
+    fresh->busy = 1;
+    pthread_mutex_lock(&chunks_lock);
+    if ((o = owner_find_locked(a)) != NULL) {
+        o->busy++;
+    } else {
+        fresh->next = owners;
+        owners = o = fresh;
+        fresh = NULL;
+        reaper_wake_locked();
+    }
+    pthread_mutex_unlock(&chunks_lock);
+    if (fresh) owner_free(fresh);
+    *out = o;
+    return VMM_OK;
+}
+
+static void owner_put(owner_ref *o)
+{
+    pthread_mutex_lock(&chunks_lock);
+    o->busy--;
+    o->last_used_ns = now_ns();
+    bool drop = keep_nothing && o->busy == 0 && o->chunks == 0;
+    if (drop)
+        for (owner_ref **pp = &owners; *pp; pp = &(*pp)->next)
+            if (*pp == o) {
+                *pp = o->next;
+                break;
+            }
+    pthread_mutex_unlock(&chunks_lock);
+    if (drop) owner_free(o);
+}
+
+void vmm__import_keep_nothing(void)
+{
+    pthread_mutex_lock(&chunks_lock);
+    keep_nothing = true;
+    pthread_mutex_unlock(&chunks_lock);
+}
+
+static bool owner_exited(const owner_ref *o)
+{
+    if (o->pidfd < 0) return vmm__reg_liveness(o->pid, o->start_time, o->pidns) == VMM__DEAD;
+    struct pollfd p = {.fd = o->pidfd, .events = POLLIN};
+    int n;
+    do n = poll(&p, 1, 0);
+    while (n < 0 && errno == EINTR);
+    return n > 0; /* a pidfd turns readable when its process exits */
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Broker                                                                                      */
 
 static long ms_left(const struct timespec *deadline)
@@ -285,7 +421,8 @@ static int broker_recv(int s, vmm_broker_reply *rep, int *fd)
     return 0;
 }
 
-static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *fd_out)
+/* The owner's broker socket, as its process record names it. */
+static vmm_status broker_path_of(vmm_registry *reg, const vmm_alloc_info *a, char *path, size_t len)
 {
     vmm_proc_info proc;
     proc_match m = {.alloc = a, .out = &proc};
@@ -299,22 +436,41 @@ static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *
         if (owner_liveness(a) == VMM__DEAD) return owner_dead(a);
         return set_err(VMM_ERR_NOT_FOUND, "owner pid %u has no broker (not started yet)", a->pid);
     }
-    int s = broker_connect(proc.broker_path);
-    if (s < 0) {
-        int e = -s;
-        if (e == ECONNREFUSED || e == ENOENT || e == ENOTDIR) {
-            if (owner_liveness(a) == VMM__DEAD) return owner_dead(a);
-            return set_err(VMM_ERR_IO, "owner pid %u's broker %s is not listening: %s", a->pid, proc.broker_path,
-                           strerror(e));
-        }
-        if (e == EACCES || e == EPERM)
-            return set_err(VMM_ERR_ACCESS, "cannot reach owner pid %u's broker %s: %s (is this user in the "
-                                           "owner's VMMSHIM_BROKER_GROUP?)",
-                           a->pid, proc.broker_path, strerror(e));
-        if (e == ETIMEDOUT)
-            return set_err(VMM_ERR_IO, "owner pid %u's broker %s: connect timed out", a->pid, proc.broker_path);
-        return set_err(VMM_ERR_IO, "owner pid %u's broker %s: connect: %s", a->pid, proc.broker_path, strerror(e));
+    snprintf(path, len, "%s", proc.broker_path);
+    return VMM_OK;
+}
+
+static vmm_status broker_open(vmm_registry *reg, const vmm_alloc_info *a, int *sock)
+{
+    char path[sizeof ((vmm_proc_info *)0)->broker_path];
+    vmm_status st = broker_path_of(reg, a, path, sizeof path);
+    if (st != VMM_OK) return st;
+    uint64_t t0 = now_ns();
+    int s = broker_connect(path);
+    tm.connect_ns = now_ns() - t0;
+    if (s >= 0) {
+        *sock = s;
+        return VMM_OK;
     }
+    int e = -s;
+    if (e == ECONNREFUSED || e == ENOENT || e == ENOTDIR) {
+        if (owner_liveness(a) == VMM__DEAD) return owner_dead(a);
+        return set_err(VMM_ERR_IO, "owner pid %u's broker %s is not listening: %s", a->pid, path, strerror(e));
+    }
+    if (e == EACCES || e == EPERM)
+        return set_err(VMM_ERR_ACCESS, "cannot reach owner pid %u's broker %s: %s (is this user in the "
+                                       "owner's VMMSHIM_BROKER_GROUP?)",
+                       a->pid, path, strerror(e));
+    if (e == ETIMEDOUT) return set_err(VMM_ERR_IO, "owner pid %u's broker %s: connect timed out", a->pid, path);
+    return set_err(VMM_ERR_IO, "owner pid %u's broker %s: connect: %s", a->pid, path, strerror(e));
+}
+
+/* One request and its reply on the owner's kept connection (o->io held).  The broker closes
+ * idle connections, and drops the longest idle one when it has too many: a kept connection that
+ * turns out closed is opened again once.  0 with *rep, or -errno. */
+static int broker_exchange(vmm_registry *reg, const vmm_alloc_info *a, owner_ref *o, vmm_broker_reply *rep, int *fd,
+                           vmm_status *open_st)
+{
     vmm_broker_request req;
     memset(&req, 0, sizeof req);
     req.magic = VMM_BROKER_MAGIC;
@@ -322,20 +478,36 @@ static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *
     req.slot = a->slot;
     req.generation = a->generation;
     memcpy(req.alloc_id, a->alloc_id, sizeof req.alloc_id);
-    ssize_t n;
-    do n = send(s, &req, sizeof req, MSG_NOSIGNAL | MSG_DONTWAIT);
-    while (n < 0 && errno == EINTR);
-    if (n != (ssize_t)sizeof req) {
-        int e = n < 0 ? errno : EIO;
-        close(s);
-        if ((e == EPIPE || e == ECONNRESET) && owner_liveness(a) == VMM__DEAD) return owner_dead(a);
-        return set_err(VMM_ERR_IO, "owner pid %u's broker: send: %s", a->pid, strerror(e));
+    *open_st = VMM_OK;
+    for (int attempt = 0;; attempt++) {
+        bool fresh = o->sock < 0;
+        if (fresh && (*open_st = broker_open(reg, a, &o->sock)) != VMM_OK) return -ENOTCONN;
+        uint64_t t0 = now_ns();
+        ssize_t n;
+        do n = send(o->sock, &req, sizeof req, MSG_NOSIGNAL | MSG_DONTWAIT);
+        while (n < 0 && errno == EINTR);
+        int rc = n == (ssize_t)sizeof req ? broker_recv(o->sock, rep, fd) : -(n < 0 ? errno : EIO);
+        tm.request_ns = now_ns() - t0;
+        if (rc == 0) return 0;
+        close(o->sock);
+        o->sock = -1;
+        if (fresh || attempt > 0 || !(rc == -EPIPE || rc == -ECONNRESET || rc == -ENOTCONN)) return rc;
     }
+}
+
+static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *fd_out)
+{
+    owner_ref *o;
+    vmm_status st = owner_get(a, &o);
+    if (st != VMM_OK) return st;
     vmm_broker_reply rep;
     memset(&rep, 0, sizeof rep);
     int fd = -1;
-    int rc = broker_recv(s, &rep, &fd);
-    close(s);
+    pthread_mutex_lock(&o->io);
+    int rc = broker_exchange(reg, a, o, &rep, &fd, &st);
+    pthread_mutex_unlock(&o->io);
+    owner_put(o);
+    if (st != VMM_OK) return st; /* could not connect: its reason */
     if (rc) {
         if ((rc == -ECONNRESET || rc == -EPIPE) && owner_liveness(a) == VMM__DEAD) return owner_dead(a);
         if (rc == -ETIMEDOUT)
@@ -344,8 +516,9 @@ static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *
         if (rc == -EPROTO) return set_err(VMM_ERR_IO, "owner pid %u's broker sent a malformed reply", a->pid);
         if (rc == -ECONNRESET)
             return set_err(VMM_ERR_IO, "owner pid %u's broker closed the connection without replying", a->pid);
-        return set_err(VMM_ERR_IO, "owner pid %u's broker: recv: %s", a->pid, strerror(-rc));
+        return set_err(VMM_ERR_IO, "owner pid %u's broker: %s", a->pid, strerror(-rc));
     }
+    tm.export_ns = rep.export_ns;
     switch (rep.status) {
     case 0: break;
     case -ESTALE:
@@ -442,36 +615,33 @@ typedef struct chunk_key {
     uint64_t id, generation, mapped_size;
 } chunk_key;
 
-/* An owner this process holds chunks of.  A pidfd tells in one poll() whether it has exited,
- * where reading /proc/<pid>/stat costs more than the rest of a cached import together. */
-typedef struct owner_ref {
-    uint32_t pid;
-    uint64_t start_time, pidns;
-    int pidfd;              /* -1: judged through /proc each time (another pid namespace, no pidfd_open) */
-    unsigned long chunks;   /* chunks of it mapped here; the entry (and the pidfd) goes with the last */
-    struct owner_ref *next;
-} owner_ref;
-
+/* A mapping no vmm_imported holds stays mapped ("idle") while its owner still holds the chunk, so
+ * that importing from it again costs a registry read, not a broker round trip and four driver
+ * calls.  The last allocation imported from it is its witness: while that record stays live the
+ * owner holds the chunk.  When the witness is freed (the chunk may live on with other
+ * allocations: the mapping is dropped anyway, never kept on a guess), the owner exits, or the
+ * registry it was read from is closed, the reaper unmaps it: an idle mapping never keeps memory
+ * the owner has let go of. */
 typedef struct chunk {
     chunk_key key;
     owner_ref *owner;
+    vmm_registry *reg;  /* read the witness through it; NULL once closed (unmapped when unheld) */
     CUdeviceptr base;
     size_t size;
     CUmemGenericAllocationHandle handle;
-    CUcontext ctx;     /* current when it was mapped: released from it */
-    uint64_t devices;  /* bit d: device d was granted access (devices 0..63) */
-    unsigned long refs; /* vmm_imported handles on it; the mapping goes with the last */
+    CUcontext ctx;      /* current when it was mapped: released from it */
+    uint64_t devices;   /* bit d: device d was granted access (devices 0..63) */
+    unsigned long refs; /* vmm_imported handles on it; 0: idle */
+    uint64_t witness_slot, witness_generation;
+    uint8_t witness_id[16];
     struct chunk *next;
 } chunk;
 
 /* A fixed table of chains: no growth path, so no allocation that could fail besides the entry's
- * own (a table library would exit on out-of-memory, and this library never exits).  Lookups and
- * the reference counts are under chunks_lock; driver and broker calls never are, so a slow
- * owner stalls only the imports that wait for it. */
+ * own (a table library would exit on out-of-memory, and this library never exits). */
 #define CHUNK_BUCKETS 1024u
 static chunk *chunk_table[CHUNK_BUCKETS];
-static owner_ref *owners; /* a short list: the owners this process imports from */
-static pthread_mutex_t chunks_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned long idle_chunks;
 
 static chunk_key key_of(const vmm_alloc_info *a)
 {
@@ -509,10 +679,30 @@ static chunk *chunk_ref_locked(const chunk_key *k)
 {
     for (chunk *c = *bucket_of(k); c; c = c->next)
         if (same_key(&c->key, k)) {
-            c->refs++;
+            if (c->refs++ == 0) idle_chunks--;
             return c;
         }
     return NULL;
+}
+
+/* Lock held: take c out of the table (its mapping is the caller's to undo). */
+static void chunk_unlink_locked(chunk *c)
+{
+    for (chunk **pp = bucket_of(&c->key); *pp; pp = &(*pp)->next)
+        if (*pp == c) {
+            *pp = c->next;
+            break;
+        }
+    c->owner->chunks--;
+    c->owner->last_used_ns = now_ns();
+}
+
+static void set_witness_locked(chunk *c, vmm_registry *reg, const vmm_alloc_info *a)
+{
+    c->reg = reg;
+    c->witness_slot = a->slot;
+    c->witness_generation = a->generation;
+    memcpy(c->witness_id, a->alloc_id, sizeof c->witness_id);
 }
 
 /* Memory is unmapped from the context it was mapped in, whichever is current on the releasing
@@ -538,89 +728,157 @@ static vmm_status unmap_chunk(CUdeviceptr base, size_t size, CUmemGenericAllocat
     return st;
 }
 
-/* A pidfd of the allocation's owner, or -1.  Opened first and judged after: if the process
- * behind the pid is the owner now, the pidfd is the owner's for good (it never follows a reused
- * pid). */
-static int owner_pidfd(const vmm_alloc_info *a)
+/* Unmap a list of unlinked chunks (chained through next); the first failure's status. */
+static vmm_status unmap_list(chunk *list)
 {
-    int fd = (int)syscall(SYS_pidfd_open, (pid_t)a->pid, 0); /* close-on-exec */
-    if (fd >= 0 && owner_liveness(a) != VMM__ALIVE) {
-        close(fd);
-        fd = -1;
-    }
-    return fd;
-}
-
-/* Lock held. */
-static bool owner_known_locked(const vmm_alloc_info *a)
-{
-    for (owner_ref *o = owners; o; o = o->next)
-        if (o->pid == a->pid && o->start_time == a->owner_start_time && o->pidns == a->owner_pidns) return true;
-    return false;
-}
-
-/* Lock held.  The owner entry of a, taking *pidfd when a new entry needs it. */
-static owner_ref *owner_ref_locked(const vmm_alloc_info *a, owner_ref *spare, int *pidfd)
-{
-    for (owner_ref *o = owners; o; o = o->next)
-        if (o->pid == a->pid && o->start_time == a->owner_start_time && o->pidns == a->owner_pidns) {
-            o->chunks++;
-            return o;
-        }
-    /* (a pidfd -1 here, when the entry went away meanwhile, only makes its checks slower) */
-    spare->pid = a->pid;
-    spare->start_time = a->owner_start_time;
-    spare->pidns = a->owner_pidns;
-    spare->pidfd = *pidfd;
-    *pidfd = -1;
-    spare->chunks = 1;
-    spare->next = owners;
-    owners = spare;
-    return spare;
-}
-
-static bool owner_exited(const owner_ref *o)
-{
-    if (o->pidfd < 0) return vmm__reg_liveness(o->pid, o->start_time, o->pidns) == VMM__DEAD;
-    struct pollfd p = {.fd = o->pidfd, .events = POLLIN};
-    int n;
-    do n = poll(&p, 1, 0);
-    while (n < 0 && errno == EINTR);
-    return n > 0; /* a pidfd turns readable when its process exits */
-}
-
-/* Drop one reference; the last one unmaps the chunk (outside the lock).  Unreferenced mappings
- * are not kept: an importer that releases everything gets its address space and the owner's
- * memory back at once, and a later import asks the broker again. */
-static vmm_status chunk_unref(chunk *c)
-{
-    owner_ref *gone = NULL;
-    pthread_mutex_lock(&chunks_lock);
-    bool last = --c->refs == 0;
-    if (last) {
-        for (chunk **pp = bucket_of(&c->key); *pp; pp = &(*pp)->next)
-            if (*pp == c) {
-                *pp = c->next;
-                break;
-            }
-        if (--c->owner->chunks == 0) {
-            gone = c->owner;
-            for (owner_ref **pp = &owners; *pp; pp = &(*pp)->next)
-                if (*pp == gone) {
-                    *pp = gone->next;
-                    break;
-                }
-        }
-    }
-    pthread_mutex_unlock(&chunks_lock);
-    if (!last) return VMM_OK;
-    vmm_status st = unmap_chunk(c->base, c->size, c->handle, c->ctx);
-    free(c);
-    if (gone) {
-        if (gone->pidfd >= 0) close(gone->pidfd);
-        free(gone);
+    vmm_status st = VMM_OK;
+    while (list) {
+        chunk *c = list;
+        list = c->next;
+        vmm_status s1 = unmap_chunk(c->base, c->size, c->handle, c->ctx);
+        if (st == VMM_OK) st = s1;
+        free(c);
     }
     return st;
+}
+
+/* Lock held.  The idle chunk's owner still holds it, as far as the registry tells. */
+static bool witness_live_locked(const chunk *c)
+{
+    if (!c->reg || owner_exited(c->owner)) return false;
+    vmm_alloc_info now;
+    return vmm__client_read_slot(c->reg, c->witness_slot, &now) == VMM_OK &&
+           now.generation == c->witness_generation && memcmp(now.alloc_id, c->witness_id, sizeof now.alloc_id) == 0;
+}
+
+/* Drop one reference.  The last one leaves the mapping idle while its owner holds the chunk,
+ * and unmaps it otherwise (outside the lock). */
+static vmm_status chunk_unref(chunk *c)
+{
+    pthread_mutex_lock(&chunks_lock);
+    bool unmap = false;
+    if (--c->refs == 0) {
+        if (!keep_nothing && witness_live_locked(c)) {
+            idle_chunks++;
+            reaper_wake_locked();
+        } else {
+            chunk_unlink_locked(c);
+            unmap = true;
+        }
+    }
+    owner_ref *o = unmap ? c->owner : NULL;
+    if (o) o->busy++; /* the owner entry outlives the unlink until owner_put */
+    pthread_mutex_unlock(&chunks_lock);
+    if (!unmap) return VMM_OK;
+    c->next = NULL;
+    vmm_status st = unmap_list(c);
+    owner_put(o);
+    return st;
+}
+
+/* ---- the reaper: a thread that looks after idle mappings and kept connections ------------ */
+
+#define REAPER_TICK_MS 100
+static bool reaper_running;
+
+/* Lock held.  Unlink what nobody needs any more onto *dead_chunks / *dead_owners.  `all`: every
+ * idle chunk (vmm_import_drop_idle); `reg`: the idle chunks read through it (vmm_close). */
+static void sweep_locked(bool all, const vmm_registry *reg, chunk **dead_chunks, owner_ref **dead_owners)
+{
+    uint64_t now = now_ns();
+    for (unsigned b = 0; b < CHUNK_BUCKETS; b++)
+        for (chunk **pp = &chunk_table[b]; *pp;) {
+            chunk *c = *pp;
+            if (reg && c->reg == reg) c->reg = NULL; /* a held one goes at its last release */
+            if (c->refs == 0 && (all || !witness_live_locked(c))) {
+                *pp = c->next;
+                c->owner->chunks--;
+                c->owner->last_used_ns = now;
+                idle_chunks--;
+                c->next = *dead_chunks;
+                *dead_chunks = c;
+                continue;
+            }
+            pp = &c->next;
+        }
+    for (owner_ref **pp = &owners; *pp;) {
+        owner_ref *o = *pp;
+        if (o->chunks == 0 && o->busy == 0 && (now - o->last_used_ns > OWNER_IDLE_NS || owner_exited(o))) {
+            *pp = o->next;
+            o->next = *dead_owners;
+            *dead_owners = o;
+            continue;
+        }
+        pp = &o->next;
+    }
+}
+
+static vmm_status reap(chunk *dead_chunks, owner_ref *dead_owners)
+{
+    vmm_status st = unmap_list(dead_chunks);
+    while (dead_owners) {
+        owner_ref *o = dead_owners;
+        dead_owners = o->next;
+        owner_free(o);
+    }
+    return st;
+}
+
+static void *reaper_main(void *arg)
+{
+    (void)arg;
+    for (;;) {
+        struct timespec ts = {0, REAPER_TICK_MS * 1000000L};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+        chunk *dead_chunks = NULL;
+        owner_ref *dead_owners = NULL;
+        pthread_mutex_lock(&chunks_lock);
+        sweep_locked(false, NULL, &dead_chunks, &dead_owners);
+        bool done = idle_chunks == 0 && owners == NULL;
+        if (done) reaper_running = false;
+        pthread_mutex_unlock(&chunks_lock);
+        (void)reap(dead_chunks, dead_owners);
+        if (done) return NULL;
+    }
+}
+
+/* Lock held.  Start the reaper if it is not running.  It takes no signals (they are the
+ * application's).  Should it fail to start, idle mappings and connections still go at
+ * vmm_import_drop_idle and vmm_close. */
+static void reaper_wake_locked(void)
+{
+    if (reaper_running || keep_nothing) return;
+    pthread_attr_t attr;
+    sigset_t all, old;
+    pthread_t th;
+    sigfillset(&all);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    reaper_running = pthread_create(&th, &attr, reaper_main, NULL) == 0;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+}
+
+VMM_PUBLIC vmm_status vmm_import_drop_idle(void)
+{
+    chunk *dead_chunks = NULL;
+    owner_ref *dead_owners = NULL;
+    pthread_mutex_lock(&chunks_lock);
+    sweep_locked(true, NULL, &dead_chunks, &dead_owners);
+    pthread_mutex_unlock(&chunks_lock);
+    return reap(dead_chunks, dead_owners);
+}
+
+void vmm__import_forget_registry(vmm_registry *reg)
+{
+    chunk *dead_chunks = NULL;
+    owner_ref *dead_owners = NULL;
+    pthread_mutex_lock(&chunks_lock);
+    sweep_locked(false, reg, &dead_chunks, &dead_owners);
+    pthread_mutex_unlock(&chunks_lock);
+    (void)reap(dead_chunks, dead_owners);
 }
 
 static void access_for(CUmemAccessDesc *acc, CUdevice dev)
@@ -692,18 +950,25 @@ struct vmm_imported {
     uint64_t ptr;            /* c->base + the allocation's chunk_offset, or the range's first byte */
     uint64_t requested_size; /* a range's length */
     int device;              /* the device it is mapped read-write for here */
+    vmm_alloc_info alloc;    /* a vmm_import: the record it was imported from (vmm_import_check) */
 };
 
 static vmm_status fetch_fd(vmm_registry *reg, const vmm_alloc_info *a, int *fd)
 {
     *fd = -1;
     if (a->handle_kinds & VMM_KIND_BROKER) {
+        tm.route = VMM_KIND_BROKER;
         vmm_status st = broker_fetch(reg, a, fd);
         /* a broker that has not started yet is no reason to give up when pidfd works too */
-        if (st == VMM_ERR_NOT_FOUND && (a->handle_kinds & VMM_KIND_PIDFD)) return pidfd_fetch(reg, a, fd);
+        if (st != VMM_ERR_NOT_FOUND || !(a->handle_kinds & VMM_KIND_PIDFD)) return st;
+    }
+    if (a->handle_kinds & VMM_KIND_PIDFD) {
+        tm.route = VMM_KIND_PIDFD;
+        uint64_t t0 = now_ns();
+        vmm_status st = pidfd_fetch(reg, a, fd);
+        tm.request_ns = now_ns() - t0;
         return st;
     }
-    if (a->handle_kinds & VMM_KIND_PIDFD) return pidfd_fetch(reg, a, fd);
     if (a->handle_kinds & VMM_KIND_FABRIC)
         return set_err(VMM_ERR_INVALID, "allocation offers only a FABRIC handle; this library imports fds");
     return set_err(VMM_ERR_INVALID, "allocation is not exportable (its owner passed it through)");
@@ -722,9 +987,13 @@ VMM_PUBLIC vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *all
 /* The calling thread's context, or device 0's primary context made current; and its device. */
 static vmm_status current_context(CUcontext *ctx, CUdevice *dev)
 {
+    static int inited; /* cuInit succeeded once: it holds for the process's life */
     CUresult r;
     *ctx = NULL;
-    if ((r = cu.Init(0)) != CUDA_SUCCESS) return cu_fail("cuInit", r);
+    if (!__atomic_load_n(&inited, __ATOMIC_ACQUIRE)) {
+        if ((r = cu.Init(0)) != CUDA_SUCCESS) return cu_fail("cuInit", r);
+        __atomic_store_n(&inited, 1, __ATOMIC_RELEASE);
+    }
     if ((r = cu.CtxGetCurrent(ctx)) != CUDA_SUCCESS) return cu_fail("cuCtxGetCurrent", r);
     if (!*ctx) {
         /* no context on this thread: device 0's primary one (retained for the process's life) */
@@ -744,7 +1013,9 @@ static vmm_status fetch_handle(vmm_registry *reg, const vmm_alloc_info *a, CUmem
     int fd = -1;
     vmm_status st = fetch_fd(reg, a, &fd);
     if (st != VMM_OK) return st;
+    uint64_t t0 = now_ns();
     CUresult r = cu.MemImportFromShareableHandle(handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    tm.import_ns = now_ns() - t0;
     close(fd); /* the driver keeps its own reference */
     return r == CUDA_SUCCESS ? VMM_OK : cu_fail("cuMemImportFromShareableHandle", r);
 }
@@ -755,17 +1026,26 @@ static vmm_status map_chunk(CUmemGenericAllocationHandle handle, size_t size, CU
     c->handle = handle;
     CUresult r;
     const char *what;
-    if ((r = cu.MemAddressReserve(&c->base, size, 0, 0, 0)) != CUDA_SUCCESS) {
+    uint64_t t0 = now_ns();
+    r = cu.MemAddressReserve(&c->base, size, 0, 0, 0);
+    uint64_t t1 = now_ns();
+    tm.reserve_ns = t1 - t0;
+    if (r != CUDA_SUCCESS) {
         what = "cuMemAddressReserve";
         goto release;
     }
-    if ((r = cu.MemMap(c->base, size, 0, c->handle, 0)) != CUDA_SUCCESS) {
+    r = cu.MemMap(c->base, size, 0, c->handle, 0);
+    uint64_t t2 = now_ns();
+    tm.map_ns = t2 - t1;
+    if (r != CUDA_SUCCESS) {
         what = "cuMemMap";
         goto free_range;
     }
     CUmemAccessDesc acc;
     access_for(&acc, dev);
-    if ((r = cu.MemSetAccess(c->base, size, &acc, 1)) != CUDA_SUCCESS) {
+    r = cu.MemSetAccess(c->base, size, &acc, 1);
+    tm.access_ns = now_ns() - t2;
+    if (r != CUDA_SUCCESS) {
         what = "cuMemSetAccess";
         (void)cu.MemUnmap(c->base, size);
         goto free_range;
@@ -780,8 +1060,79 @@ release:
     return cu_fail(what, r);
 }
 
+static vmm_status import_chunk(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported *imp)
+{
+    CUcontext ctx;
+    CUdevice dev = 0;
+    uint64_t t0 = now_ns();
+    vmm_status st = current_context(&ctx, &dev);
+    uint64_t t1 = now_ns();
+    tm.context_ns = t1 - t0;
+    if (st != VMM_OK) return st;
+
+    chunk_key k = key_of(alloc);
+    pthread_mutex_lock(&chunks_lock);
+    chunk *c = chunk_ref_locked(&k);
+    pthread_mutex_unlock(&chunks_lock);
+    if (c) { /* mapped already: no broker, no import, no mapping */
+        tm.cached = 1;
+        if ((st = still_live(reg, alloc, c->owner)) != VMM_OK || (st = grant_device(c, dev)) != VMM_OK) {
+            (void)chunk_unref(c);
+            return st;
+        }
+        pthread_mutex_lock(&chunks_lock);
+        set_witness_locked(c, reg, alloc);
+        pthread_mutex_unlock(&chunks_lock);
+        tm.lookup_ns = now_ns() - t1;
+    } else {
+        tm.lookup_ns = now_ns() - t1;
+        owner_ref *o;
+        if ((st = owner_get(alloc, &o)) != VMM_OK) return st;
+        CUmemGenericAllocationHandle handle = 0;
+        chunk *fresh = calloc(1, sizeof *fresh);
+        if (!fresh) st = set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
+        if (st == VMM_OK) st = fetch_handle(reg, alloc, &handle);
+        if (st == VMM_OK) st = map_chunk(handle, (size_t)alloc->mapped_size, dev, fresh);
+        if (st != VMM_OK) {
+            owner_put(o);
+            free(fresh);
+            return st;
+        }
+        fresh->key = k;
+        fresh->ctx = ctx;
+        fresh->refs = 1;
+        fresh->owner = o;
+        pthread_mutex_lock(&chunks_lock);
+        c = chunk_ref_locked(&k);
+        if (!c) {
+            chunk **b = bucket_of(&k);
+            fresh->next = *b;
+            *b = fresh;
+            o->chunks++;
+            set_witness_locked(fresh, reg, alloc);
+            c = fresh;
+        }
+        pthread_mutex_unlock(&chunks_lock);
+        owner_put(o);
+        if (c != fresh) { /* another thread mapped it meanwhile: use that mapping, drop ours */
+            (void)unmap_chunk(fresh->base, fresh->size, fresh->handle, fresh->ctx);
+            free(fresh);
+            if ((st = grant_device(c, dev)) != VMM_OK) {
+                (void)chunk_unref(c);
+                return st;
+            }
+        }
+    }
+    imp->c = c;
+    imp->ptr = (uint64_t)c->base + alloc->chunk_offset;
+    imp->device = (int)dev;
+    return VMM_OK;
+}
+
 VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out)
 {
+    uint64_t t0 = now_ns();
+    memset(&tm, 0, sizeof tm);
     NEED(out, "out is NULL");
     *out = NULL;
     NEED(reg, "reg is NULL");
@@ -799,71 +1150,33 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
     if (st != VMM_OK) return st;
     vmm_imported *imp = calloc(1, sizeof *imp);
     if (!imp) return set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
-    CUcontext ctx;
-    CUdevice dev = 0;
-    if ((st = current_context(&ctx, &dev)) != VMM_OK) {
+    if ((st = import_chunk(reg, alloc, imp)) != VMM_OK) {
         free(imp);
         return st;
     }
-
-    chunk_key k = key_of(alloc);
-    pthread_mutex_lock(&chunks_lock);
-    chunk *c = chunk_ref_locked(&k);
-    pthread_mutex_unlock(&chunks_lock);
-    if (c) { /* mapped already: no broker, no import, no mapping */
-        if ((st = still_live(reg, alloc, c->owner)) != VMM_OK || (st = grant_device(c, dev)) != VMM_OK) {
-            (void)chunk_unref(c);
-            free(imp);
-            return st;
-        }
-    } else {
-        CUmemGenericAllocationHandle handle = 0;
-        chunk *fresh = calloc(1, sizeof *fresh);
-        owner_ref *spare = calloc(1, sizeof *spare);
-        if (!fresh || !spare) st = set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
-        if (st == VMM_OK) st = fetch_handle(reg, alloc, &handle);
-        if (st == VMM_OK) st = map_chunk(handle, (size_t)alloc->mapped_size, dev, fresh);
-        if (st != VMM_OK) {
-            free(fresh);
-            free(spare);
-            free(imp);
-            return st;
-        }
-        fresh->key = k;
-        fresh->ctx = ctx;
-        fresh->refs = 1;
-        pthread_mutex_lock(&chunks_lock);
-        bool known = owner_known_locked(alloc);
-        pthread_mutex_unlock(&chunks_lock);
-        int pidfd = known ? -1 : owner_pidfd(alloc);
-        pthread_mutex_lock(&chunks_lock);
-        c = chunk_ref_locked(&k);
-        if (!c) {
-            chunk **b = bucket_of(&k);
-            fresh->next = *b;
-            *b = fresh;
-            fresh->owner = owner_ref_locked(alloc, spare, &pidfd);
-            if (fresh->owner == spare) spare = NULL;
-            c = fresh;
-        }
-        pthread_mutex_unlock(&chunks_lock);
-        if (pidfd >= 0) close(pidfd);
-        free(spare);
-        if (c != fresh) { /* another thread mapped it meanwhile: use that mapping, drop ours */
-            (void)unmap_chunk(fresh->base, fresh->size, fresh->handle, fresh->ctx);
-            free(fresh);
-            if ((st = grant_device(c, dev)) != VMM_OK) {
-                (void)chunk_unref(c);
-                free(imp);
-                return st;
-            }
-        }
-    }
-    imp->c = c;
-    imp->ptr = (uint64_t)c->base + alloc->chunk_offset;
     imp->requested_size = alloc->requested_size ? alloc->requested_size : span;
-    imp->device = (int)dev;
+    imp->alloc = *alloc;
     *out = imp;
+    tm.total_ns = now_ns() - t0;
+    return VMM_OK;
+}
+
+VMM_PUBLIC vmm_status vmm_import_check(vmm_registry *reg, const vmm_imported *imp)
+{
+    NEED(reg, "reg is NULL");
+    NEED(imp, "imp is NULL");
+    NEED(!imp->range, "a range import: check the records of its range with vmm_find");
+    vmm_status st = record_unchanged(reg, &imp->alloc);
+    if (st == VMM_ERR_STALE && owner_liveness(&imp->alloc) == VMM__DEAD) return owner_dead(&imp->alloc);
+    if (st != VMM_OK) return st;
+    if (owner_exited(imp->c->owner)) return owner_dead(&imp->alloc);
+    return VMM_OK;
+}
+
+VMM_PUBLIC vmm_status vmm_import_last_timing(vmm_import_timing *out)
+{
+    NEED(out, "out is NULL");
+    *out = tm;
     return VMM_OK;
 }
 

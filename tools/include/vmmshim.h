@@ -154,15 +154,20 @@ vmm_status vmm_gc(vmm_registry *reg, vmm_gc_report *out);
  * from the record's).
  *
  * What is mapped is the allocation's whole chunk (mapped_size bytes); the pointer handed back is
- * the chunk's base + chunk_offset.  Imported chunks are shared within this process: while any
- * vmm_imported of a chunk is held, importing another allocation of it (or the same one again)
- * asks neither the owner's broker nor the driver to import or map anything -- it re-reads the
+ * the chunk's base + chunk_offset.  Imported chunks are shared within this process and kept: while
+ * a chunk is mapped here, importing an allocation of it (the same one again, or another) asks
+ * neither the owner's broker nor the driver to import or map anything -- it re-reads the
  * allocation's record (still live, same generation, same chunk) and the owner's liveness, and
- * costs microseconds.  The chunk is unmapped when its last vmm_imported is released.  While
- * chunks of an owner are mapped, the library keeps one pidfd of that owner open (close-on-exec)
- * to tell its exit cheaply.  Imports are thread-safe.  Since the whole chunk is mapped, the
- * bytes of other allocations sharing it are reachable through the mapping too (the broker hands
- * them to the same users anyway). */
+ * costs microseconds.  When its last vmm_imported is released a chunk stays mapped ("idle") as
+ * long as the owner holds it: a thread of this library (started on demand, taking no signals)
+ * looks every 100 ms and unmaps an idle chunk once the allocation last imported from it is
+ * freed, its owner exits, or the registry it was read through is closed (vmm_close), so an idle
+ * mapping never keeps memory its owner has let go of.  vmm_import_drop_idle unmaps them all at
+ * once.  The library keeps, per owner, one pidfd (to tell its exit cheaply) and one connection to
+ * its broker (an import costs one round trip), both close-on-exec, closed after 30 s unused or
+ * when the owner exits.  Imports are thread-safe.  Since the whole chunk is mapped, the bytes of
+ * other allocations sharing it are reachable through the mapping too (the broker hands them to
+ * the same users anyway). */
 /* (The handle type cannot share the function's name in C: it is vmm_imported.) */
 typedef struct vmm_imported vmm_imported;
 /* Import into the calling thread's CUDA context, or into device 0's primary context (made
@@ -174,8 +179,8 @@ vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_import
 uint64_t vmm_import_ptr(const vmm_imported *imp);
 /* The owner's requested size (for vmm_import_range: the length asked for). */
 uint64_t vmm_import_size(const vmm_imported *imp);
-/* Drop this handle's reference to the chunk; the last one unmaps it, releases the handle and
- * frees the reservation.  A range import (vmm_import_range) is unmapped and its reservation freed
+/* Drop this handle's reference to the chunk; after the last one the chunk stays mapped while its
+ * owner holds it (above), else it is unmapped, its handle released and its reservation freed.  A range import (vmm_import_range) is unmapped and its reservation freed
  * at once.  NULL is fine.  imp is freed either way. */
 vmm_status vmm_import_release(vmm_imported *imp);
 /* Just the fd of the allocation's chunk (a POSIX file descriptor, close-on-exec), for companions
@@ -213,6 +218,32 @@ vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, u
 
 /* The device (an ordinal of this process) the import is mapped read-write for; -1 for NULL. */
 int vmm_import_device(const vmm_imported *imp);
+/* Is the allocation imp was imported from (vmm_import) still live in its owner?  VMM_OK;
+ * VMM_ERR_STALE once the owner freed it -- also when the same address or record slot now holds
+ * another allocation (its generation tells them apart); VMM_ERR_OWNER_DEAD once the owner exited.
+ * The mapping stays valid memory in every case, until vmm_import_release.  A range import gets
+ * VMM_ERR_INVALID: check its records with vmm_find. */
+vmm_status vmm_import_check(vmm_registry *reg, const vmm_imported *imp);
+/* Unmap every imported chunk no vmm_imported holds now. */
+vmm_status vmm_import_drop_idle(void);
+
+/* Where the calling thread's last successful vmm_import spent its time, in nanoseconds (for
+ * `vmmctl import-test` and benchmarks).  Steps not taken are 0. */
+typedef struct vmm_import_timing {
+    uint64_t total_ns;   /* the whole call */
+    uint64_t context_ns; /* finding (or making current) the CUDA context */
+    uint64_t lookup_ns;  /* the imported-chunk table; when cached, also re-reading the record: all a cached import costs besides context_ns */
+    uint64_t connect_ns; /* connecting to the owner's broker (0: the kept connection served) */
+    uint64_t request_ns; /* request sent to reply and fd received (SCM_RIGHTS), or pidfd_getfd */
+    uint64_t export_ns;  /* of request_ns, what the owner spent exporting the fd (its broker says) */
+    uint64_t import_ns;  /* cuMemImportFromShareableHandle */
+    uint64_t reserve_ns; /* cuMemAddressReserve */
+    uint64_t map_ns;     /* cuMemMap */
+    uint64_t access_ns;  /* cuMemSetAccess */
+    uint32_t cached;     /* 1: the chunk was mapped here already */
+    uint32_t route;      /* VMM_KIND_BROKER or VMM_KIND_PIDFD; 0 when cached */
+} vmm_import_timing;
+vmm_status vmm_import_last_timing(vmm_import_timing *out);
 
 /* ---- Reading imported bytes ----------------------------------------------------------------
  * Both copy device-to-host from vmm_import_ptr(imp) + offset, on the import's device (its primary

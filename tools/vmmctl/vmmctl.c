@@ -743,6 +743,41 @@ static int import_test_range(vmm_registry *reg, const vmm_alloc_info *a, uint64_
     return EXIT_OK;
 }
 
+#define IMPORT_ROUNDS 1000
+
+static int cmp_u64(const void *x, const void *y)
+{
+    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return a < b ? -1 : a > b;
+}
+
+/* IMPORT_ROUNDS imports of a in a row, each released before the next: `fresh`, each after
+ * vmm_import_drop_idle (a first import every time), else from the mapped chunk. */
+static int import_rounds(vmm_registry *reg, const vmm_alloc_info *a, bool fresh)
+{
+    static uint64_t ns[IMPORT_ROUNDS];
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 0; i < IMPORT_ROUNDS; i++) {
+        if (fresh) vmm_import_drop_idle();
+        vmm_imported *imp = NULL;
+        vmm_status st = vmm_import(reg, a, &imp);
+        vmm_import_timing t;
+        vmm_import_last_timing(&t);
+        ns[i] = t.total_ns;
+        vmm_import_release(imp);
+        if (st != VMM_OK) return api_error(st);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    qsort(ns, IMPORT_ROUNDS, sizeof ns[0], cmp_u64);
+    double wall = ms_between(&t0, &t1) / 1e3;
+    printf("%d %s imports in a row: median %.1f us, p90 %.1f us, min %.1f us, max %.1f us; %.0f imports/s "
+           "(with the releases%s)\n",
+           IMPORT_ROUNDS, fresh ? "first" : "repeat", ns[IMPORT_ROUNDS / 2] / 1e3, ns[IMPORT_ROUNDS * 9 / 10] / 1e3,
+           ns[0] / 1e3, ns[IMPORT_ROUNDS - 1] / 1e3, IMPORT_ROUNDS / wall, fresh ? " and unmaps" : "");
+    return EXIT_OK;
+}
+
 static int cmd_import_test(int argc, char **argv)
 {
     vmm_registry *reg;
@@ -757,22 +792,25 @@ static int cmd_import_test(int argc, char **argv)
     uint64_t off = addr - a.address, end = off < a.requested_size ? a.requested_size : held_bytes(&a);
     if (len_arg > held_bytes(&a) - off) return import_test_range(reg, &a, addr, len_arg);
     uint64_t len = len_arg ? len_arg : end - off;
-    /* The first import also starts CUDA in this process; time a second one on its own (after a
-     * release, so the chunk is imported again), and a third while the second holds the chunk
-     * (served by this process's chunk cache). */
-    struct timespec t0, t1, t2, t3;
+    /* The first import also starts CUDA (and opens the broker connection) in this process: then
+     * time a first import on its own (the idle mapping dropped, so the chunk is imported again,
+     * on the kept connection), one while that holds the chunk (served by this process's chunk
+     * cache), and IMPORT_ROUNDS of each in a row. */
+    struct timespec t0, t1;
     vmm_imported *imp = NULL, *again = NULL;
+    vmm_import_timing startup, first, repeat;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     vmm_status st = vmm_import(reg, &a, &imp);
     clock_gettime(CLOCK_MONOTONIC, &t1);
+    vmm_import_last_timing(&startup);
     if (st == VMM_OK) {
         vmm_import_release(imp);
-        clock_gettime(CLOCK_MONOTONIC, &t1);
+        vmm_import_drop_idle();
         st = vmm_import(reg, &a, &imp);
     }
-    clock_gettime(CLOCK_MONOTONIC, &t2);
+    vmm_import_last_timing(&first);
     if (st == VMM_OK) st = vmm_import(reg, &a, &again);
-    clock_gettime(CLOCK_MONOTONIC, &t3);
+    vmm_import_last_timing(&repeat);
     if (st == VMM_OK && vmm_import_ptr(again) != vmm_import_ptr(imp)) {
         vmm_import_release(again);
         vmm_import_release(imp);
@@ -788,17 +826,30 @@ static int cmd_import_test(int argc, char **argv)
     uint64_t fnv;
     int copy_rc = checksum(vmm_import_ptr(imp) + off, len, &fnv);
     vmm_import_release(imp);
-    vmm_close(reg);
-    if (copy_rc) return error("could not copy the imported bytes (CUDA error %d)", copy_rc);
+    if (copy_rc) {
+        vmm_close(reg);
+        return error("could not copy the imported bytes (CUDA error %d)", copy_rc);
+    }
     char where[64] = "its own chunk";
     if (a.chunk_id) snprintf(where, sizeof where, "offset %llu of chunk %llu", (unsigned long long)a.chunk_offset,
                              (unsigned long long)a.chunk_id);
     printf("imported pid %u 0x%llx (%s, %llu bytes mapped) in %.0f us (first import, with CUDA start-up: %.1f ms; "
            "again while mapped: %.1f us); %llu bytes from 0x%llx: fnv %016llx\n",
-           a.pid, (unsigned long long)a.address, where, (unsigned long long)a.mapped_size, ms_between(&t1, &t2) * 1e3,
-           ms_between(&t0, &t1), ms_between(&t2, &t3) * 1e3, (unsigned long long)len, (unsigned long long)addr,
+           a.pid, (unsigned long long)a.address, where, (unsigned long long)a.mapped_size, first.total_ns / 1e3,
+           ms_between(&t0, &t1), repeat.total_ns / 1e3, (unsigned long long)len, (unsigned long long)addr,
            (unsigned long long)fnv);
-    return EXIT_OK;
+    printf("first import, step by step (us): context %.1f, chunk table %.1f, broker connect %.1f (the start-up "
+           "import's: it stays open), request and reply %.1f (of which the owner's export %.1f), "
+           "cuMemImportFromShareableHandle %.1f, cuMemAddressReserve %.1f, cuMemMap %.1f, cuMemSetAccess %.1f; via %s\n",
+           first.context_ns / 1e3, first.lookup_ns / 1e3, startup.connect_ns / 1e3, first.request_ns / 1e3,
+           first.export_ns / 1e3, first.import_ns / 1e3, first.reserve_ns / 1e3, first.map_ns / 1e3,
+           first.access_ns / 1e3, first.route == VMM_KIND_PIDFD ? "pidfd_getfd" : "the broker");
+    printf("repeat import, step by step (us): context %.1f, chunk table and record check %.1f\n",
+           repeat.context_ns / 1e3, repeat.lookup_ns / 1e3);
+    rc = import_rounds(reg, &a, true);
+    if (rc == EXIT_OK) rc = import_rounds(reg, &a, false);
+    vmm_close(reg);
+    return rc;
 }
 
 int main(int argc, char **argv)
