@@ -1,6 +1,6 @@
 """The Python companion (tools/python/vmmshim) over the emulated driver: owners run tests/progs/owner
-under the shim; the package lists them, opens and reads their buffers (interior addresses, a bad
-address, a freed buffer, a SIGKILLed owner), exports DLPack capsules (read back through ctypes,
+under the shim; the package lists them, opens, reads and checks their buffers (interior addresses,
+a bad address, a freed buffer, a SIGKILLed owner), exports DLPack capsules (read back through ctypes,
 consumed and unconsumed), mirrors vmmshim.h's structures (offsets from a C program compiled here),
 prints what `vmmctl list --json` prints, and installs with pip.  Ends with "N passed, N failed"."""
 import ctypes
@@ -281,6 +281,7 @@ def test_dead_owner(reg):
     T.raises(vmmshim.OwnerDead, lambda: reg.open(own.pid, own.buffers[1][0]), "open of a killed owner's buffer",
              f"pid {own.pid}")
     T.check(fnv1a(held.read()) == own.buffers[0][2], "a buffer held across the owner's death still reads its bytes")
+    T.raises(vmmshim.OwnerDead, held.check, "check() of a buffer whose owner died", f"{own.pid}")
     held.close()
     same_listing(["list", "--all", "--json"], "list --all --json with a dead owner")
     same_listing(["list"], "list with a dead owner (hidden, counted)")
@@ -288,8 +289,18 @@ def test_dead_owner(reg):
 
 def test_freed(reg, own):
     address = own.buffers[0][0]
+    held = reg.open(own.pid, address)
+    try:
+        held.check()
+        live = True
+    except vmmshim.Error as e:
+        live = e
+    T.check(live is True, f"check() of a live buffer: {live}")
     T.check(own.command("free") == "freed", "the owner frees its buffers")
     T.raises(vmmshim.NotFound, lambda: reg.open(own.pid, address), "open of a freed buffer", "no live allocation")
+    T.raises(vmmshim.Stale, held.check, "check() of a buffer its owner freed")
+    T.check(held.read(0, 16) == pattern(0, 0, 16), "a buffer its owner freed still reads (nothing reused its bytes)")
+    held.close()
 
 
 def test_pip(tmp):

@@ -170,7 +170,7 @@ class Registry:
         alloc = self.find(pid, address)
         imp = ctypes.c_void_p()
         _check(_lib.lib().vmm_import(self._h(), ctypes.byref(alloc._info), ctypes.byref(imp)))
-        return Buffer(imp, alloc)
+        return Buffer(imp, alloc, self)
 
 
 class Buffer:
@@ -178,9 +178,10 @@ class Buffer:
     CUDA device it is mapped for here; address is the owner's pointer to it.  close() releases the
     import once no tensor taken with DLPack uses it; any later use raises ValueError."""
 
-    def __init__(self, imp, allocation):
+    def __init__(self, imp, allocation, registry):
         L = _lib.lib()
         self._imp = imp
+        self._registry = registry
         self._ptr = L.vmm_import_ptr(imp)
         self.size = L.vmm_import_size(imp)
         self.device = L.vmm_import_device(imp)
@@ -209,6 +210,12 @@ class Buffer:
         out = ctypes.create_string_buffer(length)
         _check(_lib.lib().vmm_import_read(self._imp, offset, out, length))
         return out.raw
+
+    def check(self):
+        """Raises Stale once the owner freed the allocation (or reused its place), OwnerDead once it
+        exited; the imported memory stays valid either way, until close()."""
+        self._open()
+        _check(_lib.lib().vmm_import_check(self._registry._h(), self._imp))
 
     def close(self):
         with self._lock:

@@ -89,6 +89,7 @@ _PROTOTYPES = {
     "vmm_import_device": (c_int, [_P]),
     "vmm_import_release": (c_int, [_P]),
     "vmm_import_read": (c_int, [_P, c_u64, ctypes.c_void_p, c_u64]),
+    "vmm_import_check": (c_int, [_P, _P]),
 }
 
 SOURCE_TREE_LIB = pathlib.Path(__file__).resolve().parents[3] / "build" / "libvmmshim-client.so"
