@@ -10,8 +10,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
-import time
 import weakref
 
 import harness
@@ -333,7 +333,6 @@ def test_pip(tmp):
                             out], capture_output=True, text=True, cwd=src)
     if not T.check(sdist.returncode == 0, f"setuptools cannot build tools/python: {sdist.stderr[-500:]}"):
         return
-    import tarfile
     name = sdist.stdout.strip().splitlines()[-1]
     with tarfile.open(os.path.join(out, name)) as tar:
         packed = sorted(os.path.basename(n) for n in tar.getnames() if re.search(r"/vmmshim/[^/]+\.py$", n))

@@ -101,14 +101,15 @@ _loaded = None
 def _candidates():
     env = os.environ.get("VMMSHIM_CLIENT_LIB")
     if env:
-        # named explicitly: nothing else is a good substitute
-        return [env]
-    found = [str(SOURCE_TREE_LIB)] if SOURCE_TREE_LIB.exists() else []
-    found.append("libvmmshim-client.so")
+        yield env  # named explicitly: nothing else is a good substitute
+        return
+    if SOURCE_TREE_LIB.exists():
+        yield str(SOURCE_TREE_LIB)
+    yield "libvmmshim-client.so"
+    # last: it runs ldconfig (or a compiler), which takes a while
     by_ldconfig = ctypes.util.find_library("vmmshim-client")
     if by_ldconfig:
-        found.append(by_ldconfig)
-    return found
+        yield by_ldconfig
 
 
 def lib():
