@@ -1,6 +1,7 @@
 """python -m vmmshim list [--json] [--pid PID] [--all] [--registry NAME]: vmmctl's `list`, the same
-table and, with --json, byte for byte the same JSON (age_s aside, which ticks).  Exit status: 0 ok,
-1 the registry could not be read, 2 usage error; every error is one line."""
+table and, with --json, byte for byte the same JSON (age_s aside, which ticks).  The registry is
+--registry, else $VMMSHIM_REGISTRY, else the per-user one: unlike vmmctl, no VMMSHIM_CONFIG file is
+read.  Exit status: 0 ok, 1 the registry could not be read, 2 usage error; every error is one line."""
 import argparse
 import sys
 import time
