@@ -50,6 +50,7 @@ typedef struct vchunk {
 typedef struct note {
     uint64_t va;
     uint32_t slot;
+    int dev;
     UT_hash_handle hh;
 } note;
 
@@ -110,6 +111,7 @@ static struct {
     char broker_path[112];
     int broker_started;
     vmm__block *by_addr, *by_slot; /* live allocations */
+    vmm__block *deferred;          /* freed while a stream captured, not yet synchronized (via fnext) */
     vchunk *chunks;                /* by base */
     note *notes;                   /* by address */
     uint64_t next_chunk_id;
@@ -663,6 +665,35 @@ static void sync_ctx(CUcontext ctx)
     if (prev != ctx) cu.CtxSetCurrent(prev);
 }
 
+/* Streams being captured right now, process-wide (vmm__capture_begun). */
+static int captures;
+
+/* Lock held.  Detach the deferred blocks of ctx: a synchronization of ctx covers them. */
+static vmm__block *take_deferred_locked(CUcontext ctx)
+{
+    vmm__block *mine = NULL, **pp = &S.deferred;
+    while (*pp) {
+        vmm__block *b = *pp;
+        if (b->ctx == ctx) {
+            *pp = b->fnext;
+            b->fnext = mine;
+            mine = b;
+        } else {
+            pp = &b->fnext;
+        }
+    }
+    return mine;
+}
+
+static void pool_free_list_locked(vmm__block *list)
+{
+    while (list) {
+        vmm__block *b = list;
+        list = b->fnext;
+        vmm__pool_free(&S.dev[((vchunk *)b->chunk->mech)->dev].pool, b, 0, NULL);
+    }
+}
+
 vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
 {
     if (!ptr || !S.ready) return VMM__PASS;
@@ -703,13 +734,44 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
             cu.StreamSynchronize(stream);
         }
     } else {
+        if (__atomic_load_n(&captures, __ATOMIC_ACQUIRE) > 0) {
+            /* synchronizing now would invalidate the capture: the block waits for a later sync */
+            b->fnext = S.deferred;
+            S.deferred = b;
+            pthread_mutex_unlock(&S.lock);
+            return VMM__DONE;
+        }
+        vmm__block *covered = take_deferred_locked(b->ctx);
         pthread_mutex_unlock(&S.lock);
         sync_ctx(b->ctx); /* cudaFree waits for the device, and so must we before reuse */
+        pthread_mutex_lock(&S.lock);
+        pool_free_list_locked(covered);
     }
-    pthread_mutex_lock(&S.lock);
+    if (stream_ordered) pthread_mutex_lock(&S.lock); /* the other branch holds it already */
     vmm__pool_free(&d->pool, b, (uint64_t)(uintptr_t)stream, ev);
     pthread_mutex_unlock(&S.lock);
     return VMM__DONE;
+}
+
+void vmm__capture_begun(void) { __atomic_add_fetch(&captures, 1, __ATOMIC_ACQ_REL); }
+
+/* The last capture ended: the frees deferred meanwhile are synchronized and reused now. */
+void vmm__capture_ended(void)
+{
+    int left = __atomic_sub_fetch(&captures, 1, __ATOMIC_ACQ_REL);
+    if (left < 0) __atomic_store_n(&captures, left = 0, __ATOMIC_RELEASE); /* a capture begun before the shim loaded */
+    if (left > 0 || !S.ready) return;
+    for (;;) {
+        pthread_mutex_lock(&S.lock);
+        CUcontext ctx = S.deferred ? S.deferred->ctx : NULL;
+        vmm__block *covered = ctx ? take_deferred_locked(ctx) : NULL;
+        pthread_mutex_unlock(&S.lock);
+        if (!covered) return;
+        sync_ctx(ctx);
+        pthread_mutex_lock(&S.lock);
+        pool_free_list_locked(covered);
+        pthread_mutex_unlock(&S.lock);
+    }
 }
 
 void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream)
@@ -722,6 +784,7 @@ void vmm__note_passthrough(void *ptr, size_t size, uint32_t api, CUstream stream
     CUcontext ctx;
     int dev = current_device(&ctx, 0);
     if (dev < 0) dev = 0;
+    n->dev = dev;
     pthread_mutex_lock(&S.lock);
     note *old = NULL;
     HASH_FIND(hh, S.notes, &n->va, sizeof n->va, old);
@@ -850,6 +913,51 @@ void vmm__retract_range(vmm__published *pub)
 }
 
 /* ---- the default memory pool as the program sees it ---- */
+
+/* The device's primary context is about to be reset: native frees every allocation made on it,
+ * and the default pool's settings go back to their defaults.  The shim's memory would survive a
+ * reset (VMM mappings are not the context's), so it is let go of here, before the driver's
+ * reset: each live allocation's record retracted and its block forgotten, every chunk unmapped
+ * and released, the pool's events destroyed while their context still exists.  A free of an old
+ * pointer afterwards then reaches the driver, which refuses it as native does. */
+void vmm__device_reset(int dev)
+{
+    if (!S.ready) return;
+    if (dev < 0) {
+        CUcontext ctx = NULL;
+        CUdevice cur = -1;
+        if (cu.CtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx || cu.CtxGetDevice(&cur) != CUDA_SUCCESS) return;
+        dev = (int)cur;
+    }
+    if (dev < 0 || dev >= MAX_DEVICES) return;
+    pthread_mutex_lock(&S.lock);
+    device_state *d = &S.dev[dev];
+    vmm__block *b, *bt;
+    HASH_ITER(hh, S.by_addr, b, bt) {
+        if (((vchunk *)b->chunk->mech)->dev != dev) continue;
+        HASH_DELETE(hh, S.by_addr, b);
+        retract_locked(b);
+        b->live = 0;
+    }
+    note *n, *nt;
+    HASH_ITER(hh, S.notes, n, nt) {
+        if (n->dev != dev) continue;
+        HASH_DELETE(hh, S.notes, n);
+        if (n->slot != NO_SLOT) vmm__reg_remove(&S.reg, n->slot);
+        free(n);
+    }
+    for (vmm__block **pp = &S.deferred; *pp;) /* their chunks go with the pool */
+        if (((vchunk *)(*pp)->chunk->mech)->dev == dev) *pp = (*pp)->fnext;
+        else pp = &(*pp)->fnext;
+    if (d->pool_ready) {
+        vmm__pool_destroy(&d->pool);
+        d->pool_ready = 0;
+    }
+    while (d->n_events) cu.EventDestroy(d->events[--d->n_events]);
+    d->release_threshold = 0;
+    __atomic_store_n(&d->custom_pool, 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&S.lock);
+}
 
 static device_state *dev_at(int dev) { return S.ready && dev >= 0 && dev < MAX_DEVICES ? &S.dev[dev] : NULL; }
 

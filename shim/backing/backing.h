@@ -78,6 +78,14 @@ typedef struct vmm__published {
 void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size, uint64_t handle_offset,
                         uint64_t chunk_id, int dev, int exportable, vmm__published *out);
 void vmm__retract_range(vmm__published *pub);
+/* dev's primary context is about to be reset (cudaDeviceReset, cuDevicePrimaryCtxReset): its
+ * allocations and cached chunks go, as native reset frees them.  dev -1: the calling thread's
+ * current device (nothing when no context is current). */
+void vmm__device_reset(int dev);
+/* A stream of this process began or ended capturing (the driver hooks count them): while any
+ * does, a free never synchronizes a context, and its block waits for a safe moment. */
+void vmm__capture_begun(void);
+void vmm__capture_ended(void);
 /* True when stream is being captured into a graph. */
 int vmm__stream_capturing(CUstream stream);
 #endif

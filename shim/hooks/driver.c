@@ -162,6 +162,14 @@ VMM_HOOK CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
     return rc;
 }
 
+/* A reset frees every allocation of the device natively: the shim lets its own go first. */
+VMM_HOOK CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    VMM_REAL_DRIVER(cuDevicePrimaryCtxReset_v2, CUDA_ERROR_NOT_INITIALIZED);
+    if (!vmm__in_shim()) vmm__device_reset((int)dev);
+    PASS_THROUGH(real_(dev));
+}
+
 /* ---- queries: a shim allocation answers with its requested base and size ---- */
 
 /* A pointer into shim memory that is no live allocation (freed, or past the requested
@@ -364,4 +372,73 @@ VMM_HOOK CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     VMM_REAL_DRIVER(cuMemRelease, CUDA_ERROR_NOT_INITIALIZED);
     if (vmm__in_shim()) return real_(handle);
     REAL_THEN(real_(handle), vmm__adopt_released(handle));
+}
+
+/* ---- stream capture: counted, so that a free never synchronizes the context while a stream of
+ * it captures (a context synchronization invalidates every capture in it, where native cudaFree
+ * invalidates none in relaxed or thread-local mode) ---- */
+
+static CUresult begun(CUresult rc)
+{
+    if (rc == CUDA_SUCCESS) vmm__capture_begun();
+    return rc;
+}
+
+VMM_HOOK CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode)
+{
+    VMM_REAL_DRIVER(cuStreamBeginCapture_v2, CUDA_ERROR_NOT_INITIALIZED);
+    return begun(real_(s, mode));
+}
+
+VMM_HOOK CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode mode)
+{
+    VMM_REAL_DRIVER(cuStreamBeginCapture_v2_ptsz, CUDA_ERROR_NOT_INITIALIZED);
+    return begun(real_(s, mode));
+}
+
+VMM_HOOK CUresult cuStreamBeginCapture(CUstream s)
+{
+    VMM_REAL_DRIVER(cuStreamBeginCapture, CUDA_ERROR_NOT_INITIALIZED);
+    return begun(real_(s));
+}
+
+VMM_HOOK CUresult cuStreamBeginCapture_ptsz(CUstream s)
+{
+    VMM_REAL_DRIVER(cuStreamBeginCapture_ptsz, CUDA_ERROR_NOT_INITIALIZED);
+    return begun(real_(s));
+}
+
+VMM_HOOK CUresult cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode *deps,
+                                              const CUgraphEdgeData *data, size_t n, CUstreamCaptureMode mode)
+{
+    VMM_REAL_DRIVER(cuStreamBeginCaptureToGraph, CUDA_ERROR_NOT_INITIALIZED);
+    return begun(real_(s, g, deps, data, n, mode));
+}
+
+VMM_HOOK CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const CUgraphNode *deps,
+                                                   const CUgraphEdgeData *data, size_t n, CUstreamCaptureMode mode)
+{
+    VMM_REAL_DRIVER(cuStreamBeginCaptureToGraph_ptsz, CUDA_ERROR_NOT_INITIALIZED);
+    return begun(real_(s, g, deps, data, n, mode));
+}
+
+/* Ending a capture ends it, invalidated or not. */
+static CUresult end_capture(CUresult (*real)(CUstream, CUgraph *), CUstream s, CUgraph *g)
+{
+    int was = vmm__stream_capturing(s);
+    CUresult rc = real(s, g);
+    if (was && !vmm__stream_capturing(s)) vmm__capture_ended();
+    return rc;
+}
+
+VMM_HOOK CUresult cuStreamEndCapture(CUstream s, CUgraph *g)
+{
+    VMM_REAL_DRIVER(cuStreamEndCapture, CUDA_ERROR_NOT_INITIALIZED);
+    return end_capture(real_, s, g);
+}
+
+VMM_HOOK CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *g)
+{
+    VMM_REAL_DRIVER(cuStreamEndCapture_ptsz, CUDA_ERROR_NOT_INITIALIZED);
+    return end_capture(real_, per_thread(s), g);
 }

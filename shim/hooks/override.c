@@ -138,6 +138,17 @@ VMM_HOOK cudaError_t cudaFreeAsync_ptsz(void *ptr, cudaStream_t stream)
     return free_async(real_, ptr, stream, per_thread(stream));
 }
 
+/* The runtime may reset the context without the driver entry point the shim wraps. */
+VMM_HOOK cudaError_t cudaDeviceReset(void)
+{
+    VMM_REAL_RUNTIME(cudaDeviceReset, cudaErrorInitializationError);
+    if (!vmm__in_shim()) vmm__device_reset(-1);
+    vmm__enter();
+    cudaError_t rc = real_();
+    vmm__leave();
+    return rc;
+}
+
 VMM_HOOK cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total)
 {
     VMM_REAL_RUNTIME(cudaMemGetInfo, cudaErrorInitializationError);

@@ -55,7 +55,10 @@ VMM_EARLY void *vmm__real_dlsym(void *handle, const char *name)
     X(cuCtxDisablePeerAccess) X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)  \
     X(cuMemPoolSetAccess) X(cuMemPoolGetAttribute) X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo)        \
     X(cuDeviceSetMemPool) X(cuMemSetMemPool) X(cuMemCreate) X(cuMemGetAllocationPropertiesFromHandle)       \
-    X(cuMemMap) X(cuMemUnmap) X(cuMemRelease) X(cuGetProcAddress) X(cuGetProcAddress_v2)
+    X(cuMemMap) X(cuMemUnmap) X(cuMemRelease) X(cuDevicePrimaryCtxReset_v2) X(cuStreamBeginCapture_v2)          \
+    X(cuStreamBeginCapture_v2_ptsz) X(cuStreamBeginCapture) X(cuStreamBeginCapture_ptsz)              \
+    X(cuStreamBeginCaptureToGraph) X(cuStreamBeginCaptureToGraph_ptsz) X(cuStreamEndCapture)          \
+    X(cuStreamEndCapture_ptsz) X(cuGetProcAddress) X(cuGetProcAddress_v2)
 
 typedef struct wrap_entry {
     const char *name;

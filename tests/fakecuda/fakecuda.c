@@ -4,7 +4,9 @@
  * cuMemMap maps that memfd MAP_SHARED|MAP_FIXED inside a PROT_NONE reservation, and
  * cuMemSetAccess is mprotect.  So exported POSIX file descriptors really share bytes across
  * processes, and touching memory before cuMemSetAccess really faults.  Copies and memsets are
- * synchronous; streams and events only model completion times (FAKECUDA_EVENT_DELAY_US).
+ * synchronous; streams and events only model completion times (FAKECUDA_EVENT_DELAY_US, and
+ * FAKECUDA_COPY_DELAY_US for copies).  Page-locked host memory (cuMemHostAlloc) is plain
+ * anonymous memory, tracked so that cuMemFreeHost refuses anything else.
  *
  * Built with __CUDA_API_VERSION_INTERNAL so that cuda.h renames nothing: every function below
  * carries exactly the name that NVIDIA's libcuda.so.1 exports.  The control API and the
@@ -96,6 +98,7 @@ typedef struct fc_stream {
     void *self;
     unsigned flags;
     int capturing;
+    int invalidated; /* a capture broken by a synchronization, as the real driver breaks it */
     CUstreamCaptureMode mode;
     unsigned long long busy_until; /* CLOCK_MONOTONIC ns */
     UT_hash_handle hh;
@@ -120,6 +123,7 @@ static int g_ndev = 1;
 static unsigned long long g_budget = 8ULL << 30;
 static int g_no_vmm;
 static unsigned long long g_delay_us;
+static unsigned long long g_copy_delay_us;
 static int g_initialized;
 static unsigned long long g_used[FC_MAX_DEV];
 static struct fc_ctx g_ctx[FC_MAX_DEV];
@@ -129,7 +133,7 @@ static unsigned long long g_next_handle = 0xfc0001;
 static unsigned long long g_next_buffer_id = 1;
 
 static fc_handle *g_handles;
-static fc_range *g_resv, *g_maps, *g_allocs;
+static fc_range *g_resv, *g_maps, *g_allocs, *g_host;
 static fc_stream *g_streams;
 static fc_event *g_events;
 static fc_stream g_legacy_stream, g_ptds_stream;
@@ -408,6 +412,7 @@ __attribute__((constructor)) static void fc_load(void)
     }
     if ((s = getenv("FAKECUDA_NO_VMM")) && *s && strcmp(s, "0")) g_no_vmm = 1;
     if ((s = getenv("FAKECUDA_EVENT_DELAY_US")) && *s) g_delay_us = strtoull(s, NULL, 10);
+    if ((s = getenv("FAKECUDA_COPY_DELAY_US")) && *s) g_copy_delay_us = strtoull(s, NULL, 10);
     if ((s = getenv("FAKECUDA_COUNTERS_AT_EXIT")) && *s) snprintf(g_counters_path, sizeof g_counters_path, "%s", s);
     for (int i = 0; i < FC_MAX_DEV; i++) {
         g_ctx[i].dev = i;
@@ -484,6 +489,13 @@ FC_API void fakecuda_set_event_delay_us(unsigned long long us)
 {
     LOCK();
     g_delay_us = us;
+    UNLOCK();
+}
+
+FC_API void fakecuda_set_copy_delay_us(unsigned long long us)
+{
+    LOCK();
+    g_copy_delay_us = us;
     UNLOCK();
 }
 
@@ -766,6 +778,39 @@ FC_API CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
     return prim_release(dev);
 }
 
+static CUresult memfree(CUdeviceptr dptr);
+
+/* A reset frees every cuMemAlloc-family allocation made on the device, as the real driver does;
+ * VMM handles and mappings are the process's, not the context's, and survive (as on an H100). */
+static CUresult prim_reset(CUdevice dev)
+{
+    if (!dev_ok(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    for (;;) {
+        uintptr_t base = 0;
+        LOCK();
+        for (fc_range *r = g_allocs; r; r = r->hh.next)
+            if (r->dev == (int)dev) {
+                base = r->base;
+                break;
+            }
+        UNLOCK();
+        if (!base) return CUDA_SUCCESS;
+        (void)memfree((CUdeviceptr)base);
+    }
+}
+
+FC_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    FC_ENTER("cuDevicePrimaryCtxReset");
+    return prim_reset(dev);
+}
+
+FC_API CUresult cuDevicePrimaryCtxReset(CUdevice dev)
+{
+    FC_ENTER("cuDevicePrimaryCtxReset");
+    return prim_reset(dev);
+}
+
 FC_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
 {
     FC_ENTER("cuDevicePrimaryCtxGetState");
@@ -853,10 +898,15 @@ FC_API CUresult cuCtxSynchronize(void)
     unsigned long long t = g_legacy_stream.busy_until;
     if (g_ptds_stream.busy_until > t) t = g_ptds_stream.busy_until;
     fc_stream *s, *tmp;
+    int broke = 0;
     HASH_ITER(hh, g_streams, s, tmp) {
         if (s->busy_until > t) t = s->busy_until;
+        /* synchronizing a context waits for its capturing streams too: the real driver
+         * invalidates their captures (seen on an H100), whatever the capture mode */
+        if (s->capturing && !s->invalidated) s->invalidated = broke = 1;
     }
     UNLOCK();
+    if (broke) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
     sleep_until(t);
     return CUDA_SUCCESS;
 }
@@ -1845,9 +1895,65 @@ FC_API CUresult cuPointerGetAttributes(unsigned int numAttributes, CUpointer_att
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Page-locked host memory                                                                      */
+
+/* Pinned memory belongs to a context, as the real driver's does: a current one is needed. */
+static CUresult host_alloc(void **pp, size_t bytesize, unsigned int flags)
+{
+    if (!pp || !bytesize) return CUDA_ERROR_INVALID_VALUE;
+    if (flags & ~(unsigned)(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!ctx_of(cur_ctx())) return CUDA_ERROR_INVALID_CONTEXT;
+    size_t len = round_up(bytesize, (size_t)sysconf(_SC_PAGESIZE));
+    fc_range *r = calloc(1, sizeof *r);
+    void *p = r && len >= bytesize ? map_aligned(len, 0, PROT_READ | PROT_WRITE) : NULL;
+    if (!p) {
+        free(r);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    r->base = (uintptr_t)p;
+    r->size = bytesize;
+    r->map_len = len;
+    LOCK();
+    HASH_ADD(hh, g_host, base, sizeof r->base, r);
+    UNLOCK();
+    CNT_ADD(host_allocs_live, 1);
+    *pp = p;
+    return CUDA_SUCCESS;
+}
+
+FC_API CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)
+{
+    FC_ENTER("cuMemAllocHost");
+    return host_alloc(pp, bytesize, 0);
+}
+
+FC_API CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
+{
+    FC_ENTER("cuMemHostAlloc");
+    return host_alloc(pp, bytesize, Flags);
+}
+
+FC_API CUresult cuMemFreeHost(void *p)
+{
+    FC_ENTER("cuMemFreeHost");
+    uintptr_t base = (uintptr_t)p;
+    fc_range *r;
+    LOCK();
+    HASH_FIND(hh, g_host, &base, sizeof base, r);
+    if (r) HASH_DEL(g_host, r);
+    UNLOCK();
+    if (!r) return CUDA_ERROR_INVALID_VALUE;
+    munmap(p, r->map_len);
+    free(r);
+    CNT_SUB(host_allocs_live, 1);
+    return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Copies and memsets: synchronous host operations                                              */
 
-static CUresult copy(void *dst, const void *src, size_t n)
+static CUresult copy_bytes(void *dst, const void *src, size_t n)
 {
     if (!n) return CUDA_SUCCESS;
     if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
@@ -1855,10 +1961,28 @@ static CUresult copy(void *dst, const void *src, size_t n)
     return CUDA_SUCCESS;
 }
 
+/* A synchronous copy returns once it is done: FAKECUDA_COPY_DELAY_US later. */
+static CUresult copy(void *dst, const void *src, size_t n)
+{
+    CUresult r = copy_bytes(dst, src, n);
+    unsigned long long us = __atomic_load_n(&g_copy_delay_us, __ATOMIC_RELAXED);
+    if (r == CUDA_SUCCESS && us) sleep_until(now_ns() + us * 1000ULL);
+    return r;
+}
+
+/* The bytes move at once, but the stream is busy FAKECUDA_COPY_DELAY_US longer, after what was
+ * queued on it before: an event recorded after the copy completes then, so a caller that reads
+ * the destination only after waiting for its event sees copies that take time. */
 static CUresult copy_async(void *dst, const void *src, size_t n, CUstream s)
 {
-    CUresult r = stream_check(s);
-    return r != CUDA_SUCCESS ? r : copy(dst, src, n);
+    LOCK();
+    fc_stream *st = stream_get(s);
+    if (st && g_copy_delay_us) {
+        unsigned long long t = now_ns();
+        st->busy_until = (st->busy_until > t ? st->busy_until : t) + g_copy_delay_us * 1000ULL;
+    }
+    UNLOCK();
+    return st ? copy_bytes(dst, src, n) : CUDA_ERROR_INVALID_HANDLE;
 }
 
 #define DP(x) ((void *)(uintptr_t)(x))
@@ -1876,8 +2000,8 @@ FC_API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
 FC_API CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) { FC_ENTER("cuMemcpyAsync"); return copy_async(DP(dst), DP(src), n, s); }
 FC_API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) { FC_ENTER("cuMemcpyHtoDAsync"); return copy_async(DP(dst), src, n, s); }
 FC_API CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void *src, size_t n, CUstream s) { FC_ENTER("cuMemcpyHtoDAsync"); return copy_async(DP(dst), src, n, s); }
-FC_API CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) { FC_ENTER("cuMemcpyDtoHAsync"); return copy_async(dst, DP(src), n, s); }
-FC_API CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dst, CUdeviceptr src, size_t n, CUstream s) { FC_ENTER("cuMemcpyDtoHAsync"); return copy_async(dst, DP(src), n, s); }
+FC_API CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) { CNT_ADD(calls_cuMemcpyDtoHAsync, 1); FC_ENTER("cuMemcpyDtoHAsync"); return copy_async(dst, DP(src), n, s); }
+FC_API CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dst, CUdeviceptr src, size_t n, CUstream s) { CNT_ADD(calls_cuMemcpyDtoHAsync, 1); FC_ENTER("cuMemcpyDtoHAsync"); return copy_async(dst, DP(src), n, s); }
 FC_API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) { FC_ENTER("cuMemcpyDtoDAsync"); return copy_async(DP(dst), DP(src), n, s); }
 FC_API CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) { FC_ENTER("cuMemcpyDtoDAsync"); return copy_async(DP(dst), DP(src), n, s); }
 
@@ -2080,7 +2204,10 @@ static CUresult end_capture(CUstream hStream, CUgraph *phGraph)
     CUresult r = CUDA_SUCCESS;
     if (!s) r = CUDA_ERROR_INVALID_HANDLE;
     else if (!s->capturing) r = CUDA_ERROR_ILLEGAL_STATE;
-    else s->capturing = 0;
+    else {
+        if (s->invalidated) r = CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+        s->capturing = s->invalidated = 0;
+    }
     UNLOCK();
     if (r == CUDA_SUCCESS) *phGraph = (CUgraph)(void *)&g_dummy_graph;
     return r;
@@ -2103,7 +2230,10 @@ static CUresult is_capturing(CUstream hStream, CUstreamCaptureStatus *status)
     if (!status) return CUDA_ERROR_INVALID_VALUE;
     LOCK();
     fc_stream *s = stream_get(hStream);
-    if (s) *status = s->capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+    if (s)
+        *status = !s->capturing    ? CU_STREAM_CAPTURE_STATUS_NONE
+                  : s->invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+                                   : CU_STREAM_CAPTURE_STATUS_ACTIVE;
     UNLOCK();
     return s ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
@@ -2284,6 +2414,7 @@ FC_API CUresult cuMemGetAddressRange(CUdeviceptr_v1 *pbase, unsigned int *psize,
 FC_API CUresult cuMemcpyHtoD(CUdeviceptr_v1 dst, const void *src, unsigned int n) { (void)dst; (void)src; (void)n; return legacy("cuMemcpyHtoD"); }
 FC_API CUresult cuMemcpyDtoH(void *dst, CUdeviceptr_v1 src, unsigned int n) { (void)dst; (void)src; (void)n; return legacy("cuMemcpyDtoH"); }
 FC_API CUresult cuMemcpyDtoD(CUdeviceptr_v1 dst, CUdeviceptr_v1 src, unsigned int n) { (void)dst; (void)src; (void)n; return legacy("cuMemcpyDtoD"); }
+FC_API CUresult cuMemAllocHost(void **pp, unsigned int bytesize) { (void)pp; (void)bytesize; return legacy("cuMemAllocHost"); }
 FC_API CUresult cuMemsetD8(CUdeviceptr_v1 dst, unsigned char uc, unsigned int n) { (void)dst; (void)uc; (void)n; return legacy("cuMemsetD8"); }
 FC_API CUresult cuMemsetD32(CUdeviceptr_v1 dst, unsigned int ui, unsigned int n) { (void)dst; (void)ui; (void)n; return legacy("cuMemsetD32"); }
 FC_API CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev) { (void)bytes; (void)dev; return legacy("cuDeviceTotalMem"); }
@@ -2324,6 +2455,8 @@ struct fc_sym {
     S("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain)                               \
     S("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2)                         \
     S("cuDevicePrimaryCtxRelease", 7000, cuDevicePrimaryCtxRelease)                             \
+    S("cuDevicePrimaryCtxReset", 11000, cuDevicePrimaryCtxReset_v2)                             \
+    S("cuDevicePrimaryCtxReset", 7000, cuDevicePrimaryCtxReset)                                 \
     S("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState)                           \
     S("cuCtxGetCurrent", 4000, cuCtxGetCurrent)                                                 \
     S("cuCtxSetCurrent", 4000, cuCtxSetCurrent)                                                 \
@@ -2376,6 +2509,10 @@ struct fc_sym {
     S("cuMemGetAddressRange", 3020, cuMemGetAddressRange_v2)                                    \
     S("cuMemGetAddressRange", 2000, cuMemGetAddressRange)                                       \
     S("cuPointerGetAttribute", 4000, cuPointerGetAttribute)                                     \
+    S("cuMemAllocHost", 3020, cuMemAllocHost_v2)                                                \
+    S("cuMemAllocHost", 2000, cuMemAllocHost)                                                   \
+    S("cuMemHostAlloc", 2020, cuMemHostAlloc)                                                   \
+    S("cuMemFreeHost", 2000, cuMemFreeHost)                                                     \
     S("cuPointerGetAttributes", 7000, cuPointerGetAttributes)                                   \
     P("cuMemcpy", 4000, cuMemcpy, cuMemcpy_ptds)                                                \
     P("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds)                              \

@@ -13,6 +13,9 @@
  *                                 cuMemAddressReserve return CUDA_ERROR_NOT_SUPPORTED
  *   FAKECUDA_FAIL=fn:n[:err],...  the next n calls of fn fail (see fakecuda_fail_next)
  *   FAKECUDA_EVENT_DELAY_US=N     work recorded on a stream completes N microseconds late
+ *   FAKECUDA_COPY_DELAY_US=N      every copy takes N microseconds: a synchronous one returns that
+ *                                 late, an asynchronous one keeps its stream busy that much
+ *                                 longer (events recorded after it complete then)
  *   FAKECUDA_COUNTERS_AT_EXIT=path  write the counters as key=value lines at exit
  *                                 ("%p" in path becomes the process id)
  */
@@ -31,12 +34,14 @@
     X(phys_bytes_live)       /* bytes charged to the device budgets, all devices */            \
     X(memalloc_live)         /* cuMemAlloc/AllocAsync/AllocPitch/AllocManaged not yet freed */ \
     X(ipc_opens_live)        /* cuIpcOpenMemHandle mappings not yet closed */                  \
+    X(host_allocs_live)      /* cuMemAllocHost/cuMemHostAlloc not yet cuMemFreeHost'd */       \
     X(calls_cuMemCreate)                                                                       \
     X(calls_cuMemAlloc)      /* cuMemAlloc_v2 */                                               \
     X(calls_cuMemAllocAsync) /* cuMemAllocAsync and cuMemAllocAsync_ptsz */                    \
     X(calls_cuMemFree)       /* cuMemFree_v2 */                                                \
     X(calls_cuMemFreeAsync)  /* cuMemFreeAsync and cuMemFreeAsync_ptsz */                      \
     X(calls_cuMemMap)                                                                          \
+    X(calls_cuMemcpyDtoHAsync) /* both exported variants */                                    \
     X(calls_cuMemRelease)                                                                      \
     X(calls_cuGetProcAddress) /* both ABI versions */                                          \
     X(calls_cuMemAllocFromPoolAsync) /* and _ptsz */                                           \
@@ -69,6 +74,10 @@ typedef void (*fakecuda_set_budget_fn)(unsigned long long bytes);
 /* Sets the event completion delay (what FAKECUDA_EVENT_DELAY_US sets at load time). */
 void fakecuda_set_event_delay_us(unsigned long long us);
 typedef void (*fakecuda_set_event_delay_us_fn)(unsigned long long us);
+
+/* Sets the copy duration (what FAKECUDA_COPY_DELAY_US sets at load time). */
+void fakecuda_set_copy_delay_us(unsigned long long us);
+typedef void (*fakecuda_set_copy_delay_us_fn)(unsigned long long us);
 
 /* Snapshot of the counters. */
 void fakecuda_counters(struct fakecuda_counters *out);

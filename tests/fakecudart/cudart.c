@@ -108,11 +108,15 @@ API cudaError_t cudaMalloc(void **p, size_t size)
     if (e == cudaSuccess) *p = (void *)(uintptr_t)d;
     return ret(e);
 }
+/* Streams capturing now: the real cudaFree then defers its synchronization instead of breaking
+ * the captures (seen on an H100 in relaxed and thread-local mode). */
+static int captures;
+
 API cudaError_t cudaFree(void *p)
 {
     ENSURE();
     if (!p) return cudaSuccess;
-    cuCtxSynchronize();
+    if (!__atomic_load_n(&captures, __ATOMIC_ACQUIRE)) cuCtxSynchronize();
     return ret(map(cuMemFree((CUdeviceptr)(uintptr_t)p)));
 }
 static cudaError_t malloc_async(void **p, size_t size, CUstream s)
@@ -167,6 +171,11 @@ API cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s)
     (void)s;
     return cudaMemset(p, v, n);
 }
+API cudaError_t cudaDeviceReset(void)
+{
+    cuInit(0);
+    return ret(map(cuDevicePrimaryCtxReset_v2(cur_dev)));
+}
 API cudaError_t cudaDeviceSynchronize(void)
 {
     ENSURE();
@@ -190,11 +199,17 @@ API cudaError_t cudaStreamSynchronize(cudaStream_t s)
 }
 API cudaError_t cudaStreamBeginCapture(cudaStream_t s, enum cudaStreamCaptureMode mode)
 {
-    return ret(map(cuStreamBeginCapture((CUstream)s, (CUstreamCaptureMode)mode)));
+    CUresult r = cuStreamBeginCapture((CUstream)s, (CUstreamCaptureMode)mode);
+    if (r == CUDA_SUCCESS) __atomic_add_fetch(&captures, 1, __ATOMIC_ACQ_REL);
+    return ret(map(r));
 }
 API cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g)
 {
-    return ret(map(cuStreamEndCapture((CUstream)s, (CUgraph *)g)));
+    CUstreamCaptureStatus was = CU_STREAM_CAPTURE_STATUS_NONE;
+    cuStreamIsCapturing((CUstream)s, &was);
+    CUresult r = cuStreamEndCapture((CUstream)s, (CUgraph *)g);
+    if (was != CU_STREAM_CAPTURE_STATUS_NONE) __atomic_sub_fetch(&captures, 1, __ATOMIC_ACQ_REL);
+    return ret(map(r));
 }
 API cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *st)
 {

@@ -54,7 +54,7 @@ echo quit >&"${OWN[1]}"; wait "$OWN_PID" 2>/dev/null
 if [ -x tests/gpu/dump.sh ]; then
   echo "== vmmctl dump against pinned device-to-host copies (tests/gpu/dump.sh)"
   tests/gpu/dump.sh 2>&1 | tee "$W/dump.txt"
-  if grep -qE "^[0-9]+ passed, 0 failed" "$W/dump.txt"; then ok "tests/gpu/dump.sh"; else bad "tests/gpu/dump.sh"; fi
+  if grep -qE "^dump: [0-9]+ passed, 0 failed" "$W/dump.txt"; then ok "tests/gpu/dump.sh"; else bad "tests/gpu/dump.sh"; fi
 fi
 echo "companion bench: $pass passed, $fail failed"
 [ "$fail" = 0 ]

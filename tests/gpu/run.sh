@@ -17,7 +17,7 @@ bad()  { fail=$((fail+1)); echo "FAIL $*"; }
 check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
 
 cc_rt() { gcc -O2 -std=c11 -D_GNU_SOURCE -I"$CUDA/include" "$1" -o "$2" -L"$CUDA/lib64" -lcudart -pthread -Wl,-rpath,"$CUDA/lib64"; }
-for p in semantics threads owner async_reuse oom; do cc_rt tests/progs/$p.c "$W/$p" || bad "build $p"; done
+for p in semantics threads owner async_reuse oom reset capture_free; do cc_rt tests/progs/$p.c "$W/$p" || bad "build $p"; done
 nvcc -O2 -arch=sm_90 -cudart shared -Itools/include tests/gpu/kernels.cu -o "$W/kernels" -L"$B" -lvmmshim-client -Xlinker -rpath -Xlinker "$B" || bad "build kernels"
 
 echo "== runtime semantics, native vs shim"
@@ -25,6 +25,21 @@ echo "== runtime semantics, native vs shim"
 env $SHIM "$W/semantics" > "$W/sem.shim" 2>"$W/sem.err"
 check "semantics identical to native" "cmp -s '$W/sem.native' '$W/sem.shim'"
 diff "$W/sem.native" "$W/sem.shim" | head -20; cat "$W/sem.err" | head -5
+
+echo "== cudaDeviceReset with live and cached memory, native vs shim"
+"$W/reset" > "$W/reset.native" 2>&1
+env $SHIM "$W/reset" > "$W/reset.shim" 2>"$W/reset.err"
+cat "$W/reset.shim"
+check "cudaDeviceReset: the program sees what native gives" "cmp -s '$W/reset.native' '$W/reset.shim'"
+diff "$W/reset.native" "$W/reset.shim" | head -10; head -5 "$W/reset.err"
+
+echo "== another thread's cudaMalloc/cudaFree while a stream captures (thread-local, relaxed), native vs shim"
+for m in 1 2; do
+  "$W/capture_free" $m > "$W/cap$m.native" 2>&1
+  env $SHIM "$W/capture_free" $m > "$W/cap$m.shim" 2>&1
+  cat "$W/cap$m.shim"
+  check "capture mode $m survives another thread's cudaMalloc/cudaFree as natively" "cmp -s '$W/cap$m.native' '$W/cap$m.shim' && grep -q 'end cudaSuccess' '$W/cap$m.shim'"
+done
 
 echo "== 16 threads x 10000 allocate/free"
 env $SHIM "$W/threads" 16 10000 > "$W/thr" 2>&1; cat "$W/thr"

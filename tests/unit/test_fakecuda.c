@@ -43,7 +43,7 @@
     X(cuDeviceGetMemPool) X(cuDeviceSetMemPool) X(cuMemGetDefaultMemPool) X(cuMemGetMemPool)     \
     X(cuMemSetMemPool) X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolSetAccess)              \
     X(cuMemPoolGetAccess) X(cuMemPoolSetAttribute) X(cuMemPoolGetAttribute) X(cuMemPoolTrimTo)   \
-    X(cuMemAllocFromPoolAsync)
+    X(cuMemAllocFromPoolAsync) X(cuMemAllocHost) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuMemcpyDtoHAsync)
 
 #define DECL(name) static __typeof__(&name) p_##name;
 FNS(DECL)
@@ -53,6 +53,7 @@ static void *lib;
 static fakecuda_fail_next_fn fc_fail_next;
 static fakecuda_set_budget_fn fc_set_budget;
 static fakecuda_set_event_delay_us_fn fc_set_delay;
+static fakecuda_set_copy_delay_us_fn fc_set_copy_delay;
 static fakecuda_counters_fn fc_counters;
 
 static void *sym(const char *name)
@@ -75,6 +76,7 @@ static int open_driver(void)
     LOAD_CTL(fc_fail_next, "fakecuda_fail_next");
     LOAD_CTL(fc_set_budget, "fakecuda_set_budget");
     LOAD_CTL(fc_set_delay, "fakecuda_set_event_delay_us");
+    LOAD_CTL(fc_set_copy_delay, "fakecuda_set_copy_delay_us");
     LOAD_CTL(fc_counters, "fakecuda_counters");
     return check__failed == before ? 0 : -1;
 }
@@ -270,6 +272,16 @@ static void child_delay_env(void)
     CHECK_EQ(p_cuEventSynchronize(e), CUDA_SUCCESS);
     CHECK_EQ(p_cuEventQuery(e), CUDA_SUCCESS);
     CHECK_EQ(p_cuEventDestroy(e), CUDA_SUCCESS);
+}
+
+static void child_copy_delay_env(void)
+{
+    if (open_driver()) return;
+    setup_ctx(0);
+    char a[64] = "x", b[64] = "";
+    double t0 = now_s();
+    CHECK_EQ(p_cuMemcpyDtoH(b, (CUdeviceptr)(uintptr_t)a, sizeof a), CUDA_SUCCESS);
+    CHECK(now_s() - t0 >= 0.09 && b[0] == 'x', "a copy under FAKECUDA_COPY_DELAY_US took %.3f s", now_s() - t0);
 }
 
 static void child_counters_at_exit(void)
@@ -765,6 +777,64 @@ static void test_streams_events(void)
     CHECK_EQ(p_cuStreamSynchronize(s), CUDA_ERROR_INVALID_HANDLE);
 }
 
+/* Pinned host memory, and copies that take time (FAKECUDA_COPY_DELAY_US): what
+ * vmm_import_copy's pipeline is tested against. */
+static void test_host_memory_and_copy_delay(void)
+{
+    void *p = NULL, *q = NULL, *fn = NULL;
+    unsigned long long live = counters().host_allocs_live;
+    CHECK_EQ(p_cuMemAllocHost(&p, 5000), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemHostAlloc(&q, MiB, CU_MEMHOSTALLOC_PORTABLE), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemHostAlloc(&q, MiB, 0x80), CUDA_ERROR_INVALID_VALUE);
+    CHECK_EQ(p_cuMemAllocHost(&p, 0), CUDA_ERROR_INVALID_VALUE);
+    CHECK_EQ(counters().host_allocs_live - live, 2);
+    if (p && q) {
+        memset(p, 1, 5000);
+        memset(q, 2, MiB);
+    }
+    CHECK_EQ(p_cuMemFreeHost((char *)p + 4096), CUDA_ERROR_INVALID_VALUE);
+    CHECK_EQ(p_cuMemFreeHost(p), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemFreeHost(p), CUDA_ERROR_INVALID_VALUE);
+    CHECK_EQ(p_cuMemFreeHost(q), CUDA_SUCCESS);
+    CHECK_EQ(counters().host_allocs_live, live);
+    CUdriverProcAddressQueryResult st;
+    CHECK(p_cuGetProcAddress("cuMemHostAlloc", &fn, 13000, 0, &st) == CUDA_SUCCESS && fn, "cuMemHostAlloc by name");
+    CHECK(p_cuGetProcAddress("cuMemFreeHost", &fn, 13000, 0, &st) == CUDA_SUCCESS && fn, "cuMemFreeHost by name");
+
+    /* An asynchronous copy returns at once; an event recorded after it completes only when it
+     * does, and a second copy queued behind it takes as long again. */
+    char src[256], dst[256];
+    memset(src, 7, sizeof src);
+    CUstream s;
+    CUevent e;
+    CHECK_EQ(p_cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), CUDA_SUCCESS);
+    CHECK_EQ(p_cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), CUDA_SUCCESS);
+    unsigned long long calls = counters().calls_cuMemcpyDtoHAsync;
+    fc_set_copy_delay(100000);
+    double t0 = now_s();
+    CHECK_EQ(p_cuMemcpyDtoHAsync(dst, (CUdeviceptr)(uintptr_t)src, sizeof dst, s), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemcpyDtoHAsync(dst, (CUdeviceptr)(uintptr_t)src, sizeof dst, s), CUDA_SUCCESS);
+    CHECK(now_s() - t0 < 0.09, "cuMemcpyDtoHAsync waited %.3f s", now_s() - t0);
+    CHECK_EQ(p_cuEventRecord(e, s), CUDA_SUCCESS);
+    CHECK_EQ(p_cuEventQuery(e), CUDA_ERROR_NOT_READY);
+    CHECK_EQ(p_cuEventSynchronize(e), CUDA_SUCCESS);
+    CHECK(now_s() - t0 >= 0.19 && dst[0] == 7, "two queued copies were done after %.3f s", now_s() - t0);
+    CHECK_EQ(counters().calls_cuMemcpyDtoHAsync - calls, 2);
+    t0 = now_s();
+    CHECK_EQ(p_cuMemcpyDtoH(dst, (CUdeviceptr)(uintptr_t)src, sizeof dst), CUDA_SUCCESS);
+    CHECK(now_s() - t0 >= 0.09, "a synchronous copy returned after %.3f s", now_s() - t0);
+    fc_set_copy_delay(0);
+    t0 = now_s();
+    CHECK_EQ(p_cuMemcpyDtoHAsync(dst, (CUdeviceptr)(uintptr_t)src, sizeof dst, s), CUDA_SUCCESS);
+    CHECK_EQ(p_cuEventRecord(e, s), CUDA_SUCCESS);
+    CHECK_EQ(p_cuEventSynchronize(e), CUDA_SUCCESS);
+    CHECK(now_s() - t0 < 0.09, "without a delay a copy took %.3f s", now_s() - t0);
+    CHECK_EQ(p_cuMemcpyDtoHAsync(dst, (CUdeviceptr)(uintptr_t)src, sizeof dst, (CUstream)(uintptr_t)0x1234),
+             CUDA_ERROR_INVALID_HANDLE);
+    CHECK_EQ(p_cuEventDestroy(e), CUDA_SUCCESS);
+    CHECK_EQ(p_cuStreamDestroy(s), CUDA_SUCCESS);
+}
+
 static void test_memalloc(void)
 {
     CUdeviceptr d = 0, d2 = 0, base = 0;
@@ -887,6 +957,7 @@ int main(void)
     const char *twodev_env[] = {"FAKECUDA_DEVICES=2", NULL};
     const char *budget_env[] = {"FAKECUDA_MEM_BYTES=6M", NULL};
     const char *delay_env[] = {"FAKECUDA_EVENT_DELAY_US=100000", NULL};
+    const char *copy_delay_env[] = {"FAKECUDA_COPY_DELAY_US=100000", NULL};
     fprintf(stderr, "(expected fakecuda FAKECUDA_FAIL warnings follow)\n");
     CHECK_EQ(in_child(fail_env, child_fail_env), 0);
     CHECK_EQ(in_child(novmm_env, child_no_vmm), 0);
@@ -895,6 +966,7 @@ int main(void)
     CHECK_EQ(in_child(twodev_env, child_mem_pools), 0);
     CHECK_EQ(in_child(budget_env, child_budget), 0);
     CHECK_EQ(in_child(delay_env, child_delay_env), 0);
+    CHECK_EQ(in_child(copy_delay_env, child_copy_delay_env), 0);
 
     char dir[] = "/tmp/fakecuda-test-XXXXXX", envbuf[200];
     CHECK(mkdtemp(dir) != NULL, "mkdtemp");
@@ -934,6 +1006,7 @@ int main(void)
     test_fault_injection();
     test_get_proc_address();
     test_streams_events();
+    test_host_memory_and_copy_delay();
     test_memalloc();
     test_cross_process();
     struct fakecuda_counters c = counters();
@@ -942,5 +1015,6 @@ int main(void)
     CHECK_EQ(c.reservations_live, 0);
     CHECK_EQ(c.phys_bytes_live, 0);
     CHECK_EQ(c.memalloc_live, 0);
+    CHECK_EQ(c.host_allocs_live, 0);
     CHECK_DONE();
 }

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -262,6 +263,101 @@ static int look_for(void *ctx, const vmm_alloc_info *a)
     return 0;
 }
 
+static int count_pid(void *ctx, const vmm_alloc_info *a)
+{
+    int *n = ctx;
+    if ((int)a->pid == n[0]) n[1]++;
+    return 0;
+}
+
+/* cudaDeviceReset frees every allocation natively: under the shim the old pointers are gone too
+ * (their frees fail as native), the registry keeps no record of them, the pool's chunks are
+ * released, and the program allocates and uses memory again. */
+static void test_device_reset(void)
+{
+    char prog[600], nat[4096], sh[4096], e1[4096], e2[4096], cnt[700], cpath[600];
+    snprintf(prog, sizeof prog, "%s/progs/reset", build);
+    snprintf(cpath, sizeof cpath, "/tmp/vmmshim-reset-counters-%d", (int)getpid());
+    snprintf(cnt, sizeof cnt, "FAKECUDA_COUNTERS_AT_EXIT=%s", cpath);
+    char *argv[] = {prog, NULL};
+    int r1 = run(argv, NULL, nat, sizeof nat, e1, sizeof e1);
+    const char *env[] = {preload, cnt, NULL};
+    int r2 = run(argv, env, sh, sizeof sh, e2, sizeof e2);
+    CHECK(r1 == 0 && r2 == 0, "exit codes native %d shim %d: %s %s", r1, r2, e1, e2);
+    CHECK(strstr(nat, "free a after reset: cudaErrorInvalidValue") && strstr(nat, "holds what was written: cudaSuccess 0x5a"),
+          "native output:\n%s", nat);
+    CHECK(strcmp(nat, sh) == 0, "output differs\n--- native\n%s--- shim\n%s", nat, sh);
+    long handles = -1, mappings = -1;
+    char line[256];
+    FILE *f = fopen(cpath, "r");
+    while (f && fgets(line, sizeof line, f)) {
+        sscanf(line, "handles_live=%ld", &handles);
+        sscanf(line, "mappings_live=%ld", &mappings);
+    }
+    if (f) fclose(f);
+    unlink(cpath);
+    /* what is left at exit is the chunk of the one allocation made after the reset, cached */
+    CHECK(handles == 1 && mappings == 1, "at exit: %ld handles, %ld mappings live", handles, mappings);
+
+    /* while it runs after the reset, the registry holds its one new allocation only */
+    int in[2], er[2];
+    if (pipe(in) || pipe(er)) return;
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(in[0], 0);
+        dup2(er[1], 2);
+        int dn = open("/dev/null", O_WRONLY);
+        dup2(dn, 1);
+        close(in[1]);
+        close(er[0]);
+        putenv(preload);
+        execl(prog, prog, "wait", (char *)NULL);
+        _exit(127);
+    }
+    close(in[0]);
+    close(er[1]);
+    FILE *from = fdopen(er[0], "r");
+    int rpid = 0;
+    unsigned long long raddr = 0;
+    while (from && fgets(line, sizeof line, from) && sscanf(line, "ready %d %llx", &rpid, &raddr) != 2) {
+    }
+    vmm_registry *reg = NULL;
+    int n[2] = {rpid, 0};
+    CHECK(rpid == pid && vmm_open(registry, &reg) == VMM_OK, "reset prog did not get ready: %s", vmm_last_error());
+    if (reg) {
+        vmm_foreach_alloc(reg, count_pid, n);
+        vmm_alloc_info a;
+        CHECK(n[1] == 1 && vmm_find(reg, (uint32_t)pid, raddr, &a) == VMM_OK && a.requested_size == 64u << 20,
+              "after the reset: %d live records of the program", n[1]);
+        vmm_close(reg);
+    }
+    (void)!write(in[1], "go\n", 3);
+    close(in[1]);
+    if (from) fclose(from);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "reset prog exit status 0x%x", st);
+}
+
+/* Another thread's cudaMalloc/cudaFree while a stream captures in thread-local or relaxed mode:
+ * native breaks no capture, and neither may the shim (its free must not synchronize the context
+ * then: that would invalidate the capture). */
+static void test_capture_other_thread(void)
+{
+    char prog[600], nat[1024], sh[1024], e1[4096], e2[4096];
+    snprintf(prog, sizeof prog, "%s/progs/capture_free", build);
+    const char *env[] = {preload, NULL};
+    for (int mode = 1; mode <= 2; mode++) {
+        char m[4];
+        snprintf(m, sizeof m, "%d", mode);
+        char *argv[] = {prog, m, NULL};
+        int r1 = run(argv, NULL, nat, sizeof nat, e1, sizeof e1);
+        int r2 = run(argv, env, sh, sizeof sh, e2, sizeof e2);
+        CHECK(r1 == 0 && strstr(nat, "end cudaSuccess"), "native, mode %d: rc %d %s%s", mode, r1, nat, e1);
+        CHECK(r2 == 0 && strcmp(nat, sh) == 0, "mode %d: rc %d\n--- native\n%s--- shim\n%s%s", mode, r2, nat, sh, e2);
+    }
+}
+
 /* cudaMallocAsync on a stream being captured goes to the real pool; the registry still shows
  * it, flagged as not exportable, and the free retracts it. */
 static void test_capture(void)
@@ -494,6 +590,8 @@ int main(void)
     test_packed_and_isolated();
     test_many_small();
     test_adopted();
+    test_device_reset();
+    test_capture_other_thread();
     test_capture();
     test_owner_killed();
     shm_unlink(registry);

@@ -255,7 +255,10 @@ vmm_status vmm_import_read(const vmm_imported *imp, uint64_t offset, void *dst, 
 /* Stream the bytes to sink in order, through two pinned host buffers so that the copy of one
  * overlaps the sink's work on the other (what `vmmctl dump` writes files with).  sink gets each
  * piece (data valid only during the call) and the bytes handed over before it; a non-zero return
- * stops the copy, which then fails with VMM_ERR_IO. */
+ * stops the copy, which then fails with VMM_ERR_IO.  Pieces are a quarter of the length, at least
+ * 1 MiB and at most 16 MiB.  The pinned buffers are kept for later calls (one pair for each call
+ * running at once, at most 2 x 16 MiB each, until the process exits), since pinning memory is
+ * slower than copying it. */
 typedef int (*vmm_sink_fn)(void *ctx, const void *data, uint64_t length, uint64_t done);
 vmm_status vmm_import_copy(const vmm_imported *imp, uint64_t offset, uint64_t length, vmm_sink_fn sink, void *ctx);
 

@@ -10,6 +10,8 @@
 #include "core/options.h"
 #include "core/version.h"
 
+#include "vmmctl.h"
+
 #include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
@@ -20,8 +22,6 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-
-enum { EXIT_OK = 0, EXIT_PROBLEMS = 1, EXIT_USAGE = 2 };
 
 static const char usage_text[] =
     "usage: vmmctl [--registry NAME] COMMAND [options]\n"
@@ -42,6 +42,18 @@ static const char usage_text[] =
     "                 from ADDR (default: to the end of the allocation) and the import times;\n"
     "                 a LEN past the allocation imports the range across the allocations\n"
     "                 that follow it (pages the program mapped itself)\n"
+    "  dump PID [ADDR] -o PATH\n"
+    "                 copy device memory to files: with ADDR, that allocation's bytes to the\n"
+    "                 file PATH; without, every live allocation of PID into the new (or empty)\n"
+    "                 directory PATH, one file each, and manifest.json (FNV-1a checksums; what\n"
+    "                 was skipped and why).  All are imported before the first byte is copied,\n"
+    "                 so the dump completes even if PID dies meanwhile.  A progress bar on a\n"
+    "                 terminal's stderr; a summary line on stdout.  Exit 1 if anything asked\n"
+    "                 for could not be dumped (skipped allocations do not count)\n"
+    "  watch [--pid PID] [--interval S] [--count N]\n"
+    "                 every S seconds (default 1) each process's allocations and bytes and\n"
+    "                 their change since the tick before: a redrawn table on a terminal, else\n"
+    "                 one JSON line per tick; stops after N ticks, or on SIGINT/SIGTERM\n"
     "  config         every VMMSHIM_* option: its value and where it came from\n"
     "\n"
     "options:\n"
@@ -62,7 +74,7 @@ static void one_line(char *msg)
         if ((unsigned char)*p < 0x20 || *p == 0x7f) *p = '?';
 }
 
-__attribute__((format(printf, 1, 2), noreturn)) static void usage_error(const char *fmt, ...)
+__attribute__((format(printf, 1, 2), noreturn)) void vmm__ctl_usage_error(const char *fmt, ...)
 {
     char msg[512];
     va_list ap;
@@ -75,7 +87,7 @@ __attribute__((format(printf, 1, 2), noreturn)) static void usage_error(const ch
     exit(EXIT_USAGE);
 }
 
-__attribute__((format(printf, 1, 2))) static int error(const char *fmt, ...)
+__attribute__((format(printf, 1, 2))) int vmm__ctl_error(const char *fmt, ...)
 {
     char msg[768];
     va_list ap;
@@ -88,21 +100,17 @@ __attribute__((format(printf, 1, 2))) static int error(const char *fmt, ...)
     return EXIT_PROBLEMS;
 }
 
-static int api_error(vmm_status st)
+int vmm__ctl_api_error(vmm_status st)
 {
     const char *why = vmm_last_error();
-    return error("%s", *why ? why : vmm_strerror(st));
+    return vmm__ctl_error("%s", *why ? why : vmm_strerror(st));
 }
 
 /* ------------------------------------------------------------------------------------------ */
 /* Formatting                                                                                  */
 
-typedef struct {
-    char s[32];
-} hbuf;
-
 /* 512 B, 4.0 KiB, 2.0 MiB, 1.50 GiB: one decimal up to MiB, two from GiB on. */
-static const char *human(uint64_t v, hbuf *b)
+const char *vmm__ctl_human(uint64_t v, hbuf *b)
 {
     static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
     if (v < 1024) {
@@ -118,7 +126,7 @@ static const char *human(uint64_t v, hbuf *b)
     return b->s;
 }
 
-static const char *api_name(uint32_t api)
+const char *vmm__ctl_api_name(uint32_t api)
 {
     switch (api) {
     case VMM_FROM_CUDA_MALLOC: return "cudaMalloc";
@@ -132,7 +140,7 @@ static const char *api_name(uint32_t api)
     }
 }
 
-static const char *owner_name(int alive, bool json)
+const char *vmm__ctl_owner_name(int alive, bool json)
 {
     if (alive == VMM_OWNER_ALIVE) return "alive";
     if (alive == VMM_OWNER_DEAD) return "dead";
@@ -150,7 +158,7 @@ static const char *kinds_text(uint32_t k, char *buf, size_t len)
 }
 
 /* For table cells: control characters would break the row, so they print as '?'. */
-static const char *cell(const char *s, char *buf, size_t len)
+const char *vmm__ctl_cell(const char *s, char *buf, size_t len)
 {
     size_t i = 0;
     for (; s[i] && i + 1 < len; i++) buf[i] = (unsigned char)s[i] < 0x20 || s[i] == 0x7f ? '?' : s[i];
@@ -158,7 +166,7 @@ static const char *cell(const char *s, char *buf, size_t len)
     return i ? buf : "-";
 }
 
-static void hex(const uint8_t *p, size_t n, char *out)
+void vmm__ctl_hex(const uint8_t *p, size_t n, char *out)
 {
     static const char digits[] = "0123456789abcdef";
     for (size_t i = 0; i < n; i++) {
@@ -169,21 +177,21 @@ static void hex(const uint8_t *p, size_t n, char *out)
 }
 
 /* A JSON string: escapes, and U+FFFD for bytes that are not UTF-8 (the registry holds bytes). */
-static void json_str(const char *s)
+void vmm__ctl_json_str(FILE *f, const char *s)
 {
     const unsigned char *p = (const unsigned char *)s;
-    putchar('"');
+    fputc('"', f);
     while (*p) {
         unsigned c = *p;
         if (c == '"' || c == '\\') {
-            putchar('\\');
-            putchar((int)c);
+            fputc('\\', f);
+            fputc((int)c, f);
             p++;
         } else if (c < 0x20 || c == 0x7f) {
-            printf("\\u%04x", c);
+            fprintf(f, "\\u%04x", c);
             p++;
         } else if (c < 0x80) {
-            putchar((int)c);
+            fputc((int)c, f);
             p++;
         } else {
             int n = c >= 0xf0 && c <= 0xf4 ? 4 : c >= 0xe0 ? 3 : c >= 0xc2 && c <= 0xdf ? 2 : 0;
@@ -199,22 +207,29 @@ static void json_str(const char *s)
                 ok = cp >= 0x10000 && cp <= 0x10ffff;
             }
             if (ok) {
-                fwrite(p, 1, (size_t)n, stdout);
+                fwrite(p, 1, (size_t)n, f);
                 p += n;
             } else {
-                fputs("\\ufffd", stdout);
+                fputs("\\ufffd", f);
                 p++;
             }
         }
     }
-    putchar('"');
+    fputc('"', f);
 }
 
-static uint64_t now_ns(void)
+uint64_t vmm__ctl_now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t vmm__ctl_fnv1a(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
 }
 
 static uint64_t age_s(uint64_t created_ns, uint64_t now)
@@ -228,28 +243,28 @@ static uint64_t age_s(uint64_t created_ns, uint64_t now)
 static const char *registry_opt; /* --registry */
 static bool registry_given;
 
-static bool take_registry(int argc, char **argv, int *i)
+bool vmm__ctl_take_registry(int argc, char **argv, int *i)
 {
     const char *a = argv[*i];
     if (strcmp(a, "--registry") == 0) {
-        if (*i + 1 >= argc) usage_error("--registry needs a name");
+        if (*i + 1 >= argc) vmm__ctl_usage_error("--registry needs a name");
         registry_opt = argv[++*i];
     } else if (strncmp(a, "--registry=", 11) == 0) {
         registry_opt = a + 11;
     } else {
         return false;
     }
-    if (!*registry_opt) usage_error("--registry needs a name");
+    if (!*registry_opt) vmm__ctl_usage_error("--registry needs a name");
     registry_given = true;
     return true;
 }
 
-static uint32_t parse_pid(const char *s)
+uint32_t vmm__ctl_parse_pid(const char *s)
 {
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
-    if (!*s || *s < '0' || *s > '9' || *end || errno || v == 0 || v > INT_MAX) usage_error("bad pid '%s'", s);
+    if (!*s || *s < '0' || *s > '9' || *end || errno || v == 0 || v > INT_MAX) vmm__ctl_usage_error("bad pid '%s'", s);
     return (uint32_t)v;
 }
 
@@ -263,11 +278,11 @@ static const char *registry_name(void)
     return n && *n ? n : NULL;
 }
 
-static int open_registry(vmm_registry **reg, bool writable)
+int vmm__ctl_open_registry(vmm_registry **reg, bool writable)
 {
     const char *name = registry_name();
     vmm_status st = writable ? vmm_open_writable(name, reg) : vmm_open(name, reg);
-    return st == VMM_OK ? EXIT_OK : api_error(st);
+    return st == VMM_OK ? EXIT_OK : vmm__ctl_api_error(st);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -292,24 +307,24 @@ static int list_row(void *ctx, const vmm_alloc_info *a)
         return 0;
     }
     char id[33], kinds[32], tag[sizeof a->tag];
-    hex(a->alloc_id, sizeof a->alloc_id, id);
+    vmm__ctl_hex(a->alloc_id, sizeof a->alloc_id, id);
     if (c->json) {
         char uuid[33];
-        hex(a->device_uuid, sizeof a->device_uuid, uuid);
+        vmm__ctl_hex(a->device_uuid, sizeof a->device_uuid, uuid);
         printf("%s\n  {\"id\": \"%s\", \"slot\": %llu, \"generation\": %llu, \"pid\": %u, \"owner\": \"%s\", "
                "\"owner_start_time\": %llu, \"owner_pidns\": %llu, \"device\": %u, \"device_uuid\": \"%s\", "
                "\"address\": %llu, \"address_hex\": \"0x%llx\", \"requested_size\": %llu, \"mapped_size\": %llu, "
                "\"chunk_id\": %llu, \"chunk_offset\": %llu, \"extent\": %llu, \"shared_chunk\": %s, "
                "\"stream\": %llu, \"created_ns\": %llu, \"age_s\": %llu, \"api\": \"%s\", \"handle_kinds\": [",
                c->n ? "," : "", id, (unsigned long long)a->slot, (unsigned long long)a->generation, a->pid,
-               owner_name(a->owner_alive, true), (unsigned long long)a->owner_start_time,
+               vmm__ctl_owner_name(a->owner_alive, true), (unsigned long long)a->owner_start_time,
                (unsigned long long)a->owner_pidns, a->device, uuid, (unsigned long long)a->address,
                (unsigned long long)a->address, (unsigned long long)a->requested_size,
                (unsigned long long)a->mapped_size, (unsigned long long)a->chunk_id,
                (unsigned long long)a->chunk_offset, (unsigned long long)held_bytes(a),
                a->flags & VMM_ALLOC_SHARED_CHUNK ? "true" : "false", (unsigned long long)a->stream,
                (unsigned long long)a->created_ns,
-               (unsigned long long)age_s(a->created_ns, c->now), api_name(a->api));
+               (unsigned long long)age_s(a->created_ns, c->now), vmm__ctl_api_name(a->api));
         const char *sep = "";
         if (a->handle_kinds & VMM_KIND_BROKER) printf("%s\"broker\"", sep), sep = ", ";
         if (a->handle_kinds & VMM_KIND_PIDFD) printf("%s\"pidfd\"", sep), sep = ", ";
@@ -317,7 +332,7 @@ static int list_row(void *ctx, const vmm_alloc_info *a)
         printf("], \"exported_fd\": %d, \"frames\": [", a->exported_fd);
         for (uint32_t i = 0; i < a->n_frames && i < 8; i++) printf("%s%llu", i ? ", " : "", (unsigned long long)a->frames[i]);
         printf("], \"tag\": ");
-        json_str(a->tag);
+        vmm__ctl_json_str(stdout, a->tag);
         putchar('}');
     } else {
         hbuf req, map;
@@ -326,9 +341,10 @@ static int list_row(void *ctx, const vmm_alloc_info *a)
         /* The short id is the last 8 bytes: the registry makes the first 8 a per-process nonce,
          * the same on every row of a process. */
         printf("%7u %3u 0x%012llx %10s %10s %-15s %-19s %-5s %7s %-16s %s\n", a->pid, a->device,
-               (unsigned long long)a->address, human(a->requested_size, &req), human(held_bytes(a), &map),
-               api_name(a->api), kinds_text(a->handle_kinds, kinds, sizeof kinds), owner_name(a->owner_alive, false),
-               age, cell(a->tag, tag, sizeof tag), id + 16);
+               (unsigned long long)a->address, vmm__ctl_human(a->requested_size, &req),
+               vmm__ctl_human(held_bytes(a), &map), vmm__ctl_api_name(a->api),
+               kinds_text(a->handle_kinds, kinds, sizeof kinds), vmm__ctl_owner_name(a->owner_alive, false),
+               age, vmm__ctl_cell(a->tag, tag, sizeof tag), id + 16);
     }
     c->n++;
     c->requested += a->requested_size;
@@ -338,23 +354,23 @@ static int list_row(void *ctx, const vmm_alloc_info *a)
 
 static int cmd_list(int argc, char **argv)
 {
-    list_ctx c = {.now = now_ns()};
+    list_ctx c = {.now = vmm__ctl_now_ns()};
     for (int i = 0; i < argc; i++) {
-        if (take_registry(argc, argv, &i)) continue;
+        if (vmm__ctl_take_registry(argc, argv, &i)) continue;
         if (strcmp(argv[i], "--json") == 0)
             c.json = true;
         else if (strcmp(argv[i], "--all") == 0)
             c.all = true;
         else if (strcmp(argv[i], "--pid") == 0) {
-            if (i + 1 >= argc) usage_error("--pid needs a pid");
-            c.pid = parse_pid(argv[++i]);
+            if (i + 1 >= argc) vmm__ctl_usage_error("--pid needs a pid");
+            c.pid = vmm__ctl_parse_pid(argv[++i]);
         } else if (strncmp(argv[i], "--pid=", 6) == 0)
-            c.pid = parse_pid(argv[i] + 6);
+            c.pid = vmm__ctl_parse_pid(argv[i] + 6);
         else
-            usage_error("list: unknown option '%s'", argv[i]);
+            vmm__ctl_usage_error("list: unknown option '%s'", argv[i]);
     }
     vmm_registry *reg;
-    int rc = open_registry(&reg, false);
+    int rc = vmm__ctl_open_registry(&reg, false);
     if (rc) return rc;
     if (c.json)
         putchar('[');
@@ -363,19 +379,19 @@ static int cmd_list(int argc, char **argv)
                "API", "KINDS", "OWNER", "AGE", "TAG", "ID");
     vmm_status st = vmm_foreach_alloc(reg, list_row, &c);
     vmm_close(reg);
-    if (st != VMM_OK) return api_error(st);
+    if (st != VMM_OK) return vmm__ctl_api_error(st);
     if (c.json) {
         printf("%s]\n", c.n ? "\n" : "");
     } else {
         hbuf req, map;
         printf("%llu allocation%s, %s requested, %s mapped\n", (unsigned long long)c.n, c.n == 1 ? "" : "s",
-               human(c.requested, &req), human(c.mapped, &map));
+               vmm__ctl_human(c.requested, &req), vmm__ctl_human(c.mapped, &map));
         if (c.hidden)
             printf("(%llu more of dead processes not shown: `vmmctl list --all` shows them, `vmmctl gc` reclaims "
                    "them)\n",
                    (unsigned long long)c.hidden);
     }
-    return fflush(stdout) == 0 ? EXIT_OK : error("writing the output: %s", strerror(errno));
+    return fflush(stdout) == 0 ? EXIT_OK : vmm__ctl_error("writing the output: %s", strerror(errno));
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -394,20 +410,21 @@ static int ps_row(void *ctx, const vmm_proc_info *p)
         printf("%s\n  {\"pid\": %u, \"state\": \"%s\", \"start_time\": %llu, \"pidns\": %llu, \"uid\": %u, "
                "\"registered_ns\": %llu, \"n_allocs\": %llu, \"bytes_requested\": %llu, \"bytes_mapped\": %llu, "
                "\"broker_path\": ",
-               c->n ? "," : "", p->pid, owner_name(p->alive, true), (unsigned long long)p->start_time,
+               c->n ? "," : "", p->pid, vmm__ctl_owner_name(p->alive, true), (unsigned long long)p->start_time,
                (unsigned long long)p->pidns, p->uid, (unsigned long long)p->registered_ns,
                (unsigned long long)p->n_allocs, (unsigned long long)p->bytes_requested,
                (unsigned long long)p->bytes_mapped);
-        json_str(p->broker_path);
+        vmm__ctl_json_str(stdout, p->broker_path);
         printf(", \"cmdline\": ");
-        json_str(p->cmdline);
+        vmm__ctl_json_str(stdout, p->cmdline);
         putchar('}');
     } else {
         hbuf req, map;
         char broker[sizeof p->broker_path], cmd[sizeof p->cmdline];
-        printf("%7u %-5s %7llu %10s %10s %-24s %s\n", p->pid, owner_name(p->alive, false),
-               (unsigned long long)p->n_allocs, human(p->bytes_requested, &req), human(p->bytes_mapped, &map),
-               cell(p->broker_path, broker, sizeof broker), cell(p->cmdline, cmd, sizeof cmd));
+        printf("%7u %-5s %7llu %10s %10s %-24s %s\n", p->pid, vmm__ctl_owner_name(p->alive, false),
+               (unsigned long long)p->n_allocs, vmm__ctl_human(p->bytes_requested, &req),
+               vmm__ctl_human(p->bytes_mapped, &map),
+               vmm__ctl_cell(p->broker_path, broker, sizeof broker), vmm__ctl_cell(p->cmdline, cmd, sizeof cmd));
     }
     c->n++;
     c->allocs += p->n_allocs;
@@ -423,14 +440,14 @@ static int cmd_ps(int argc, char **argv)
 {
     ps_ctx c = {0};
     for (int i = 0; i < argc; i++) {
-        if (take_registry(argc, argv, &i)) continue;
+        if (vmm__ctl_take_registry(argc, argv, &i)) continue;
         if (strcmp(argv[i], "--json") == 0)
             c.json = true;
         else
-            usage_error("ps: unknown option '%s'", argv[i]);
+            vmm__ctl_usage_error("ps: unknown option '%s'", argv[i]);
     }
     vmm_registry *reg;
-    int rc = open_registry(&reg, false);
+    int rc = vmm__ctl_open_registry(&reg, false);
     if (rc) return rc;
     if (c.json)
         putchar('[');
@@ -438,17 +455,17 @@ static int cmd_ps(int argc, char **argv)
         printf("%7s %-5s %7s %10s %10s %-24s %s\n", "PID", "STATE", "ALLOCS", "REQUESTED", "MAPPED", "BROKER", "CMD");
     vmm_status st = vmm_foreach_proc(reg, ps_row, &c);
     vmm_close(reg);
-    if (st != VMM_OK) return api_error(st);
+    if (st != VMM_OK) return vmm__ctl_api_error(st);
     if (c.json) {
         printf("%s]\n", c.n ? "\n" : "");
     } else {
         hbuf req, map;
         printf("%llu process%s (%u alive, %u dead, %u unknown), %llu allocation%s, %s requested, %s mapped\n",
                (unsigned long long)c.n, c.n == 1 ? "" : "es", c.alive, c.dead, c.unknown,
-               (unsigned long long)c.allocs, c.allocs == 1 ? "" : "s", human(c.requested, &req),
-               human(c.mapped, &map));
+               (unsigned long long)c.allocs, c.allocs == 1 ? "" : "s", vmm__ctl_human(c.requested, &req),
+               vmm__ctl_human(c.mapped, &map));
     }
-    return fflush(stdout) == 0 ? EXIT_OK : error("writing the output: %s", strerror(errno));
+    return fflush(stdout) == 0 ? EXIT_OK : vmm__ctl_error("writing the output: %s", strerror(errno));
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -466,7 +483,7 @@ static int dead_row(void *ctx, const vmm_proc_info *p)
     if (p->alive != VMM_OWNER_DEAD) return 0;
     char cmd[sizeof p->cmdline];
     printf("dead owner: pid %u, %llu record%s, %s\n", p->pid, (unsigned long long)p->n_allocs,
-           p->n_allocs == 1 ? "" : "s", cell(p->cmdline, cmd, sizeof cmd));
+           p->n_allocs == 1 ? "" : "s", vmm__ctl_cell(p->cmdline, cmd, sizeof cmd));
     ++*(unsigned *)ctx;
     return 0;
 }
@@ -474,14 +491,14 @@ static int dead_row(void *ctx, const vmm_proc_info *p)
 static int cmd_check(int argc, char **argv)
 {
     for (int i = 0; i < argc; i++)
-        if (!take_registry(argc, argv, &i)) usage_error("check: unknown option '%s'", argv[i]);
+        if (!vmm__ctl_take_registry(argc, argv, &i)) vmm__ctl_usage_error("check: unknown option '%s'", argv[i]);
     vmm_registry *reg;
-    int rc = open_registry(&reg, false);
+    int rc = vmm__ctl_open_registry(&reg, false);
     if (rc) return rc;
     vmm_registry_info info;
     vmm_status st = vmm_registry_describe(reg, &info);
     if (st != VMM_OK) {
-        rc = api_error(st);
+        rc = vmm__ctl_api_error(st);
         vmm_close(reg);
         return rc;
     }
@@ -490,7 +507,7 @@ static int cmd_check(int argc, char **argv)
     vmm_gc_report rep;
     st = vmm_check(reg, &rep);
     if (st != VMM_OK && st != VMM_ERR_BUSY) {
-        rc = api_error(st);
+        rc = vmm__ctl_api_error(st);
         vmm_close(reg);
         return rc;
     }
@@ -502,7 +519,8 @@ static int cmd_check(int argc, char **argv)
     printf("  records in use: %llu live, in %llu chunk%s of %llu\n", (unsigned long long)live,
            (unsigned long long)info.used_chunks, info.used_chunks == 1 ? "" : "s",
            (unsigned long long)info.chunk_records);
-    printf("  memory: %s touched of %s\n", human(info.touched_bytes, &touched), human(info.total_bytes, &total));
+    printf("  memory: %s touched of %s\n", vmm__ctl_human(info.touched_bytes, &touched),
+           vmm__ctl_human(info.total_bytes, &total));
     printf("  totals: %llu published, %llu retracted, %llu reclaimed\n", (unsigned long long)info.publishes,
            (unsigned long long)info.retracts, (unsigned long long)info.reclaimed);
     printf("  processes: %u alive, %u dead, %u unknown\n", rep.procs_alive, rep.procs_dead, rep.procs_unknown);
@@ -533,14 +551,14 @@ static int cmd_check(int argc, char **argv)
 static int cmd_gc(int argc, char **argv)
 {
     for (int i = 0; i < argc; i++)
-        if (!take_registry(argc, argv, &i)) usage_error("gc: unknown option '%s'", argv[i]);
+        if (!vmm__ctl_take_registry(argc, argv, &i)) vmm__ctl_usage_error("gc: unknown option '%s'", argv[i]);
     vmm_registry *reg;
-    int rc = open_registry(&reg, true);
+    int rc = vmm__ctl_open_registry(&reg, true);
     if (rc) return rc;
     vmm_gc_report rep;
     vmm_status st = vmm_gc(reg, &rep);
     vmm_close(reg);
-    if (st != VMM_OK) return api_error(st);
+    if (st != VMM_OK) return vmm__ctl_api_error(st);
     printf("reclaimed %u record%s from %u dead process%s", rep.records_reclaimed,
            rep.records_reclaimed == 1 ? "" : "s", rep.procs_dead, rep.procs_dead == 1 ? "" : "es");
     if (rep.index_rebuilt) printf("; rebuilt the index");
@@ -555,7 +573,7 @@ static int cmd_gc(int argc, char **argv)
 static int cmd_config(int argc, char **argv)
 {
     for (int i = 0; i < argc; i++)
-        if (!take_registry(argc, argv, &i)) usage_error("config: unknown option '%s'", argv[i]);
+        if (!vmm__ctl_take_registry(argc, argv, &i)) vmm__ctl_usage_error("config: unknown option '%s'", argv[i]);
     fflush(stdout);
     int rc = vmm__opt_init();
     vmm__opt_print_table(STDOUT_FILENO, true);
@@ -567,12 +585,12 @@ static int cmd_config(int argc, char **argv)
 /* ------------------------------------------------------------------------------------------ */
 /* show, import-test                                                                           */
 
-static uint64_t parse_addr(const char *s)
+uint64_t vmm__ctl_parse_addr(const char *s)
 {
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 0);
-    if (!*s || *end || errno || v == 0) usage_error("bad address '%s'", s);
+    if (!*s || *end || errno || v == 0) vmm__ctl_usage_error("bad address '%s'", s);
     return v;
 }
 
@@ -582,20 +600,20 @@ static int find_alloc(int argc, char **argv, const char *cmd, vmm_registry **reg
     int pos = 0;
     const char *args[3] = {0};
     for (int i = 0; i < argc; i++) {
-        if (take_registry(argc, argv, &i)) continue;
-        if (pos == 3) usage_error("%s: too many arguments", cmd);
+        if (vmm__ctl_take_registry(argc, argv, &i)) continue;
+        if (pos == 3) vmm__ctl_usage_error("%s: too many arguments", cmd);
         args[pos++] = argv[i];
     }
-    if (pos < 2) usage_error("%s needs PID and ADDR", cmd);
-    uint32_t pid = parse_pid(args[0]);
-    *addr = parse_addr(args[1]);
-    *extra = pos == 3 ? parse_addr(args[2]) : 0;
-    int rc = open_registry(reg, false);
+    if (pos < 2) vmm__ctl_usage_error("%s needs PID and ADDR", cmd);
+    uint32_t pid = vmm__ctl_parse_pid(args[0]);
+    *addr = vmm__ctl_parse_addr(args[1]);
+    *extra = pos == 3 ? vmm__ctl_parse_addr(args[2]) : 0;
+    int rc = vmm__ctl_open_registry(reg, false);
     if (rc) return rc;
     vmm_status st = vmm_find(*reg, pid, *addr, a);
     if (st != VMM_OK) {
         vmm_close(*reg);
-        return api_error(st);
+        return vmm__ctl_api_error(st);
     }
     return EXIT_OK;
 }
@@ -625,22 +643,24 @@ static int cmd_show(int argc, char **argv)
     if (rc) return rc;
     char id[33], uuid[33], kinds[64];
     hbuf h1, h2;
-    hex(a.alloc_id, 16, id);
-    hex(a.device_uuid, 16, uuid);
+    vmm__ctl_hex(a.alloc_id, 16, id);
+    vmm__ctl_hex(a.device_uuid, 16, uuid);
     printf("allocation   %s (slot %llu, generation %llu)\n", id, (unsigned long long)a.slot, (unsigned long long)a.generation);
-    printf("owner        pid %u, %s, start time %llu, pid namespace %llu\n", a.pid, owner_name(a.owner_alive, false),
+    printf("owner        pid %u, %s, start time %llu, pid namespace %llu\n", a.pid,
+           vmm__ctl_owner_name(a.owner_alive, false),
            (unsigned long long)a.owner_start_time, (unsigned long long)a.owner_pidns);
     printf("device       %u (uuid %s)\n", a.device, uuid);
     printf("address      0x%llx (offset %llu of the given address)\n", (unsigned long long)a.address,
            (unsigned long long)(addr - a.address));
-    printf("size         %s requested, extent %s\n", human(a.requested_size, &h1), human(held_bytes(&a), &h2));
+    printf("size         %s requested, extent %s\n", vmm__ctl_human(a.requested_size, &h1),
+           vmm__ctl_human(held_bytes(&a), &h2));
     if (a.chunk_id) {
         /* the others in the chunk: a walk of the registry, which is fine for a tool */
         sharers sh = {.self = &a};
         vmm_foreach_alloc(reg, count_sharers, &sh);
         printf("chunk        id %llu at 0x%llx, offset %llu (0x%llx), chunk size %s\n", (unsigned long long)a.chunk_id,
                (unsigned long long)(a.address - a.chunk_offset), (unsigned long long)a.chunk_offset,
-               (unsigned long long)a.chunk_offset, human(a.mapped_size, &h1));
+               (unsigned long long)a.chunk_offset, vmm__ctl_human(a.mapped_size, &h1));
         if (sh.n)
             printf("sharing      shares its chunk with %llu other live allocation%s\n", (unsigned long long)sh.n,
                    sh.n == 1 ? "" : "s");
@@ -648,13 +668,13 @@ static int cmd_show(int argc, char **argv)
             printf("sharing      alone in its chunk%s\n",
                    a.flags & VMM_ALLOC_SHARED_CHUNK ? " (others may join it)" : "");
     } else {
-        printf("chunk        its own, chunk size %s\n", human(a.mapped_size, &h1));
+        printf("chunk        its own, chunk size %s\n", vmm__ctl_human(a.mapped_size, &h1));
     }
-    printf("made by      %s", api_name(a.api));
+    printf("made by      %s", vmm__ctl_api_name(a.api));
     if (a.stream) printf(" on stream 0x%llx", (unsigned long long)a.stream);
     printf("\nexport       %s", kinds_text(a.handle_kinds, kinds, sizeof kinds));
     if (a.exported_fd >= 0) printf(" (fd %d in the owner)", a.exported_fd);
-    printf("\ncreated      %llu s ago\n", (unsigned long long)age_s(a.created_ns, now_ns()));
+    printf("\ncreated      %llu s ago\n", (unsigned long long)age_s(a.created_ns, vmm__ctl_now_ns()));
     printf("tag          %s\n", a.tag[0] ? a.tag : "-");
     for (uint32_t i = 0; i < a.n_frames && i < 8; i++) printf("frame %u      0x%llx\n", i, (unsigned long long)a.frames[i]);
     vmm_close(reg);
@@ -672,12 +692,12 @@ static int checksum(uint64_t ptr, uint64_t len, uint64_t *fnv)
     memcpy(&dtoh, &sym, sizeof sym);
     size_t chunk = 64u << 20;
     unsigned char *buf = malloc(chunk);
-    *fnv = 0xcbf29ce484222325ull;
+    *fnv = VMM__FNV_BASIS;
     int copy_rc = dtoh && buf ? 0 : -1;
     for (uint64_t done = 0; copy_rc == 0 && done < len; done += chunk) {
         size_t n = len - done < chunk ? (size_t)(len - done) : chunk;
         copy_rc = dtoh(buf, ptr + done, n);
-        for (size_t i = 0; copy_rc == 0 && i < n; i++) *fnv = (*fnv ^ buf[i]) * 0x100000001b3ull;
+        if (copy_rc == 0) *fnv = vmm__ctl_fnv1a(*fnv, buf, n);
     }
     free(buf);
     return copy_rc;
@@ -710,12 +730,12 @@ static int import_test_range(vmm_registry *reg, const vmm_alloc_info *a, uint64_
     unsigned n;
     uint64_t have = covered(reg, a->pid, addr, len, &n);
     if (have < len && n <= 1)
-        usage_error("import-test: LEN runs past the allocation (%llu bytes from ADDR at most)",
-                    (unsigned long long)have);
+        vmm__ctl_usage_error("import-test: LEN runs past the allocation (%llu bytes from ADDR at most)",
+                             (unsigned long long)have);
     if (have < len)
-        usage_error("import-test: LEN runs past the %u allocations that follow each other from ADDR (%llu bytes "
-                    "from ADDR at most; none at 0x%llx)",
-                    n, (unsigned long long)have, (unsigned long long)(addr + have));
+        vmm__ctl_usage_error("import-test: LEN runs past the %u allocations that follow each other from ADDR "
+                             "(%llu bytes from ADDR at most; none at 0x%llx)",
+                             n, (unsigned long long)have, (unsigned long long)(addr + have));
     struct timespec t0, t1, t2;
     vmm_imported *imp = NULL;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -729,13 +749,13 @@ static int import_test_range(vmm_registry *reg, const vmm_alloc_info *a, uint64_
     clock_gettime(CLOCK_MONOTONIC, &t2);
     if (st != VMM_OK) {
         vmm_close(reg);
-        return api_error(st);
+        return vmm__ctl_api_error(st);
     }
     uint64_t fnv;
     int copy_rc = checksum(vmm_import_ptr(imp), len, &fnv);
     vmm_import_release(imp);
     vmm_close(reg);
-    if (copy_rc) return error("could not copy the imported bytes (CUDA error %d)", copy_rc);
+    if (copy_rc) return vmm__ctl_error("could not copy the imported bytes (CUDA error %d)", copy_rc);
     printf("imported pid %u 0x%llx (a range over %u allocations) in %.0f us (first import, with CUDA start-up: "
            "%.1f ms); %llu bytes from 0x%llx: fnv %016llx\n",
            a->pid, (unsigned long long)addr, n, ms_between(&t1, &t2) * 1e3, ms_between(&t0, &t1),
@@ -766,7 +786,7 @@ static int import_rounds(vmm_registry *reg, const vmm_alloc_info *a, bool fresh)
         vmm_import_last_timing(&t);
         ns[i] = t.total_ns;
         vmm_import_release(imp);
-        if (st != VMM_OK) return api_error(st);
+        if (st != VMM_OK) return vmm__ctl_api_error(st);
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     qsort(ns, IMPORT_ROUNDS, sizeof ns[0], cmp_u64);
@@ -815,20 +835,21 @@ static int cmd_import_test(int argc, char **argv)
         vmm_import_release(again);
         vmm_import_release(imp);
         vmm_close(reg);
-        return error("a second import of pid %u 0x%llx landed elsewhere", a.pid, (unsigned long long)a.address);
+        return vmm__ctl_error("a second import of pid %u 0x%llx landed elsewhere", a.pid,
+                              (unsigned long long)a.address);
     }
     vmm_import_release(again);
     if (st != VMM_OK) {
         vmm_import_release(imp);
         vmm_close(reg);
-        return api_error(st);
+        return vmm__ctl_api_error(st);
     }
     uint64_t fnv;
     int copy_rc = checksum(vmm_import_ptr(imp) + off, len, &fnv);
     vmm_import_release(imp);
     if (copy_rc) {
         vmm_close(reg);
-        return error("could not copy the imported bytes (CUDA error %d)", copy_rc);
+        return vmm__ctl_error("could not copy the imported bytes (CUDA error %d)", copy_rc);
     }
     char where[64] = "its own chunk";
     if (a.chunk_id) snprintf(where, sizeof where, "offset %llu of chunk %llu", (unsigned long long)a.chunk_offset,
@@ -865,9 +886,9 @@ int main(int argc, char **argv)
             printf("vmmctl %s\n", VMM_VERSION_STRING);
             return EXIT_OK;
         }
-        if (!take_registry(argc, argv, &i)) usage_error("unknown option '%s'", a);
+        if (!vmm__ctl_take_registry(argc, argv, &i)) vmm__ctl_usage_error("unknown option '%s'", a);
     }
-    if (i >= argc) usage_error("no command given");
+    if (i >= argc) vmm__ctl_usage_error("no command given");
     const char *cmd = argv[i++];
     int n = argc - i;
     char **rest = argv + i;
@@ -878,9 +899,11 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "config") == 0) return cmd_config(n, rest);
     if (strcmp(cmd, "show") == 0) return cmd_show(n, rest);
     if (strcmp(cmd, "import-test") == 0) return cmd_import_test(n, rest);
+    if (strcmp(cmd, "dump") == 0) return vmm__ctl_cmd_dump(n, rest);
+    if (strcmp(cmd, "watch") == 0) return vmm__ctl_cmd_watch(n, rest);
     if (strcmp(cmd, "help") == 0) {
         fputs(usage_text, stdout);
         return EXIT_OK;
     }
-    usage_error("unknown command '%s'", cmd);
+    vmm__ctl_usage_error("unknown command '%s'", cmd);
 }
