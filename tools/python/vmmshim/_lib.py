@@ -1,0 +1,139 @@
+"""ctypes over libvmmshim-client.so: the structures of tools/include/vmmshim.h, field for field,
+and the functions' prototypes.  The library is loaded on first use, so that importing the package
+(for its exceptions, or `--help`) works where the library is not installed."""
+import ctypes
+import ctypes.util
+import os
+import pathlib
+import threading
+
+from ._errors import LibraryNotFound
+
+c_u8, c_u32, c_u64, c_i32, c_int = ctypes.c_uint8, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int
+
+# vmm_status
+OK, INVALID, NOT_FOUND, ACCESS, CORRUPT, VERSION, BUSY, STALE, OWNER_DEAD, CUDA, NOMEM, IO = range(12)
+
+OWNER_DEAD, OWNER_ALIVE, OWNER_UNKNOWN = 0, 1, 2
+KIND_BROKER, KIND_PIDFD, KIND_FABRIC = 1, 2, 4
+ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK = 1, 2
+
+# vmm_alloc_info.api, named as vmmctl names them
+API_NAMES = {1: "cudaMalloc", 2: "cudaMallocAsync", 3: "cuMemAlloc", 4: "cuMemAllocAsync",
+             5: "cuMemAllocPitch", 6: "cuMemMap", 15: "test"}
+
+
+class AllocInfo(ctypes.Structure):
+    """vmm_alloc_info."""
+    _fields_ = [
+        ("alloc_id", c_u8 * 16),
+        ("generation", c_u64),
+        ("slot", c_u64),
+        ("pid", c_u32),
+        ("owner_alive", c_int),
+        ("owner_start_time", c_u64),
+        ("owner_pidns", c_u64),
+        ("device", c_u32),
+        ("device_uuid", c_u8 * 16),
+        ("address", c_u64),
+        ("requested_size", c_u64),
+        ("mapped_size", c_u64),
+        ("stream", c_u64),
+        ("created_ns", c_u64),
+        ("api", c_u32),
+        ("handle_kinds", c_u32),
+        ("exported_fd", c_i32),
+        ("n_frames", c_u32),
+        ("frames", c_u64 * 8),
+        ("tag", ctypes.c_char * 32),
+        ("chunk_id", c_u64),
+        ("chunk_offset", c_u64),
+        ("extent", c_u64),
+        ("flags", c_u32),
+    ]
+
+
+class ProcInfo(ctypes.Structure):
+    """vmm_proc_info."""
+    _fields_ = [
+        ("pid", c_u32),
+        ("alive", c_int),
+        ("start_time", c_u64),
+        ("pidns", c_u64),
+        ("uid", c_u32),
+        ("registered_ns", c_u64),
+        ("broker_path", ctypes.c_char * 112),
+        ("cmdline", ctypes.c_char * 256),
+        ("n_allocs", c_u64),
+        ("bytes_requested", c_u64),
+        ("bytes_mapped", c_u64),
+    ]
+
+
+ALLOC_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(AllocInfo))
+PROC_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(ProcInfo))
+
+_P = ctypes.c_void_p  # vmm_registry *, vmm_imported *: opaque
+_PROTOTYPES = {
+    "vmm_strerror": (ctypes.c_char_p, [c_int]),
+    "vmm_last_error": (ctypes.c_char_p, []),
+    "vmm_open": (c_int, [ctypes.c_char_p, ctypes.POINTER(_P)]),
+    "vmm_close": (None, [_P]),
+    "vmm_foreach_alloc": (c_int, [_P, ALLOC_FN, ctypes.c_void_p]),
+    "vmm_foreach_proc": (c_int, [_P, PROC_FN, ctypes.c_void_p]),
+    "vmm_find": (c_int, [_P, c_u32, c_u64, ctypes.POINTER(AllocInfo)]),
+    "vmm_find_proc": (c_int, [_P, c_u32, ctypes.POINTER(ProcInfo)]),
+    "vmm_import": (c_int, [_P, ctypes.POINTER(AllocInfo), ctypes.POINTER(_P)]),
+    "vmm_import_ptr": (c_u64, [_P]),
+    "vmm_import_size": (c_u64, [_P]),
+    "vmm_import_device": (c_int, [_P]),
+    "vmm_import_release": (c_int, [_P]),
+    "vmm_import_read": (c_int, [_P, c_u64, ctypes.c_void_p, c_u64]),
+    "vmm_import_check": (c_int, [_P, _P]),
+}
+
+SOURCE_TREE_LIB = pathlib.Path(__file__).resolve().parents[3] / "build" / "libvmmshim-client.so"
+
+_lock = threading.Lock()
+_loaded = None
+
+
+def _candidates():
+    env = os.environ.get("VMMSHIM_CLIENT_LIB")
+    if env:
+        yield env  # named explicitly: nothing else is a good substitute
+        return
+    if SOURCE_TREE_LIB.exists():
+        yield str(SOURCE_TREE_LIB)
+    yield "libvmmshim-client.so"
+    # last: it runs ldconfig (or a compiler), which takes a while
+    by_ldconfig = ctypes.util.find_library("vmmshim-client")
+    if by_ldconfig:
+        yield by_ldconfig
+
+
+def lib():
+    """The client library with its prototypes set; LibraryNotFound when none loads."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            reasons = []
+            for path in _candidates():
+                try:
+                    handle = ctypes.CDLL(path)
+                except OSError as e:
+                    reasons.append(str(e))
+                    continue
+                missing = [name for name in _PROTOTYPES if not hasattr(handle, name)]
+                if missing:
+                    reasons.append(f"{path} lacks {', '.join(missing)} (older than this package)")
+                    continue
+                for name, (restype, argtypes) in _PROTOTYPES.items():
+                    fn = getattr(handle, name)
+                    fn.restype, fn.argtypes = restype, argtypes
+                _loaded = handle
+                break
+            else:
+                raise LibraryNotFound("libvmmshim-client.so not loaded (set VMMSHIM_CLIENT_LIB to its path): "
+                                      + "; ".join(reasons))
+        return _loaded
