@@ -97,6 +97,11 @@ class Process:
         self.n_allocs = info.n_allocs
         self.bytes_requested = info.bytes_requested
         self.bytes_mapped = info.bytes_mapped
+        # what became of its allocations since it started (vmmctl ps); None: its shim keeps none
+        known = bool(info.stats_known)
+        for name in ("allocs", "allocs_backed", "passed_capture", "passed_device_full", "passed_unsupported",
+                     "maps_adopted", "peak_requested"):
+            setattr(self, name, getattr(info, name) if known else None)
 
     def __repr__(self):
         return f"<vmmshim.Process pid {self.pid} {self.state} {self.n_allocs} allocations {self.cmdline!r}>"

@@ -67,6 +67,14 @@ class ProcInfo(ctypes.Structure):
         ("n_allocs", c_u64),
         ("bytes_requested", c_u64),
         ("bytes_mapped", c_u64),
+        ("stats_known", c_int),
+        ("allocs", c_u64),
+        ("allocs_backed", c_u64),
+        ("passed_capture", c_u64),
+        ("passed_device_full", c_u64),
+        ("passed_unsupported", c_u64),
+        ("maps_adopted", c_u64),
+        ("peak_requested", c_u64),
     ]
 
 
