@@ -138,7 +138,9 @@ int vmm__reg_validate(const void *base, size_t size, char *err, size_t errlen)
         h->alloc_size != sizeof(vmm_reg_alloc))
         return fail(err, errlen, -EPROTO, "registry%s: %s", "", "record sizes do not match this reader");
     uint64_t cap = h->capacity, ch = h->chunk_count, slots = h->index_slots;
-    if (h->chunk_records != VMM_REG_CHUNK_RECORDS || cap == 0 || cap > (1ull << 28) || ch * VMM_REG_CHUNK_RECORDS != cap ||
+    /* chunk_count by division: the product wraps (2^61 + 1 chunks "hold" 64 records) */
+    if (h->chunk_records != VMM_REG_CHUNK_RECORDS || cap == 0 || cap > (1ull << 28) || cap % VMM_REG_CHUNK_RECORDS ||
+        ch != cap / VMM_REG_CHUNK_RECORDS ||
         slots < cap || slots > (1ull << 32) || (slots & (slots - 1)) || h->proc_capacity == 0 ||
         h->proc_capacity > (1u << 20))
         return fail(err, errlen, -EPROTO, "registry%s: %s", "", "corrupt header (capacity fields)");
