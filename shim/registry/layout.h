@@ -61,7 +61,8 @@
  * entry becomes TOMB, and TOMBs turn back into EMPTY only at the end of a run (just before an EMPTY
  * entry), which cuts no other entry's run.  Only a rebuild (vmm_gc) moves entries: it brackets the
  * work by incrementing index_seq (odd while rebuilding), and a reader whose search found nothing
- * retries if index_seq was odd or changed meanwhile.
+ * retries if index_seq was odd or changed meanwhile, for some tens of milliseconds at most (an
+ * index_seq that stays odd means a rebuild died: report "busy" rather than wait for it).
  *
  * LOCKS: readers take none.  Index writers exclude each other with index_lock, a word in the
  * header: 0 = free, else (holder's proc generation << 32) | (holder's proc index + 1), taken by CAS

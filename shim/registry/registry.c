@@ -18,6 +18,7 @@
 
 #define PROC_CAPACITY 4096u
 #define READ_RETRIES 4096
+#define FIND_RETRY_S 0.05 /* longest a lookup retries while the index is rebuilt */
 #define PAGE 4096u
 
 /* Creation stamps only show ages: the coarse clock (a few ms) costs a fraction of the precise one. */
@@ -940,6 +941,7 @@ static int index_search(const vmm__reg *r, uint32_t pid, uint64_t key, uint64_t 
 int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_alloc *out, uint64_t *slot)
 {
     uint64_t dummy;
+    double give_up = 0;
     if (!slot) slot = &dummy;
     for (int attempt = 0; attempt < READ_RETRIES; attempt++) {
         uint64_t s1 = __atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE);
@@ -953,6 +955,12 @@ int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_all
         }
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         if (!(s1 & 1u) && __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) == s1) return -ENOENT;
+        /* Retrying waits out a rebuild, which takes milliseconds.  An index that stays odd (gc
+         * died mid-rebuild, or a corrupt header) whose every search is long would otherwise hold
+         * the reader for READ_RETRIES full searches: hours on a full 2M-entry index. */
+        double now = monotonic_s();
+        if (give_up == 0) give_up = now + FIND_RETRY_S;
+        else if (now > give_up) break;
     }
     return -EAGAIN;
 }
