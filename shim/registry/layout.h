@@ -29,7 +29,9 @@
  *         s2 = load_relaxed(&rec->seq);
  *     } while (s1 != s2);
  * An odd seq means a write is in progress.  A seq that stays odd means the writer died mid-write:
- * check the owner (below) and treat the record as dead.  The writer increments seq (relaxed
+ * check the owner (below) and treat the record as dead.  A reader walking many records bounds its
+ * waiting for all of them together (some tens of milliseconds), not per record: a corrupt or
+ * hostile segment may hold millions of odd ones.  The writer increments seq (relaxed
  * store), issues a release fence, writes the fields with 8-byte stores, then stores seq+1 again
  * with release.  The live counters of vmm_reg_proc (n_allocs...) are outside that protocol:
  * plain 8-byte atomic loads.
