@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make fuzz`: runs each libFuzzer target named on the command line for FUZZ_SECONDS, seeded from
 # tests/fuzz/corpus/<target>/, then prints one row per target and `fuzz: N passed, N failed`.
-# A target passes when libFuzzer ends without a crash, leak, timeout or out-of-memory.  What it
-# writes (corpus growth, crash inputs, logs) stays in $FUZZ_BUILD/work, outside the repository.
+# A target passes when libFuzzer ends without a crash, leak, timeout or out-of-memory.  What a run
+# writes (corpus growth, crash inputs, logs) stays in $FUZZ_BUILD/work, outside the repository, until
+# the next run: each starts from the seeds alone, so 20 s in CI buys the same search every time.
 set -u
 cd "$(dirname "$0")/../.."
 FUZZ_BUILD=${FUZZ_BUILD:-build-fuzz}
@@ -28,6 +29,7 @@ passed=0; failed=0
 table=$(printf '%-10s %-6s %12s %9s %7s %7s %7s' target result execs "exec/s" cov ft corpus)
 for t in "$@"; do
   bin=$FUZZ_BUILD/fuzz_$t
+  rm -rf "$work/corpus/$t" "$work/artifacts/$t"
   mkdir -p "$work/corpus/$t" "$work/artifacts/$t"
   log=$work/$t.log
   # The seeds directory comes second: libFuzzer writes new entries into the first one only.
