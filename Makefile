@@ -28,6 +28,7 @@ FAKERT_SRC := $(wildcard tests/fakecudart/*.c)
 PROG_SRC   := $(wildcard tests/progs/*.c)
 TEST_SRC   := $(wildcard tests/unit/test_*.c)
 HELPER_SRC := $(wildcard tests/unit/prog_*.c)
+FUZZ_TARGETS := registry ipc broker options
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 CORE_A   := $(BUILD)/libvmmcore.a
@@ -39,9 +40,11 @@ FAKE_SO  := $(BUILD)/fakecuda/libcuda.so.1
 FAKERT_SO:= $(BUILD)/fakecuda/libcudart.so.13
 PROGS    := $(patsubst tests/progs/%.c,$(BUILD)/progs/%,$(PROG_SRC))
 TESTS    := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC) $(HELPER_SRC))
+FUZZ_REPLAY := $(patsubst %,$(BUILD)/tests/test_fuzz_%,$(FUZZ_TARGETS))
+GEN_SEEDS := $(BUILD)/fuzz/gen_seeds
 
-.PHONY: all deps test check test-gpu test-matrix bench-gpu demo install clean
-all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(PROGS)
+.PHONY: all deps fuzz-deps test check fuzz fuzz-seeds test-gpu test-matrix bench-gpu demo install clean
+all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(FUZZ_REPLAY) $(GEN_SEEDS) $(PROGS)
 
 # Debian packages the build needs; installed when root, otherwise the exact command is printed.
 deps:
@@ -100,12 +103,59 @@ $(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(CLIENT_A) $(CORE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
+# Each fuzz target built with the normal compiler and a main that replays its seeds and crash
+# regressions (tests/fuzz/corpus, tests/fuzz/regress): tests/run.sh runs them with the unit tests.
+$(BUILD)/tests/test_fuzz_%: $(BUILD)/obj/tests/fuzz/fuzz_%.o $(BUILD)/obj/tests/fuzz/replay.o $(CLIENT_A) $(CORE_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(GEN_SEEDS): $(BUILD)/obj/tests/fuzz/gen_seeds.o $(CORE_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
 test: all
 	@BUILD=$(BUILD) SAN=$(SAN) tests/run.sh
 
 # The CI command: the plain build, then the sanitizer builds, each running every test.
 check:
 	@tests/check.sh
+
+# Fuzzing with libFuzzer (clang; ASan + UBSan): every target for FUZZ_SECONDS, then a table and
+# `fuzz: N passed, N failed` (tests/fuzz/run.sh).  New corpus entries and crash inputs go to
+# build-fuzz/work, never into the repository.
+FUZZ_CC      ?= clang
+FUZZ_BUILD   := build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_FLAGS   := -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -pthread
+FUZZ_LIB     := $(FUZZ_BUILD)/libvmmfuzz.a
+FUZZERS      := $(patsubst %,$(FUZZ_BUILD)/fuzz_%,$(FUZZ_TARGETS))
+
+# clang and its libFuzzer runtime (Debian's libclang-rt-dev, only recommended by clang).
+fuzz-deps:
+	@t=$$(mktemp); printf 'int LLVMFuzzerTestOneInput(const unsigned char *d, unsigned long n) { (void)d; (void)n; return 0; }\n' | \
+	  $(FUZZ_CC) -fsanitize=fuzzer,address,undefined -x c - -o $$t >/dev/null 2>&1; ok=$$?; rm -f $$t; \
+	if [ $$ok != 0 ]; then \
+	  if [ "$$(id -u)" = 0 ]; then echo "vmmshim: installing clang libclang-rt-dev"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libclang-rt-dev) >/dev/null || exit 1; \
+	  else echo "vmmshim: error: make fuzz needs clang with libFuzzer; run: sudo apt-get install -y clang libclang-rt-dev"; exit 1; fi; \
+	fi
+
+$(FUZZ_BUILD)/obj/%.o: %.c | deps fuzz-deps
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(CPPFLAGS) $(WARN) $(FUZZ_FLAGS) -MMD -MP -c $< -o $@
+
+$(FUZZ_LIB): $(patsubst %.c,$(FUZZ_BUILD)/obj/%.o,$(CORE_SRC) $(CLIENT_SRC))
+	@rm -f $@; ar rcs $@ $^
+
+$(FUZZ_BUILD)/fuzz_%: $(FUZZ_BUILD)/obj/tests/fuzz/fuzz_%.o $(FUZZ_LIB)
+	$(FUZZ_CC) $(FUZZ_FLAGS) -o $@ $^ $(LDLIBS)
+
+fuzz: $(FUZZERS)
+	@FUZZ_BUILD=$(FUZZ_BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) tests/fuzz/run.sh $(FUZZ_TARGETS)
+
+# Rewrites the seeds in tests/fuzz/corpus from the real writer, encoder and options table.
+fuzz-seeds: $(GEN_SEEDS)
+	$(GEN_SEEDS) tests/fuzz/corpus
 
 # On the GPU machine, with build/ carried from a development machine (the GPU machine has no
 # uthash or libunwind): the real-GPU checks and the PyTorch runs.
@@ -138,6 +188,6 @@ install: all
 	sed -e 's|@PREFIX@|$(PREFIX)|g' tools/client/vmmshim.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/vmmshim.pc
 
 clean:
-	rm -rf build build-asan build-ubsan
+	rm -rf build build-asan build-ubsan $(FUZZ_BUILD)
 
--include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+-include $(shell find $(BUILD)/obj $(FUZZ_BUILD)/obj -name '*.d' 2>/dev/null)

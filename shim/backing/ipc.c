@@ -31,18 +31,6 @@
 #include "vmmshim.h"
 
 /* ------------------------------------------------------------------------------------------ */
-/* The handle                                                                                  */
-
-/* DONE: a sound vmmshim handle in *h; PASS: someone else's; INVALID: ours but damaged. */
-static vmm__result decode(const unsigned char bytes[64], vmm__ipc_handle *h)
-{
-    memcpy(h, bytes, sizeof *h);
-    if (memcmp(h->magic, VMM__IPC_MAGIC, sizeof h->magic) != 0 || h->version != VMM__IPC_VERSION) return VMM__PASS;
-    if (vmm__ipc_check(bytes) != h->check || h->zero != 0 || h->flags != 0 || h->pid == 0) return VMM__INVALID;
-    return VMM__DONE;
-}
-
-/* ------------------------------------------------------------------------------------------ */
 /* Process-wide state                                                                          */
 
 typedef struct open_key {
@@ -222,18 +210,7 @@ vmm__result vmm__ipc_get_handle(uint64_t ptr, unsigned char handle[64])
     if (!vmm__lookup(ptr, &ref)) return VMM__PASS;
     struct vmm__reg *r = vmm__registry();
     if (!r || !r->attached || ref.slot == UINT32_MAX) return VMM__PASS; /* unpublished: nothing to name */
-    vmm__ipc_handle h;
-    memset(&h, 0, sizeof h);
-    memcpy(h.magic, VMM__IPC_MAGIC, sizeof h.magic);
-    h.version = VMM__IPC_VERSION;
-    h.pid = r->pid;
-    h.start_time = r->start_time;
-    h.slot = ref.slot;
-    h.generation = ref.generation;
-    memcpy(h.alloc_id, ref.alloc_id, sizeof h.alloc_id);
-    memcpy(handle, &h, sizeof h);
-    h.check = vmm__ipc_check(handle);
-    memcpy(handle, &h, sizeof h);
+    vmm__ipc_encode(r->pid, r->start_time, ref.slot, ref.generation, ref.alloc_id, handle);
     return VMM__DONE;
 }
 
@@ -263,7 +240,7 @@ static void release_import(vmm_imported *imp)
 vmm__result vmm__ipc_open(const unsigned char handle[64], uint64_t *ptr)
 {
     vmm__ipc_handle h;
-    vmm__result d = decode(handle, &h);
+    vmm__result d = vmm__ipc_decode(handle, &h);
     if (d == VMM__PASS || !shim_enabled()) return VMM__PASS; /* disabled: untouched, the real one decides */
     if (d == VMM__INVALID) {
         vmm__debug("IPC handle refused: damaged (check word or reserved fields wrong)");

@@ -29,7 +29,9 @@
  *         s2 = load_relaxed(&rec->seq);
  *     } while (s1 != s2);
  * An odd seq means a write is in progress.  A seq that stays odd means the writer died mid-write:
- * check the owner (below) and treat the record as dead.  The writer increments seq (relaxed
+ * check the owner (below) and treat the record as dead.  A reader walking many records bounds its
+ * waiting for all of them together (some tens of milliseconds), not per record: a corrupt or
+ * hostile segment may hold millions of odd ones.  The writer increments seq (relaxed
  * store), issues a release fence, writes the fields with 8-byte stores, then stores seq+1 again
  * with release.  The counters of vmm_reg_proc (n_allocs... and the coverage counters below) are
  * outside that protocol: plain 8-byte atomic loads.
@@ -83,7 +85,8 @@
  * entry becomes TOMB, and TOMBs turn back into EMPTY only at the end of a run (just before an EMPTY
  * entry), which cuts no other entry's run.  Only a rebuild (vmm_gc) moves entries: it brackets the
  * work by incrementing index_seq (odd while rebuilding), and a reader whose search found nothing
- * retries if index_seq was odd or changed meanwhile.
+ * retries if index_seq was odd or changed meanwhile, for some tens of milliseconds at most (an
+ * index_seq that stays odd means a rebuild died: report "busy" rather than wait for it).
  *
  * FRAMES: vmm_reg_alloc.frames[] are raw return addresses in the owner, the innermost first (the
  * shim's own frames left out).  With VMMSHIM_FRAMES > 0 the owner also keeps a text file beside

@@ -18,6 +18,8 @@
 
 #define PROC_CAPACITY 4096u
 #define READ_RETRIES 4096
+#define FIND_RETRY_S 0.05 /* longest a lookup retries while the index is rebuilt */
+#define BUSY_WAIT_S 0.05  /* longest one reader call waits on records mid-write, all of them together */
 #define PAGE 4096u
 
 /* Creation stamps only show ages: the coarse clock (a few ms) costs a fraction of the precise one. */
@@ -33,6 +35,13 @@ static uint64_t now_realtime_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static double monotonic_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
@@ -73,13 +82,19 @@ static void seq_end(uint32_t *seq)
     __atomic_store_n(seq, (s + 1) & ~1u, __ATOMIC_RELEASE);
 }
 
-/* Copy `bytes` of a record whose first 4 bytes at seq_off are its sequence counter. */
-static int seq_read(const void *rec, size_t bytes, const uint32_t *seq, void *out)
+/* Copy `bytes` of a record whose first 4 bytes at seq_off are its sequence counter.  Past a short
+ * spin, waiting for a writer draws on w, which the caller shares among the records it reads. */
+static int seq_read(const void *rec, size_t bytes, const uint32_t *seq, void *out, vmm__reg_wait *w)
 {
     for (int i = 0; i < READ_RETRIES; i++) {
         uint32_t s1 = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
         if (s1 & 1u) {
-            if (i > 64) sched_yield();
+            if (i > 64) {
+                double now = monotonic_s();
+                if (w->until == 0) w->until = now + BUSY_WAIT_S;
+                else if (now > w->until) return -EAGAIN;
+                sched_yield();
+            }
             continue;
         }
         copy_words_out(out, rec, bytes);
@@ -138,7 +153,9 @@ int vmm__reg_validate(const void *base, size_t size, char *err, size_t errlen)
         h->alloc_size != sizeof(vmm_reg_alloc))
         return fail(err, errlen, -EPROTO, "registry%s: %s", "", "record sizes do not match this reader");
     uint64_t cap = h->capacity, ch = h->chunk_count, slots = h->index_slots;
-    if (h->chunk_records != VMM_REG_CHUNK_RECORDS || cap == 0 || cap > (1ull << 28) || ch * VMM_REG_CHUNK_RECORDS != cap ||
+    /* chunk_count by division: the product wraps (2^61 + 1 chunks "hold" 64 records) */
+    if (h->chunk_records != VMM_REG_CHUNK_RECORDS || cap == 0 || cap > (1ull << 28) || cap % VMM_REG_CHUNK_RECORDS ||
+        ch != cap / VMM_REG_CHUNK_RECORDS ||
         slots < cap || slots > (1ull << 32) || (slots & (slots - 1)) || h->proc_capacity == 0 ||
         h->proc_capacity > (1u << 20))
         return fail(err, errlen, -EPROTO, "registry%s: %s", "", "corrupt header (capacity fields)");
@@ -833,13 +850,6 @@ static void index_rebuild_locked(vmm__reg *r)
     __atomic_store_n(&r->hdr->index_seq, seq + 1, __ATOMIC_RELEASE);
 }
 
-static double monotonic_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-
 /* May a waiter take the index lock from holder `w`?  Yes when the holder's proc slot has moved on
  * or its owner is dead; when liveness cannot be judged (another pid namespace), after 2 s, far
  * beyond the few stores a holder makes. */
@@ -910,18 +920,24 @@ static void index_remove_locked(vmm__reg *r, uint64_t slot, uint32_t pid, uint64
 
 /* ---- readers ---- */
 
-int vmm__reg_read_alloc(const vmm__reg *r, uint64_t slot, vmm_reg_alloc *out)
+int vmm__reg_read_alloc_within(const vmm__reg *r, uint64_t slot, vmm_reg_alloc *out, vmm__reg_wait *w)
 {
     if (slot >= r->hdr->capacity) return -EINVAL;
     const vmm_reg_alloc *a = rec_at(r, slot);
-    return seq_read(a, sizeof *a, &a->seq, out);
+    return seq_read(a, sizeof *a, &a->seq, out, w);
 }
 
-int vmm__reg_read_proc(const vmm__reg *r, uint32_t index, vmm_reg_proc *out)
+int vmm__reg_read_alloc(const vmm__reg *r, uint64_t slot, vmm_reg_alloc *out)
+{
+    vmm__reg_wait w = {0};
+    return vmm__reg_read_alloc_within(r, slot, out, &w);
+}
+
+int vmm__reg_read_proc_within(const vmm__reg *r, uint32_t index, vmm_reg_proc *out, vmm__reg_wait *w)
 {
     if (index >= r->hdr->proc_capacity) return -EINVAL;
     const vmm_reg_proc *p = proc_at(r, index);
-    int rc = seq_read(p, sizeof *p, &p->seq, out);
+    int rc = seq_read(p, sizeof *p, &p->seq, out, w);
     out->claim = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
     out->n_allocs = __atomic_load_n(&p->n_allocs, __ATOMIC_RELAXED);
     out->bytes_requested = __atomic_load_n(&p->bytes_requested, __ATOMIC_RELAXED);
@@ -936,8 +952,15 @@ int vmm__reg_read_proc(const vmm__reg *r, uint32_t index, vmm_reg_proc *out)
     return rc;
 }
 
+int vmm__reg_read_proc(const vmm__reg *r, uint32_t index, vmm_reg_proc *out)
+{
+    vmm__reg_wait w = {0};
+    return vmm__reg_read_proc_within(r, index, out, &w);
+}
+
 /* Search key (pid, key) for the live record covering `address`: 1 = found (in *out), 0 = not there. */
-static int index_search(const vmm__reg *r, uint32_t pid, uint64_t key, uint64_t address, vmm_reg_alloc *out, uint64_t *slot)
+static int index_search(const vmm__reg *r, uint32_t pid, uint64_t key, uint64_t address, vmm_reg_alloc *out, uint64_t *slot,
+                        vmm__reg_wait *w)
 {
     const uint32_t *ix = index_at(r);
     uint64_t mask = r->hdr->index_slots - 1, cap = r->hdr->capacity;
@@ -950,7 +973,7 @@ static int index_search(const vmm__reg *r, uint32_t pid, uint64_t key, uint64_t 
         if (__atomic_load_n(&a->pid, __ATOMIC_RELAXED) != pid ||
             vmm_reg_key(__atomic_load_n(&a->address, __ATOMIC_RELAXED), __atomic_load_n(&a->extent, __ATOMIC_RELAXED)) != key)
             continue;
-        if (seq_read(a, sizeof *a, &a->seq, out) == 0 && out->pid == pid && vmm_reg_key(out->address, out->extent) == key &&
+        if (seq_read(a, sizeof *a, &a->seq, out, w) == 0 && out->pid == pid && vmm_reg_key(out->address, out->extent) == key &&
             out->state == VMM_REG_LIVE && out->address <= address && address - out->address < out->extent) {
             *slot = e - 1;
             return 1;
@@ -962,6 +985,8 @@ static int index_search(const vmm__reg *r, uint32_t pid, uint64_t key, uint64_t 
 int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_alloc *out, uint64_t *slot)
 {
     uint64_t dummy;
+    double give_up = 0;
+    vmm__reg_wait w = {0}; /* an index may lead to one busy record many times */
     if (!slot) slot = &dummy;
     for (int attempt = 0; attempt < READ_RETRIES; attempt++) {
         uint64_t s1 = __atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE);
@@ -970,20 +995,27 @@ int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_all
         if ((s1 & 1u) && attempt > 64) sched_yield();
         for (unsigned g = VMM_REG_MIN_LEVEL; g <= VMM_REG_MAX_LEVEL; g++) {
             uint64_t block = address & ~((1ull << g) - 1);
-            if (index_search(r, pid, block | g, address, out, slot)) return 0;
-            if (block >= (1ull << g) && index_search(r, pid, (block - (1ull << g)) | g, address, out, slot)) return 0;
+            if (index_search(r, pid, block | g, address, out, slot, &w)) return 0;
+            if (block >= (1ull << g) && index_search(r, pid, (block - (1ull << g)) | g, address, out, slot, &w)) return 0;
         }
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         if (!(s1 & 1u) && __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) == s1) return -ENOENT;
+        /* Retrying waits out a rebuild, which takes milliseconds.  An index that stays odd (gc
+         * died mid-rebuild, or a corrupt header) whose every search is long would otherwise hold
+         * the reader for READ_RETRIES full searches: hours on a full 2M-entry index. */
+        double now = monotonic_s();
+        if (give_up == 0) give_up = now + FIND_RETRY_S;
+        else if (now > give_up) break;
     }
     return -EAGAIN;
 }
 
 int vmm__reg_find_proc(const vmm__reg *r, uint32_t pid, vmm_reg_proc *out, uint32_t *index)
 {
+    vmm__reg_wait w = {0};
     for (uint32_t i = 0; i < r->hdr->proc_capacity; i++) {
         if ((uint32_t)__atomic_load_n(&proc_at(r, i)->claim, __ATOMIC_ACQUIRE) != pid) continue;
-        if (vmm__reg_read_proc(r, i, out) == 0) {
+        if (vmm__reg_read_proc_within(r, i, out, &w) == 0) {
             if (index) *index = i;
             return 0;
         }
@@ -996,10 +1028,11 @@ int vmm__reg_for_each(const vmm__reg *r, vmm__reg_visit_fn fn, void *ctx)
     uint64_t hwm = __atomic_load_n(&r->hdr->chunks_hwm, __ATOMIC_ACQUIRE);
     if (hwm > r->hdr->chunk_count) hwm = r->hdr->chunk_count;
     vmm_reg_alloc rec;
+    vmm__reg_wait w = {0};
     for (uint64_t c = 0; c < hwm; c++) {
         if (__atomic_load_n(chunk_at(r, c), __ATOMIC_ACQUIRE) == 0) continue;
         for (uint64_t s = c * VMM_REG_CHUNK_RECORDS; s < (c + 1) * VMM_REG_CHUNK_RECORDS; s++) {
-            int rc = vmm__reg_read_alloc(r, s, &rec);
+            int rc = vmm__reg_read_alloc_within(r, s, &rec, &w);
             if (rc == 0 && rec.state == VMM_REG_UNBOUND) continue;
             int stop = fn(ctx, s, &rec, rc);
             if (stop) return stop;
@@ -1049,6 +1082,7 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
         pthread_mutex_unlock(&gc_mutex);
         return -ENOMEM;
     }
+    vmm__reg_wait w = {0};
     for (uint32_t i = 0; i < cap; i++) {
         uint64_t c = __atomic_load_n(&proc_at(r, i)->claim, __ATOMIC_ACQUIRE);
         gens[i] = (uint32_t)(c >> 32);
@@ -1059,7 +1093,7 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
         }
         vmm_reg_proc p;
         int live = VMM__UNKNOWN;
-        if (vmm__reg_read_proc(r, i, &p) == 0 && p.start_time != 0)
+        if (vmm__reg_read_proc_within(r, i, &p, &w) == 0 && p.start_time != 0)
             live = vmm__reg_liveness(p.pid, p.start_time, p.pidns);
         else /* died (or is) between claiming the slot and writing its identity: judge by pid */
             live = pid_exists((uint32_t)c) ? VMM__UNKNOWN : VMM__DEAD;

@@ -71,6 +71,15 @@ int vmm__reg_remove(vmm__reg *r, uint32_t slot);
 /* Readers.  Return 0, -ENOENT, -EAGAIN (a writer is mid-write, or died mid-write), -EINVAL. */
 int vmm__reg_read_alloc(const vmm__reg *r, uint64_t slot, vmm_reg_alloc *out);
 int vmm__reg_read_proc(const vmm__reg *r, uint32_t index, vmm_reg_proc *out);
+/* One wait (some tens of milliseconds) shared by every record a walk reads: a writer is mid-write
+ * for nanoseconds, or milliseconds when preempted, but one that died there leaves its record odd
+ * for good, and waiting for each such record in turn would take hours in a full (or hostile)
+ * registry.  Zeroed before the walk; the first record that needs waiting starts the clock. */
+typedef struct vmm__reg_wait {
+    double until;
+} vmm__reg_wait;
+int vmm__reg_read_alloc_within(const vmm__reg *r, uint64_t slot, vmm_reg_alloc *out, vmm__reg_wait *w);
+int vmm__reg_read_proc_within(const vmm__reg *r, uint32_t index, vmm_reg_proc *out, vmm__reg_wait *w);
 int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_alloc *out, uint64_t *slot);
 /* Proc slot of a live-or-dead owner by pid (first match), for tools. */
 int vmm__reg_find_proc(const vmm__reg *r, uint32_t pid, vmm_reg_proc *out, uint32_t *index);

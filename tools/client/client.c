@@ -373,11 +373,11 @@ static int scan_claims(const vmm__reg *r, claim_fn fn, void *ctx)
 }
 
 /* Read a claimed proc slot.  0 and *pid, *alive filled; -ENOENT when the slot was released (or
- * re-claimed) meanwhile; -EAGAIN when the record stayed mid-write. */
+ * re-claimed) meanwhile; -EAGAIN when the record stayed mid-write (waiting on wait). */
 static int read_claimed_proc(const vmm__reg *r, uint32_t index, uint64_t claim, vmm_reg_proc *p, uint32_t *pid,
-                             int *alive)
+                             int *alive, vmm__reg_wait *wait)
 {
-    int rc = vmm__reg_read_proc(r, index, p);
+    int rc = vmm__reg_read_proc_within(r, index, p, wait);
     if (rc) return rc;
     uint32_t cpid = (uint32_t)p->claim;
     if (cpid == 0 || (p->claim >> 32) != (claim >> 32)) return -ENOENT;
@@ -435,6 +435,7 @@ typedef struct {
     uint32_t want_pid; /* vmm_find_proc: 0 = every process */
     bool found;
     vmm_proc_info *best;
+    vmm__reg_wait wait;
 } proc_walk;
 
 static int proc_visit(void *ctx, uint32_t index, uint64_t claim)
@@ -444,7 +445,7 @@ static int proc_visit(void *ctx, uint32_t index, uint64_t claim)
     vmm_reg_proc p;
     uint32_t pid;
     int alive;
-    if (read_claimed_proc(w->r, index, claim, &p, &pid, &alive) != 0) return 0;
+    if (read_claimed_proc(w->r, index, claim, &p, &pid, &alive, &w->wait) != 0) return 0;
     vmm_proc_info info;
     proc_info_from(&info, &p, pid, alive);
     if (w->want_pid) {
@@ -527,6 +528,7 @@ typedef struct {
     uint32_t *gens;
     uint8_t *dead;
     vmm_gc_report *rep;
+    vmm__reg_wait wait;
 } check_walk;
 
 static int check_proc(void *ctx, uint32_t index, uint64_t claim)
@@ -536,7 +538,7 @@ static int check_proc(void *ctx, uint32_t index, uint64_t claim)
     uint32_t pid;
     int alive;
     w->gens[index] = (uint32_t)(claim >> 32);
-    int rc = read_claimed_proc(w->r, index, claim, &p, &pid, &alive);
+    int rc = read_claimed_proc(w->r, index, claim, &p, &pid, &alive, &w->wait);
     if (rc == -ENOENT) return 0; /* released meanwhile */
     if (rc) alive = pid_exists((uint32_t)claim) ? VMM__UNKNOWN : VMM__DEAD;
     if (alive == VMM__ALIVE) w->rep->procs_alive++;
@@ -587,6 +589,7 @@ VMM_PUBLIC vmm_status vmm_check(vmm_registry *reg, vmm_gc_report *out)
     unsigned busy = 0;
     const uint64_t *ct = chunk_table(r);
     vmm_reg_alloc rec;
+    vmm__reg_wait wait = {0};
     for (uint64_t ch = 0; ch < r->hdr->chunk_count; ch++) {
         uint64_t o = __atomic_load_n(&ct[ch], __ATOMIC_ACQUIRE);
         if (o == 0) continue;
@@ -607,7 +610,7 @@ VMM_PUBLIC vmm_status vmm_check(vmm_registry *reg, vmm_gc_report *out)
             continue;
         }
         for (uint64_t s = first; s < first + VMM_REG_CHUNK_RECORDS; s++)
-            if (vmm__reg_read_alloc(r, s, &rec) == -EAGAIN) busy++;
+            if (vmm__reg_read_alloc_within(r, s, &rec, &wait) == -EAGAIN) busy++;
     }
     free(w.gens);
     free(w.dead);

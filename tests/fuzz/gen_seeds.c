@@ -1,0 +1,272 @@
+/* Writes the fuzz targets' seed inputs (tests/fuzz/corpus/<target>/) from the real code: a
+ * registry made by the shim's own writer, handles from the shim's encoder, requests in the
+ * broker's wire format, the sample config the options table generates.  Run once by
+ * `make fuzz-seeds`; the seeds are committed, so `make fuzz` and `make check` never run it.
+ *
+ *   gen_seeds CORPUS_DIR */
+#include "backing/ipc.h"
+#include "broker/protocol.h"
+#include "core/options.h"
+#include "registry/registry.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static const char *g_root;
+
+static void put(const char *target, const char *name, const void *bytes, size_t len)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", g_root, target);
+    if (mkdir(path, 0755) != 0 && errno != EEXIST) {
+        perror(path);
+        exit(1);
+    }
+    snprintf(path, sizeof path, "%s/%s/%s", g_root, target, name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(bytes, 1, len, f) != len || fclose(f) != 0) {
+        perror(path);
+        exit(1);
+    }
+}
+
+/* A growable byte buffer for building inputs. */
+typedef struct {
+    uint8_t *p;
+    size_t n, cap;
+} buf;
+
+static void add(buf *b, const void *bytes, size_t len)
+{
+    if (b->n + len > b->cap) {
+        b->cap = (b->n + len) * 2;
+        if (!(b->p = realloc(b->p, b->cap))) exit(1);
+    }
+    memcpy(b->p + b->n, bytes, len);
+    b->n += len;
+}
+
+static void add_u8(buf *b, uint8_t v) { add(b, &v, 1); }
+static void add_u16(buf *b, uint16_t v) { add(b, &v, 2); }
+static void add_u32(buf *b, uint32_t v) { add(b, &v, 4); }
+static void add_u64(buf *b, uint64_t v) { add(b, &v, 8); }
+
+/* ---- registry: the segment as fuzz_registry.c reads it (size, lookup, sparse patches) ---- */
+
+#define GAP 32 /* zero bytes that end a patch: fewer are cheaper to keep inside it */
+
+static void put_registry(const char *name, const vmm__reg *r, uint32_t pid, uint64_t address)
+{
+    size_t size = r->map_size;
+    uint8_t *img = malloc(size);
+    if (!img || pread(r->fd, img, size, 0) != (ssize_t)size) exit(1);
+    buf b = {0};
+    add_u32(&b, (uint32_t)size);
+    add_u32(&b, pid);
+    add_u64(&b, address);
+    for (size_t at = 0; at < size;) {
+        if (!img[at]) {
+            at++;
+            continue;
+        }
+        size_t end = at, zeros = 0;
+        while (end < size && end - at < 0xffff && zeros < GAP) zeros = img[end++] ? 0 : zeros + 1;
+        end -= zeros;
+        add_u32(&b, (uint32_t)at);
+        add_u16(&b, (uint16_t)(end - at));
+        add(&b, img + at, end - at);
+        at = end;
+    }
+    put("registry", name, b.p, b.n);
+    free(b.p);
+    free(img);
+}
+
+static uint32_t add_alloc(vmm__reg *r, uint64_t address, uint64_t extent, uint64_t requested, uint32_t api,
+                          uint64_t chunk_id, uint64_t chunk_offset, uint64_t mapped, uint32_t flags, const char *tag)
+{
+    vmm_reg_alloc d;
+    memset(&d, 0, sizeof d);
+    d.api = api;
+    d.requested_size = requested;
+    d.mapped_size = mapped;
+    d.chunk_id = chunk_id;
+    d.chunk_offset = chunk_offset;
+    d.flags = flags;
+    d.handle_kinds = flags & VMM_REG_F_NOT_EXPORTABLE ? 0 : VMM_HANDLE_BROKER;
+    d.n_frames = 2;
+    d.frames[0] = 0x401000;
+    d.frames[1] = 0x402000;
+    snprintf(d.tag, sizeof d.tag, "%s", tag);
+    uint32_t slot;
+    vmm_reg_alloc pub;
+    if (vmm__reg_add(r, address, extent, &d, &slot, &pub) != 0) exit(1);
+    return slot;
+}
+
+static void registry_seeds(void)
+{
+    char name[64], err[256];
+    snprintf(name, sizeof name, "/vmmshim-seed-%d", (int)getpid());
+    vmm__reg r;
+    memset(&r, 0, sizeof r);
+    /* the smallest capacity keeps the seeds small; the layout is the real writer's */
+    if (vmm__reg_open(&r, name, VMM__REG_CREATE, 64, NULL, err, sizeof err) != 0 ||
+        vmm__reg_attach(&r, "/run/user/1000/vmmshim/4242.sock") != 0) {
+        fprintf(stderr, "gen_seeds: %s\n", err);
+        exit(1);
+    }
+    const uint64_t small = 0x7f0000000000ull, big = 0x7f0100000000ull, mapped = 0x7f0200000000ull;
+    add_alloc(&r, small, 512, 500, VMM_API_CUDA_MALLOC, 1, 0, 2u << 20, VMM_REG_F_SHARED_CHUNK, "weights");
+    uint32_t second = add_alloc(&r, small + 512, 1024, 1000, VMM_API_CUDA_MALLOC_ASYNC, 1, 512, 2u << 20,
+                                VMM_REG_F_SHARED_CHUNK, "");
+    add_alloc(&r, big, 64u << 20, 64u << 20, VMM_API_CU_MEM_ALLOC, 2, 0, 64u << 20, 0, "activations");
+    add_alloc(&r, mapped, 2u << 20, 2u << 20, VMM_API_CU_MEM_MAP, 3, 0, 2u << 20, VMM_REG_F_NOT_EXPORTABLE, "");
+    put_registry("live", &r, r.pid, small + 100);
+    put_registry("live-mapped", &r, r.pid, mapped + (1u << 20));
+
+    vmm__reg_remove(&r, second); /* a tombstone in the index, a record gone back to unbound */
+    put_registry("freed", &r, r.pid, small + 600);
+
+    /* A writer that died mid-write leaves an odd sequence counter behind. */
+    vmm_reg_alloc *rec = (vmm_reg_alloc *)(r.base + r.hdr->rec_off);
+    __atomic_store_n(&rec[0].seq, rec[0].seq | 1u, __ATOMIC_RELAXED);
+    put_registry("torn-record", &r, r.pid, small);
+
+    vmm__reg_close(&r);
+    shm_unlink(name);
+}
+
+/* ---- IPC handles: 64 bytes, then which byte to damage and how ---- */
+
+static void ipc_seeds(void)
+{
+    static const uint8_t id[16] = {0x9e, 0x37, 0x79, 0xb9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+    unsigned char h[66];
+    vmm__ipc_encode(4242, 123456789, 3, 7, id, h);
+    put("ipc", "handle", h, 64);
+    h[64] = 24; /* the slot */
+    h[65] = 0x80;
+    put("ipc", "handle-damaged-slot", h, 66);
+    vmm__ipc_encode(1, 0, 0, 0, id, h);
+    put("ipc", "handle-small-fields", h, 64);
+    for (int i = 0; i < 64; i++) h[i] = (unsigned char)(i * 37 + 11); /* someone else's (a native handle) */
+    put("ipc", "foreign", h, 64);
+}
+
+/* ---- broker: credentials byte, then length-prefixed datagrams ---- */
+
+static void add_request(buf *b, uint64_t slot, uint32_t version)
+{
+    vmm_broker_request q;
+    memset(&q, 0, sizeof q);
+    q.magic = VMM_BROKER_MAGIC;
+    q.version = version;
+    q.slot = slot;
+    q.generation = 2 * slot + 1;
+    for (int i = 0; i < 16; i++) q.alloc_id[i] = (uint8_t)(slot + (uint64_t)i);
+    add_u8(b, sizeof q);
+    add(b, &q, sizeof q);
+}
+
+static void broker_seeds(void)
+{
+    buf b = {0};
+    add_u8(&b, 1);
+    add_request(&b, 0, VMM_BROKER_VERSION);
+    put("broker", "one-request", b.p, b.n);
+
+    b.n = 0; /* a kept connection: every answer the export gives, then a request of another version */
+    add_u8(&b, 1);
+    for (uint64_t s = 0; s < 8; s++) add_request(&b, s, VMM_BROKER_VERSION);
+    add_request(&b, 0, VMM_BROKER_VERSION + 1);
+    put("broker", "kept-connection", b.p, b.n);
+
+    b.n = 0;
+    add_u8(&b, 0); /* a peer the credentials check refused */
+    add_request(&b, 0, VMM_BROKER_VERSION);
+    put("broker", "refused-peer", b.p, b.n);
+
+    b.n = 0; /* one byte too many, then an empty datagram */
+    add_u8(&b, 1);
+    add_request(&b, 6, VMM_BROKER_VERSION);
+    b.p[1] = sizeof(vmm_broker_request) + 1;
+    add_u8(&b, 0);
+    add_u8(&b, 0);
+    put("broker", "oversized", b.p, b.n);
+    free(b.p);
+}
+
+/* ---- options: a mode byte, then a config file or NUL-separated environment values ---- */
+
+static void options_seeds(void)
+{
+    buf b = {0};
+    int fd = memfd_create("conf", MFD_CLOEXEC);
+    if (fd < 0) exit(1);
+    vmm__opt_print_conf(fd); /* config/vmmshim.conf: every option commented out */
+    off_t len = lseek(fd, 0, SEEK_END);
+    char *text = malloc((size_t)len);
+    if (!text || pread(fd, text, (size_t)len, 0) != len) exit(1);
+    close(fd);
+    add_u8(&b, 0);
+    add(&b, text, (size_t)len);
+    free(text);
+    put("options", "sample-conf", b.p, b.n);
+
+    static const char conf[] = "# every option set, in the forms the parser takes\n"
+                               "strict = no\nVMMSHIM_VERBOSE = 1\nlog_level = DEBUG\n"
+                               "log_file = \"/tmp/vmmshim fuzz.log\"\nenable = on\n"
+                               "registry = /vmmshim-fuzz\nregistry_group = 1000\n"
+                               "registry_capacity = 4096\ncache_size = 512 MiB # trailing comment\n"
+                               "isolate = false\nadopt = yes\nexport = pidfd\nbroker_dir = '/tmp/b#1'\n"
+                               "broker_group = video\nfabric = off\ntag = run-42\nframes = 8\n"
+                               "config = /etc/ignored.conf\nno_such_option = 1\nnot a line\n";
+    b.n = 0;
+    add_u8(&b, 0);
+    add(&b, conf, sizeof conf - 1);
+    put("options", "every-option", b.p, b.n);
+
+    b.n = 0;
+    add_u8(&b, 2); /* the same file under VMMSHIM_STRICT=1, with bad values */
+    static const char bad[] = "cache_size = 2P\nframes = 9\nlog_level = loud\ntag = "
+                              "a-tag-that-is-longer-than-thirty-one-bytes\nregistry = no-slash\n";
+    add(&b, bad, sizeof bad - 1);
+    put("options", "strict-bad-values", b.p, b.n);
+
+    /* Environment values, one per option in table order from STRICT (CONFIG's is skipped). */
+    static const char *const env[VMM__OPT_COUNT] = {
+        "0", "1", "info", "/tmp/vmmshim.log", "", "TRUE", "/vmmshim-env", "wheel", "1024",
+        "1T", "1", "0", "broker", "/run/vmmshim", "video", "auto", "tag", "0"};
+    b.n = 0;
+    add_u8(&b, 1);
+    for (int i = 0; i < VMM__OPT_COUNT; i++) add(&b, env[i], strlen(env[i]) + (i + 1 < VMM__OPT_COUNT));
+    put("options", "env-every-option", b.p, b.n);
+
+    static const char sizes[] = "18446744073709551615\0-9223372036854775808\0 4 kib \0 16777217\0 0x10";
+    b.n = 0;
+    add_u8(&b, 1 | (VMM__OPT_CACHE_SIZE << 1));
+    add(&b, sizes, sizeof sizes - 1);
+    put("options", "env-numbers", b.p, b.n);
+    free(b.p);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: gen_seeds CORPUS_DIR\n");
+        return 2;
+    }
+    g_root = argv[1];
+    registry_seeds();
+    ipc_seeds();
+    broker_seeds();
+    options_seeds();
+    return 0;
+}
