@@ -59,12 +59,18 @@ check "companion kernel verifies owner's pattern" "grep -q 'pattern: yes' '$W/co
 echo go >&"${OWN[1]}"; read -r line <&"${OWN[0]}"; echo "$line"; wait $OWN_PID 2>/dev/null
 owner_line=$line; check "owner kernel sees companion's writes" '[[ $owner_line == *yes ]]'
 
-echo "== vmmctl import-test while the owner runs"
-coproc OWN2 { env $SHIM "$W/owner" 3 1a; }
+echo "== vmmctl import-test while the owner runs (VMMSHIM_FRAMES=4, VMMSHIM_STATS=1)"
+coproc OWN2 { env $SHIM VMMSHIM_FRAMES=4 VMMSHIM_STATS=1 "$W/owner" 3 1a 2>"$W/owner2.err"; }
 read -r _ opid oaddr _ _ osum <&"${OWN2[0]}"; read -r _ <&"${OWN2[0]}"
 "$B/vmmctl" import-test "$opid" "$oaddr" | tee "$W/it"
 check "import-test reads the owner's bytes (fnv $osum)" "grep -q 'fnv $osum' '$W/it'"
+"$B/vmmctl" show "$opid" "$oaddr" | grep frame | tee "$W/frames"
+check "vmmctl show names the call site (owner+0x...)" "grep -q 'owner+0x' '$W/frames'"
+"$B/vmmctl" ps | tee "$W/ps"
+check "vmmctl ps counts the owner's allocations (2 made, 2 backed)" "grep -E '^ *$opid .* 2 +2 +0 +0 +0 ' '$W/ps' >/dev/null"
 echo quit >&"${OWN2[1]}"; wait $OWN2_PID 2>/dev/null
+grep stats "$W/owner2.err"
+check "VMMSHIM_STATS=1 prints one line at exit" "grep -q 'vmmshim: stats: pid $opid: 2 allocations, 2 backed' '$W/owner2.err'"
 
 echo "== a companion reads a packed small allocation (three 4 KiB buffers in one chunk)"
 coproc OWN3 { env $SHIM "$W/owner" 0.00390625 0.00390625 0.00390625; }
