@@ -255,7 +255,9 @@ int vmm__adopt_export(uint64_t slot, uint64_t generation, const uint8_t id[16], 
                 rc = 0;
                 r->h->broker_fd = fcntl(*fd, F_DUPFD_CLOEXEC, 1024);
             }
-            A.Release(h);
+            if (VMM__TWICE(A.Release(h)) != CUDA_SUCCESS)
+                vmm__log(VMM__LOG_WARNING, "cuMemRelease of a handle retained for an export failed twice; the driver keeps "
+                         "its memory until exit");
         }
         if (rc == 0) {
             *mapped = r->h->size;

@@ -355,6 +355,20 @@ static void export_chunk(vchunk *c)
         c->has_fabric = 1;
 }
 
+/* Give back what a chunk holds: its mapping, reservation and handle, as far as they exist, each
+ * call made twice if need be (VMM__TWICE); what still fails stays with the driver until the
+ * process exits (one warning), and a range still holding its mapping is not freed under it. */
+static void chunk_undo(CUdeviceptr va, uint64_t size, CUmemGenericAllocationHandle h, int mapped, int reserved)
+{
+    CUresult unmap = mapped ? VMM__TWICE(cu.MemUnmap(va, size)) : CUDA_SUCCESS;
+    CUresult unreserve = reserved && unmap == CUDA_SUCCESS ? VMM__TWICE(cu.MemAddressFree(va, size)) : CUDA_SUCCESS;
+    CUresult release = VMM__TWICE(cu.MemRelease(h));
+    const char *what = unmap ? "cuMemUnmap" : unreserve ? "cuMemAddressFree" : release ? "cuMemRelease" : NULL;
+    if (what)
+        vmm__log(VMM__LOG_WARNING, "giving back a chunk of %llu bytes: %s failed twice (CUDA error %d); the driver keeps it "
+                 "until exit", (unsigned long long)size, what, (int)(unmap ? unmap : unreserve ? unreserve : release));
+}
+
 static int chunk_create(void *ctx, vmm__chunk *pc)
 {
     device_state *d = ctx;
@@ -369,8 +383,11 @@ static int chunk_create(void *ctx, vmm__chunk *pc)
     CUresult rc = cu.MemCreate(&h, size, &p, 0);
     if (rc != CUDA_SUCCESS) return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
     CUdeviceptr va = 0;
-    if ((rc = cu.MemAddressReserve(&va, size, pow2_ceil(size), 0, 0)) != CUDA_SUCCESS) goto release;
-    if ((rc = cu.MemMap(va, size, 0, h, 0)) != CUDA_SUCCESS) goto unreserve;
+    int reserved = 0, mapped = 0;
+    if ((rc = cu.MemAddressReserve(&va, size, pow2_ceil(size), 0, 0)) != CUDA_SUCCESS) goto undo;
+    reserved = 1;
+    if ((rc = cu.MemMap(va, size, 0, h, 0)) != CUDA_SUCCESS) goto undo;
+    mapped = 1;
     CUmemAccessDesc acc[MAX_DEVICES];
     size_t n_acc = 0;
     uint64_t accessors = __atomic_load_n(&d->accessors, __ATOMIC_ACQUIRE) | (1ull << dev);
@@ -378,11 +395,11 @@ static int chunk_create(void *ctx, vmm__chunk *pc)
         if (accessors & (1ull << i))
             acc[n_acc++] = (CUmemAccessDesc){.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = i},
                                              .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-    if ((rc = cu.MemSetAccess(va, size, acc, n_acc)) != CUDA_SUCCESS) goto unmap;
+    if ((rc = cu.MemSetAccess(va, size, acc, n_acc)) != CUDA_SUCCESS) goto undo;
     vchunk *c = calloc(1, sizeof *c);
     if (!c) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
-        goto unmap;
+        goto undo;
     }
     c->base = va;
     c->size = size;
@@ -397,12 +414,8 @@ static int chunk_create(void *ctx, vmm__chunk *pc)
     pc->base = va;
     pc->mech = c;
     return 0;
-unmap:
-    cu.MemUnmap(va, size);
-unreserve:
-    cu.MemAddressFree(va, size);
-release:
-    cu.MemRelease(h);
+undo:
+    chunk_undo(va, size, h, mapped, reserved);
     return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
 }
 
@@ -414,9 +427,7 @@ static void chunk_destroy(void *ctx, vmm__chunk *pc)
     HASH_DELETE(hh, S.chunks, c);
     if (c->exported_fd >= 0) close(c->exported_fd); /* its records were retracted before */
     if (c->broker_fd >= 0) close(c->broker_fd);
-    cu.MemUnmap(c->base, c->size);
-    cu.MemAddressFree(c->base, c->size);
-    cu.MemRelease(c->handle);
+    chunk_undo(c->base, c->size, c->handle, 1, 1);
     free(c);
 }
 

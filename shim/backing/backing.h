@@ -7,6 +7,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* A driver call that gives memory back, made once more if it fails: nothing else would ever give
+ * that memory back, and a failure may be passing.  The second result stands. */
+#define VMM__TWICE(call) ((call) == CUDA_SUCCESS ? CUDA_SUCCESS : (call))
+
 typedef enum {
     VMM__DONE = 0,     /* handled by the shim: *ptr set */
     VMM__PASS = 1,     /* not the shim's: call the real function */
