@@ -668,10 +668,10 @@ static vmm__block *block_containing_locked(uint64_t p)
 static void sync_ctx(CUcontext ctx)
 {
     CUcontext prev = NULL;
-    cu.CtxGetCurrent(&prev);
-    if (prev != ctx) cu.CtxSetCurrent(ctx);
+    /* a current context that cannot be read cannot be restored either: then no switch */
+    int switched = cu.CtxGetCurrent(&prev) == CUDA_SUCCESS && prev != ctx && cu.CtxSetCurrent(ctx) == CUDA_SUCCESS;
     cu.CtxSynchronize();
-    if (prev != ctx) cu.CtxSetCurrent(prev);
+    if (switched) (void)VMM__TWICE(cu.CtxSetCurrent(prev)); /* else the thread stays in ctx */
 }
 
 vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
@@ -805,22 +805,41 @@ struct vmm__reg *vmm__registry(void)
 }
 
 /* Peer access is granted per mapping with cuMemSetAccess: enabling it in the driver does not
- * cover VMM memory.  accessor may then use owner's chunks, now and in future. */
-void vmm__peer_access(int accessor, int owner, int enable)
+ * cover VMM memory.  accessor may then use owner's chunks, now and in future.  All or nothing: if
+ * one chunk refuses, the ones changed before it are set back and the call's error returned, so
+ * the program's call can fail whole as a real one would. */
+CUresult vmm__peer_access(int accessor, int owner, int enable, int *changed)
 {
-    if (!ensure_init() || accessor < 0 || owner < 0 || accessor >= MAX_DEVICES || owner >= MAX_DEVICES || accessor == owner) return;
+    if (changed) *changed = 0;
+    if (!ensure_init() || accessor < 0 || owner < 0 || accessor >= MAX_DEVICES || owner >= MAX_DEVICES || accessor == owner)
+        return CUDA_SUCCESS;
     pthread_mutex_lock(&S.lock);
     device_state *d = &S.dev[owner];
-    if (enable) __atomic_or_fetch(&d->accessors, 1ull << accessor, __ATOMIC_RELEASE);
-    else __atomic_and_fetch(&d->accessors, ~(1ull << accessor), __ATOMIC_RELEASE);
-    CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = accessor},
-                           .flags = enable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE};
-    unsigned failed = 0;
-    for (vchunk *c = S.chunks; c; c = c->hh.next)
-        if (c->dev == owner && cu.MemSetAccess(c->base, c->size, &acc, 1) != CUDA_SUCCESS) failed++;
+    uint64_t bit = 1ull << accessor;
+    int was = (__atomic_load_n(&d->accessors, __ATOMIC_ACQUIRE) & bit) != 0;
+    CUresult rc = CUDA_SUCCESS;
+    if (was != !!enable) {
+        CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = accessor},
+                               .flags = enable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE};
+        vchunk *c, *failed = NULL;
+        for (c = S.chunks; c && !failed; c = c->hh.next)
+            if (c->dev == owner && (rc = cu.MemSetAccess(c->base, c->size, &acc, 1)) != CUDA_SUCCESS) failed = c;
+        if (failed) {
+            acc.flags = was ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+            unsigned unrestored = 0;
+            for (c = S.chunks; c != failed; c = c->hh.next)
+                if (c->dev == owner && VMM__TWICE(cu.MemSetAccess(c->base, c->size, &acc, 1)) != CUDA_SUCCESS) unrestored++;
+            if (unrestored)
+                vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be set back after a failed %s", accessor,
+                         owner, unrestored, enable ? "grant" : "revoke");
+        } else {
+            if (enable) __atomic_or_fetch(&d->accessors, bit, __ATOMIC_RELEASE);
+            else __atomic_and_fetch(&d->accessors, ~bit, __ATOMIC_RELEASE);
+            if (changed) *changed = 1;
+        }
+    }
     pthread_mutex_unlock(&S.lock);
-    if (failed) vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be %s", accessor, owner, failed,
-                         enable ? "granted" : "revoked");
+    return rc;
 }
 
 /* ---- ranges the program maps itself (adopt.c) ---- */

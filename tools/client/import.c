@@ -714,8 +714,8 @@ static bool ctx_enter(CUcontext ctx, CUcontext *prev)
     return cu.CtxGetCurrent(prev) == CUDA_SUCCESS && *prev != ctx && cu.CtxSetCurrent(ctx) == CUDA_SUCCESS;
 }
 
-/* A driver call that gives memory back, made once more if it fails: nothing else would ever give
- * that memory back, and a failure may be passing.  The second result stands. */
+/* A driver call that undoes (gives memory back, restores a context), made once more if it fails:
+ * nothing else would ever undo it, and a failure may be passing.  The second result stands. */
 #define TWICE(call) ((call) == CUDA_SUCCESS ? CUDA_SUCCESS : (call))
 
 /* Give back the pieces of a mapping, as far as they exist: the mapping, the handle, the address
@@ -740,7 +740,7 @@ static vmm_status unmap_chunk(CUdeviceptr base, size_t size, CUmemGenericAllocat
     CUcontext cur;
     bool switched = ctx_enter(ctx, &cur);
     vmm_status st = undo(base, size, handle, true, true);
-    if (switched) (void)cu.CtxSetCurrent(cur);
+    if (switched) (void)TWICE(cu.CtxSetCurrent(cur)); /* else the thread stays in ctx */
     return st;
 }
 
@@ -1375,7 +1375,7 @@ static vmm_status range_unmap(range_map *m)
             st = cu_fail("cuMemUnmap", r);
     if (m->size && st == VMM_OK && (r = TWICE(cu.MemAddressFree(m->base, m->size))) != CUDA_SUCCESS)
         st = cu_fail("cuMemAddressFree", r);
-    if (switched) (void)cu.CtxSetCurrent(cur);
+    if (switched) (void)TWICE(cu.CtxSetCurrent(cur));
     free(m);
     return st;
 }
