@@ -8,7 +8,8 @@
  * waits at a checkpoint.  The functions swept are the ones the shim called (at every position of
  * every caller, the program's own calls of them too) and every one the companion's client
  * library called: nothing is listed here, so the sweep follows the code.  For each position k
- * the workload runs again with exactly that call failing (FAKECUDA_FAIL=fn/caller@k), and:
+ * the workload runs again with exactly that call failing (FAKECUDA_FAIL=fn/caller@k:1:err, with
+ * CUDA_ERROR_UNKNOWN, and with CUDA_ERROR_OUT_OF_MEMORY too for the calls that allocate), and:
  *   - nothing hangs (a timeout) and no sanitizer reports;
  *   - the program's output and exit status are the clean run's (the shim absorbed the failure),
  *     or what native gives: for a call of the program's own, native with the same call failing
@@ -403,9 +404,13 @@ static int leaks(const long long *live, const long long *ref, char *why, size_t 
     return 0;
 }
 
-static const char *error_for(const char *fn)
+/* The errors each call fails with: any call with CUDA_ERROR_UNKNOWN, and the ones that allocate
+ * with CUDA_ERROR_OUT_OF_MEMORY too (the shim takes another road for a full device). */
+static int errors_for(const char *fn, const char *err[2])
 {
-    return !strcmp(fn, "cuMemCreate") || !strncmp(fn, "cuMemAlloc", 10) ? "OUT_OF_MEMORY" : "UNKNOWN";
+    err[0] = "UNKNOWN";
+    err[1] = "OUT_OF_MEMORY";
+    return !strcmp(fn, "cuMemCreate") || !strncmp(fn, "cuMemAlloc", 10) ? 2 : 1;
 }
 
 /* Native with some one call failing with err gives exactly `want`'s output: that call's
@@ -446,11 +451,11 @@ typedef struct baseline {
 
 static run_out g_case, g_scratch, g_ref;
 
-/* One case: the owner's k-th call of fn from caller fails (owner_side), or the companion's. */
-static void judge(const baseline *b, const char *fn, const char *caller, int k, int owner_side)
+/* One case: the owner's k-th call of fn from caller fails with err (owner_side), or the
+ * companion's. */
+static void judge(const baseline *b, const char *fn, const char *caller, int k, const char *err, int owner_side)
 {
     run_cfg c = {.w = b->w, .shim = 1};
-    const char *err = error_for(fn);
     char *spec = owner_side ? c.owner_fail : c.companion_fail, why[8192] = "";
     snprintf(spec, sizeof c.owner_fail, "%s/%s@%d:1:%s", fn, caller, k, err);
     run(&c, &g_case);
@@ -500,23 +505,27 @@ static void judge(const baseline *b, const char *fn, const char *caller, int k, 
         outcome = O_LEAK;
     g_cases++;
     g_outcomes[outcome]++;
-    CHECK(outcome < O_CRASH, "%s: %s fails at its call %d from %s (%s): %s: %s\n%.1500s", b->name, fn, k, caller,
-          owner_side ? "owner" : "companion", OUTCOME[outcome], why, o->err);
+    CHECK(outcome < O_CRASH, "%s: %s fails (%s) at its call %d from %s (%s): %s: %s\n%.1500s", b->name, fn, err, k,
+          caller, owner_side ? "owner" : "companion", OUTCOME[outcome], why, o->err);
 }
 
 /* Positions to try of n calls: all, or the first, second and last. */
 static int next_position(int k, int n) { return !g_sampled || k < 2 || k >= n - 1 ? k + 1 : n; }
 
+/* Every call of cc whose function `functions` shows called from fn_caller (NULL: from anywhere). */
 static void sweep_calls(const baseline *b, const calls *cc, const calls *functions, const char *fn_caller,
                         int owner_side, int *cases)
 {
     for (int i = 0; i < cc->n; i++) {
         const call_count *x = &cc->c[i];
         if (!calls_any(functions, x->fn, fn_caller)) continue;
-        for (int k = 1; k <= x->n; k = next_position(k, x->n)) {
-            judge(b, x->fn, x->caller, k, owner_side);
-            (*cases)++;
-        }
+        const char *err[2];
+        int n_err = errors_for(x->fn, err);
+        for (int k = 1; k <= x->n; k = next_position(k, x->n))
+            for (int e = 0; e < n_err; e++) {
+                judge(b, x->fn, x->caller, k, err[e], owner_side);
+                (*cases)++;
+            }
     }
 }
 
