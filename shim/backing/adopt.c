@@ -58,16 +58,21 @@ static int adopting(void)
     return v;
 }
 
-static int load_driver(void)
+static void resolve_driver(void)
 {
-    if (A.Release) return 1;
     void *r = vmm__real_driver("cuMemRetainAllocationHandle"), *e = vmm__real_driver("cuMemExportToShareableHandle"),
          *l = vmm__real_driver("cuMemRelease");
-    if (!r || !e || !l) return 0;
+    if (!r || !e || !l) return;
     memcpy(&A.RetainAllocationHandle, &r, sizeof r);
     memcpy(&A.ExportToShareableHandle, &e, sizeof e);
     memcpy(&A.Release, &l, sizeof l);
-    return 1;
+}
+
+static int load_driver(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, resolve_driver);
+    return A.Release != NULL;
 }
 
 static void entry_free(handle_entry *e)

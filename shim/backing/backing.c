@@ -288,9 +288,15 @@ static int current_device(CUcontext *ctx_out, int bind_primary)
             vmm__leave();
         }
         if (d < 0 || d >= MAX_DEVICES) return -1;
-        if (!S.dev[d].primary && cu.DevicePrimaryCtxRetain(&S.dev[d].primary, d) != CUDA_SUCCESS) return -1;
-        if (cu.CtxSetCurrent(S.dev[d].primary) != CUDA_SUCCESS) return -1;
-        ctx = S.dev[d].primary;
+        ctx = __atomic_load_n(&S.dev[d].primary, __ATOMIC_ACQUIRE);
+        if (!ctx) {
+            CUcontext fresh = NULL, none = NULL;
+            if (cu.DevicePrimaryCtxRetain(&fresh, d) != CUDA_SUCCESS) return -1;
+            /* threads binding at once each retain it: one harmless extra reference to the same context */
+            ctx = __atomic_compare_exchange_n(&S.dev[d].primary, &none, fresh, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE) ? fresh
+                                                                                                                   : none;
+        }
+        if (cu.CtxSetCurrent(ctx) != CUDA_SUCCESS) return -1;
     }
     if (cu.CtxGetDevice(&dev) != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES) return -1;
     *ctx_out = ctx;

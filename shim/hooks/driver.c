@@ -131,11 +131,10 @@ VMM_HOOK CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t wi
     vmm__enter();
     CUresult rc = real_(&probe, &p, width, 1, elem);
     if (rc == CUDA_SUCCESS) {
-        static __typeof__(&cuMemFree_v2) real_free;
-        if (!real_free) {
-            void *f = vmm__real_driver("cuMemFree_v2");
-            memcpy(&real_free, &f, sizeof f);
-        }
+        static void *free_slot;
+        __typeof__(&cuMemFree_v2) real_free;
+        void *f = vmm__real_driver_once(&free_slot, "cuMemFree_v2");
+        memcpy(&real_free, &f, sizeof f);
         if (real_free) real_free(probe);
     }
     vmm__leave();
@@ -230,16 +229,15 @@ VMM_HOOK CUresult cuPointerGetAttributes(unsigned n, CUpointer_attribute *attrs,
  * Inside the guard. */
 static CUresult ctx_device(CUcontext ctx, int *dev)
 {
-    static __typeof__(&cuCtxPushCurrent_v2) push;
-    static __typeof__(&cuCtxPopCurrent_v2) pop;
-    static __typeof__(&cuCtxGetDevice) get;
-    if (!push) {
-        void *a = vmm__real_driver("cuCtxPushCurrent_v2"), *b = vmm__real_driver("cuCtxPopCurrent_v2"),
-             *c = vmm__real_driver("cuCtxGetDevice");
-        memcpy(&pop, &b, sizeof b);
-        memcpy(&get, &c, sizeof c);
-        memcpy(&push, &a, sizeof a);
-    }
+    static void *slots[3];
+    __typeof__(&cuCtxPushCurrent_v2) push;
+    __typeof__(&cuCtxPopCurrent_v2) pop;
+    __typeof__(&cuCtxGetDevice) get;
+    void *a = vmm__real_driver_once(&slots[0], "cuCtxPushCurrent_v2"), *b = vmm__real_driver_once(&slots[1], "cuCtxPopCurrent_v2"),
+         *c = vmm__real_driver_once(&slots[2], "cuCtxGetDevice");
+    memcpy(&push, &a, sizeof a);
+    memcpy(&pop, &b, sizeof b);
+    memcpy(&get, &c, sizeof c);
     if (!push || !pop || !get) return CUDA_ERROR_NOT_INITIALIZED;
     CUdevice d = -1;
     CUcontext popped;
@@ -260,11 +258,10 @@ static CUresult ctx_device(CUcontext ctx, int *dev)
 VMM_HOOK CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags)
 {
     VMM_REAL_DRIVER(cuCtxEnablePeerAccess, CUDA_ERROR_NOT_INITIALIZED);
-    static __typeof__(&cuCtxDisablePeerAccess) disable;
-    if (!disable) {
-        void *f = vmm__real_driver("cuCtxDisablePeerAccess");
-        memcpy(&disable, &f, sizeof f);
-    }
+    static void *disable_slot;
+    __typeof__(&cuCtxDisablePeerAccess) disable;
+    void *f = vmm__real_driver_once(&disable_slot, "cuCtxDisablePeerAccess");
+    memcpy(&disable, &f, sizeof f);
     int me = -1, owner = -1;
     vmm__enter();
     CUresult look = ctx_device(NULL, &me);
@@ -284,11 +281,10 @@ VMM_HOOK CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags)
 VMM_HOOK CUresult cuCtxDisablePeerAccess(CUcontext peer)
 {
     VMM_REAL_DRIVER(cuCtxDisablePeerAccess, CUDA_ERROR_NOT_INITIALIZED);
-    static __typeof__(&cuCtxEnablePeerAccess) enable;
-    if (!enable) {
-        void *f = vmm__real_driver("cuCtxEnablePeerAccess");
-        memcpy(&enable, &f, sizeof f);
-    }
+    static void *enable_slot;
+    __typeof__(&cuCtxEnablePeerAccess) enable;
+    void *f = vmm__real_driver_once(&enable_slot, "cuCtxEnablePeerAccess");
+    memcpy(&enable, &f, sizeof f);
     int me = -1, owner = -1;
     vmm__enter();
     CUresult look = ctx_device(NULL, &me);
