@@ -456,7 +456,7 @@ static void parse_fail_env(const char *spec)
 
 static void fc_atfork_prepare(void) { LOCK(); }
 static void fc_atfork_parent(void) { UNLOCK(); }
-static void fc_atfork_child(void) { pthread_mutex_init(&g_mu, NULL); }
+static void fc_atfork_child(void) { UNLOCK(); } /* the forking thread holds it, in the child too */
 
 __attribute__((constructor)) static void fc_load(void)
 {
@@ -594,8 +594,9 @@ static unsigned long long count_stray_fds(void)
         struct stat st;
         if (e->d_name[0] == '.' || fd == dirfd(d)) continue;
         snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+        /* by path, not by fd: another thread may close the fd meanwhile, and then it simply goes */
         ssize_t len = readlink(link, target, sizeof target - 1);
-        if (len <= 0 || fstat(fd, &st) != 0) continue;
+        if (len <= 0 || stat(link, &st) != 0) continue;
         target[len] = 0;
         if (strncmp(target, "/memfd:fakecuda.d", 17)) continue;
         int live = 0;
