@@ -26,9 +26,10 @@
  *     bytes or a broken promise (a handle with an error).
  * Sanitizer builds (SAN set, as by `make test SAN=...`) try the first, second and last position
  * of each function and caller only. */
-#include "check.h"
-#include "spawn.h"
 #include "vmmshim.h"
+#include "check.h"
+#include "checkpoint.h"
+#include "spawn.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -169,57 +170,22 @@ static int calls_any(const calls *c, const char *fn, const char *caller)
     return 0;
 }
 
-/* ---- the registry while the owner waits, and after it exits -------------------------------- */
-
-typedef struct live_alloc {
-    unsigned long long address, size, sum;
-} live_alloc;
-
-typedef struct record_check {
-    uint32_t pid;
-    const live_alloc *live;
-    int n;
-    char *bad;
-    size_t badlen;
-} record_check;
-
-static int check_record(void *ctx, const vmm_alloc_info *a)
-{
-    record_check *rc = ctx;
-    if (a->pid != rc->pid || rc->bad[0]) return 0;
-    for (int i = 0; i < rc->n; i++)
-        if (rc->live[i].address == a->address && rc->live[i].size == a->requested_size) return 0;
-    snprintf(rc->bad, rc->badlen, "pid %u has a record of 0x%llx (%llu bytes, api %u), which it %s", a->pid,
-             (unsigned long long)a->address, (unsigned long long)a->requested_size, a->api,
-             rc->n < 0 ? "left behind at exit" : "does not hold");
-    return 1;
-}
-
-/* Every record of pid must be one of live[0..n) (n < 0: the owner has exited, none may be left). */
-static void check_registry(uint32_t pid, const live_alloc *live, int n, char *bad, size_t badlen)
-{
-    vmm_registry *reg = NULL;
-    if (bad[0] || vmm_open(g_registry, &reg) != VMM_OK) return; /* no shim has made it yet: nothing in it */
-    record_check rc = {.pid = pid, .live = live, .n = n, .bad = bad, .badlen = badlen};
-    vmm_foreach_alloc(reg, check_record, &rc);
-    vmm_proc_info p;
-    if (n < 0 && !bad[0] && vmm_find_proc(reg, pid, &p) == VMM_OK)
-        snprintf(bad, badlen, "pid %u's process record outlived it", pid);
-    vmm_close(reg);
-}
-
 /* ---- running a workload --------------------------------------------------------------------- */
 
-static int run_companion(const run_cfg *c, run_out *o, int pid, char *specs)
+static int run_companion(const run_cfg *c, run_out *o, int pid, const live_alloc *live, int n_live)
 {
-    char prog[600], pid_s[16], cnt[300], calls_env[300], fail[260], dev[40], *argv[MAX_LIVE + 4];
+    char prog[600], pid_s[16], cnt[300], calls_env[300], fail[260], dev[40], specs[MAX_LIVE][64];
+    char *argv[MAX_LIVE + 4];
     snprintf(prog, sizeof prog, "%s/tests/prog_fault_companion", g_build);
     snprintf(pid_s, sizeof pid_s, "%d", pid);
     int n = 0;
     argv[n++] = prog;
     argv[n++] = g_registry;
     argv[n++] = pid_s;
-    for (char *t = strtok(specs, " "); t && n < MAX_LIVE + 3; t = strtok(NULL, " ")) argv[n++] = t;
+    for (int i = 0; i < n_live; i++) {
+        snprintf(specs[i], sizeof specs[i], "0x%llx:%llu:%llx", live[i].address, live[i].size, live[i].sum);
+        argv[n++] = specs[i];
+    }
     argv[n] = NULL;
     snprintf(cnt, sizeof cnt, "FAKECUDA_COUNTERS_AT_EXIT=%s/companion.cnt", g_dir);
     snprintf(calls_env, sizeof calls_env, "FAKECUDA_CALLS_AT_EXIT=%s/companion.calls", g_dir);
@@ -251,21 +217,16 @@ static int run_companion(const run_cfg *c, run_out *o, int pid, char *specs)
     return rc;
 }
 
-/* A "checkpoint <name> <pid> <address>:<size>:<sum>..." line: look at the registry, import. */
+/* A checkpoint line: look at the registry, import. */
 static void at_checkpoint(const run_cfg *c, run_out *o, char *line)
 {
     char name[32];
-    int pid = 0, off = 0;
-    if (sscanf(line, "checkpoint %31s %d%n", name, &pid, &off) != 2) return;
+    int pid = 0;
     live_alloc live[MAX_LIVE];
-    int n = 0;
-    char specs[2048];
-    snprintf(specs, sizeof specs, "%s", line + off);
-    for (char *t = strtok(line + off, " "); t && n < MAX_LIVE; t = strtok(NULL, " "))
-        if (sscanf(t, "%llx:%llu:%llx", &live[n].address, &live[n].size, &live[n].sum) == 3) n++;
-    if (!c->shim) return;
-    check_registry((uint32_t)pid, live, n, o->stale, sizeof o->stale);
-    if (c->w->companion && !strcmp(name, "allocated") && n > 0) run_companion(c, o, pid, specs);
+    int n = checkpoint_parse(line, name, &pid, live, MAX_LIVE);
+    if (n < 0 || !c->shim) return;
+    checkpoint_registry(g_registry, (uint32_t)pid, live, n, o->stale, sizeof o->stale);
+    if (c->w->companion && !strcmp(name, "allocated") && n > 0) run_companion(c, o, pid, live, n);
 }
 
 static void set_env(const run_cfg *c)
@@ -377,7 +338,7 @@ static void run(const run_cfg *c, run_out *o)
     if (o->rc == 128 + SIGALRM) o->timed_out = 1;
     read_counters("owner.cnt", o->live, &o->injected);
     if (c->count) read_calls("owner.calls", &o->owner_calls);
-    if (c->shim) check_registry((uint32_t)pid, NULL, -1, o->stale, sizeof o->stale);
+    if (c->shim) checkpoint_registry(g_registry, (uint32_t)pid, NULL, -1, o->stale, sizeof o->stale);
 }
 
 /* ---- judging one case ----------------------------------------------------------------------- */
