@@ -18,6 +18,10 @@ ifeq ($(SAN),ubsan)
   CFLAGS  += -fsanitize=undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
   LDFLAGS += -fsanitize=undefined
 endif
+ifeq ($(SAN),tsan)
+  CFLAGS  += -fsanitize=thread -fno-omit-frame-pointer
+  LDFLAGS += -fsanitize=thread
+endif
 
 CORE_SRC   := $(wildcard shim/core/*.c shim/registry/*.c)
 SHIM_SRC   := $(wildcard shim/hooks/*.c shim/backing/*.c shim/pool/*.c shim/broker/*.c)
@@ -136,6 +140,6 @@ install: all
 	sed -e 's|@PREFIX@|$(PREFIX)|g' tools/client/vmmshim.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/vmmshim.pc
 
 clean:
-	rm -rf build build-asan build-ubsan
+	rm -rf build build-asan build-ubsan build-tsan
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

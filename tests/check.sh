@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# `make check`: build and test the plain, ASan and UBSan variants; the last line is the total.
+# `make check`: build and test the plain, ASan, UBSan and TSan variants; the last line is the total.
 set -u
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
 tp=0; tf=0
-for san in "" asan ubsan; do
+for san in "" asan ubsan tsan; do
   echo "== variant: ${san:-plain}"
   if ! make -s -j"$jobs" all SAN="$san"; then echo "build failed: ${san:-plain}"; tf=$((tf + 1)); continue; fi
   out=$(make -s test SAN="$san" 2>&1); echo "$out"

@@ -10,6 +10,9 @@ export LD_LIBRARY_PATH="$PWD/$BUILD/fakecuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH
 export VMMSHIM_REGISTRY="/vmmshim-test-$$"
 export VMMSHIM_BROKER_DIR="/tmp/vmmshim-test-$$"
 [ "${SAN:-}" = asan ] && export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0"
+# The tests fork owners from processes where ThreadSanitizer already runs a thread of its own,
+# and those children start brokers: TSan allows that only when told to.
+[ "${SAN:-}" = tsan ] && export TSAN_OPTIONS="die_after_fork=0"
 total_p=0; total_f=0; bad=""
 for t in "$BUILD"/tests/test_*; do
   [ -x "$t" ] || continue

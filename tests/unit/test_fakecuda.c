@@ -500,7 +500,12 @@ static void test_granularity_and_reserve(void)
     CHECK_EQ(g, GRAN);
 
     static const size_t aligns[] = {0, 4096, GRAN, 64 * MiB, (size_t)1 << 30, (size_t)1 << 40};
-    for (size_t i = 0; i < sizeof aligns / sizeof aligns[0]; i++) {
+    size_t n_aligns = sizeof aligns / sizeof aligns[0];
+#ifdef __SANITIZE_THREAD__
+    n_aligns--;
+    printf("skip: a 1 TiB-aligned reservation (ThreadSanitizer's memory layout has no room for one)\n");
+#endif
+    for (size_t i = 0; i < n_aligns; i++) {
         CUdeviceptr va = 0;
         size_t want = aligns[i] > GRAN ? aligns[i] : GRAN;
         CHECK_EQ(p_cuMemAddressReserve(&va, 3 * GRAN, aligns[i], 0, 0), CUDA_SUCCESS);
