@@ -18,6 +18,10 @@ ifeq ($(SAN),ubsan)
   CFLAGS  += -fsanitize=undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
   LDFLAGS += -fsanitize=undefined
 endif
+ifeq ($(SAN),tsan)
+  CFLAGS  += -fsanitize=thread -fno-omit-frame-pointer
+  LDFLAGS += -fsanitize=thread
+endif
 
 CORE_SRC   := $(wildcard shim/core/*.c shim/registry/*.c)
 SHIM_SRC   := $(wildcard shim/hooks/*.c shim/backing/*.c shim/pool/*.c shim/broker/*.c)
@@ -188,6 +192,6 @@ install: all
 	sed -e 's|@PREFIX@|$(PREFIX)|g' tools/client/vmmshim.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/vmmshim.pc
 
 clean:
-	rm -rf build build-asan build-ubsan $(FUZZ_BUILD)
+	rm -rf build build-asan build-ubsan build-tsan $(FUZZ_BUILD)
 
 -include $(shell find $(BUILD)/obj $(FUZZ_BUILD)/obj -name '*.d' 2>/dev/null)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make check`: build and test the plain, ASan and UBSan variants, then fuzz each target for 20 s
+# `make check`: build and test the plain, ASan, UBSan and TSan variants, then fuzz each target for 20 s
 # (`make fuzz`); the last line is the total.
 set -u
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ count() {
   [ -n "$line" ] || { p=0; f=1; }
   tp=$((tp + p)); tf=$((tf + f))
 }
-for san in "" asan ubsan; do
+for san in "" asan ubsan tsan; do
   echo "== variant: ${san:-plain}"
   if ! make -s -j"$jobs" all SAN="$san"; then echo "build failed: ${san:-plain}"; tf=$((tf + 1)); continue; fi
   out=$(make -s test SAN="$san" 2>&1); echo "$out"

@@ -16,6 +16,9 @@ export VMMSHIM_BROKER_DIR="/tmp/vmmshim-test-$$"
 # it first too), and without leak checks: the interpreter itself leaves memory to exit.
 py=(python3)
 [ "${SAN:-}" = asan ] && py=(env LD_PRELOAD="$(${CC:-cc} -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 python3)
+# The tests fork owners from processes where ThreadSanitizer already runs a thread of its own,
+# and those children start brokers: TSan allows that only when told to.
+[ "${SAN:-}" = tsan ] && export TSAN_OPTIONS="die_after_fork=0"
 total_p=0; total_f=0; bad=""
 run_one() {
   local name=$1; shift

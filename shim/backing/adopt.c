@@ -60,16 +60,21 @@ static int adopting(void)
     return v;
 }
 
-static int load_driver(void)
+static void resolve_driver(void)
 {
-    if (A.Release) return 1;
     void *r = vmm__real_driver("cuMemRetainAllocationHandle"), *e = vmm__real_driver("cuMemExportToShareableHandle"),
          *l = vmm__real_driver("cuMemRelease");
-    if (!r || !e || !l) return 0;
+    if (!r || !e || !l) return;
     memcpy(&A.RetainAllocationHandle, &r, sizeof r);
     memcpy(&A.ExportToShareableHandle, &e, sizeof e);
     memcpy(&A.Release, &l, sizeof l);
-    return 1;
+}
+
+static int load_driver(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, resolve_driver);
+    return A.Release != NULL;
 }
 
 static void entry_free(handle_entry *e)
@@ -262,7 +267,9 @@ int vmm__adopt_export(uint64_t slot, uint64_t generation, const uint8_t id[16], 
                 rc = 0;
                 r->h->broker_fd = fcntl(*fd, F_DUPFD_CLOEXEC, 1024);
             }
-            A.Release(h);
+            if (VMM__TWICE(A.Release(h)) != CUDA_SUCCESS)
+                vmm__log(VMM__LOG_WARNING, "cuMemRelease of a handle retained for an export failed twice; the driver keeps "
+                         "its memory until exit");
         }
         if (rc == 0) {
             *mapped = r->h->size;

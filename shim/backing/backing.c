@@ -330,9 +330,15 @@ static int current_device(CUcontext *ctx_out, int bind_primary)
             vmm__leave();
         }
         if (d < 0 || d >= MAX_DEVICES) return -1;
-        if (!S.dev[d].primary && cu.DevicePrimaryCtxRetain(&S.dev[d].primary, d) != CUDA_SUCCESS) return -1;
-        if (cu.CtxSetCurrent(S.dev[d].primary) != CUDA_SUCCESS) return -1;
-        ctx = S.dev[d].primary;
+        ctx = __atomic_load_n(&S.dev[d].primary, __ATOMIC_ACQUIRE);
+        if (!ctx) {
+            CUcontext fresh = NULL, none = NULL;
+            if (cu.DevicePrimaryCtxRetain(&fresh, d) != CUDA_SUCCESS) return -1;
+            /* threads binding at once each retain it: one harmless extra reference to the same context */
+            ctx = __atomic_compare_exchange_n(&S.dev[d].primary, &none, fresh, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE) ? fresh
+                                                                                                                   : none;
+        }
+        if (cu.CtxSetCurrent(ctx) != CUDA_SUCCESS) return -1;
     }
     if (cu.CtxGetDevice(&dev) != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES) return -1;
     *ctx_out = ctx;
@@ -397,6 +403,20 @@ static void export_chunk(vchunk *c)
         c->has_fabric = 1;
 }
 
+/* Give back what a chunk holds: its mapping, reservation and handle, as far as they exist, each
+ * call made twice if need be (VMM__TWICE); what still fails stays with the driver until the
+ * process exits (one warning), and a range still holding its mapping is not freed under it. */
+static void chunk_undo(CUdeviceptr va, uint64_t size, CUmemGenericAllocationHandle h, int mapped, int reserved)
+{
+    CUresult unmap = mapped ? VMM__TWICE(cu.MemUnmap(va, size)) : CUDA_SUCCESS;
+    CUresult unreserve = reserved && unmap == CUDA_SUCCESS ? VMM__TWICE(cu.MemAddressFree(va, size)) : CUDA_SUCCESS;
+    CUresult release = VMM__TWICE(cu.MemRelease(h));
+    const char *what = unmap ? "cuMemUnmap" : unreserve ? "cuMemAddressFree" : release ? "cuMemRelease" : NULL;
+    if (what)
+        vmm__log(VMM__LOG_WARNING, "giving back a chunk of %llu bytes: %s failed twice (CUDA error %d); the driver keeps it "
+                 "until exit", (unsigned long long)size, what, (int)(unmap ? unmap : unreserve ? unreserve : release));
+}
+
 static int chunk_create(void *ctx, vmm__chunk *pc)
 {
     device_state *d = ctx;
@@ -411,8 +431,11 @@ static int chunk_create(void *ctx, vmm__chunk *pc)
     CUresult rc = cu.MemCreate(&h, size, &p, 0);
     if (rc != CUDA_SUCCESS) return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
     CUdeviceptr va = 0;
-    if ((rc = cu.MemAddressReserve(&va, size, pow2_ceil(size), 0, 0)) != CUDA_SUCCESS) goto release;
-    if ((rc = cu.MemMap(va, size, 0, h, 0)) != CUDA_SUCCESS) goto unreserve;
+    int reserved = 0, mapped = 0;
+    if ((rc = cu.MemAddressReserve(&va, size, pow2_ceil(size), 0, 0)) != CUDA_SUCCESS) goto undo;
+    reserved = 1;
+    if ((rc = cu.MemMap(va, size, 0, h, 0)) != CUDA_SUCCESS) goto undo;
+    mapped = 1;
     CUmemAccessDesc acc[MAX_DEVICES];
     size_t n_acc = 0;
     uint64_t accessors = __atomic_load_n(&d->accessors, __ATOMIC_ACQUIRE) | (1ull << dev);
@@ -420,11 +443,11 @@ static int chunk_create(void *ctx, vmm__chunk *pc)
         if (accessors & (1ull << i))
             acc[n_acc++] = (CUmemAccessDesc){.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = i},
                                              .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-    if ((rc = cu.MemSetAccess(va, size, acc, n_acc)) != CUDA_SUCCESS) goto unmap;
+    if ((rc = cu.MemSetAccess(va, size, acc, n_acc)) != CUDA_SUCCESS) goto undo;
     vchunk *c = calloc(1, sizeof *c);
     if (!c) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
-        goto unmap;
+        goto undo;
     }
     c->base = va;
     c->size = size;
@@ -439,12 +462,8 @@ static int chunk_create(void *ctx, vmm__chunk *pc)
     pc->base = va;
     pc->mech = c;
     return 0;
-unmap:
-    cu.MemUnmap(va, size);
-unreserve:
-    cu.MemAddressFree(va, size);
-release:
-    cu.MemRelease(h);
+undo:
+    chunk_undo(va, size, h, mapped, reserved);
     return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
 }
 
@@ -456,9 +475,7 @@ static void chunk_destroy(void *ctx, vmm__chunk *pc)
     HASH_DELETE(hh, S.chunks, c);
     if (c->exported_fd >= 0) close(c->exported_fd); /* its records were retracted before */
     if (c->broker_fd >= 0) close(c->broker_fd);
-    cu.MemUnmap(c->base, c->size);
-    cu.MemAddressFree(c->base, c->size);
-    cu.MemRelease(c->handle);
+    chunk_undo(c->base, c->size, c->handle, 1, 1);
     free(c);
 }
 
@@ -702,10 +719,10 @@ static vmm__block *block_containing_locked(uint64_t p)
 static void sync_ctx(CUcontext ctx)
 {
     CUcontext prev = NULL;
-    cu.CtxGetCurrent(&prev);
-    if (prev != ctx) cu.CtxSetCurrent(ctx);
+    /* a current context that cannot be read cannot be restored either: then no switch */
+    int switched = cu.CtxGetCurrent(&prev) == CUDA_SUCCESS && prev != ctx && cu.CtxSetCurrent(ctx) == CUDA_SUCCESS;
     cu.CtxSynchronize();
-    if (prev != ctx) cu.CtxSetCurrent(prev);
+    if (switched) (void)VMM__TWICE(cu.CtxSetCurrent(prev)); /* else the thread stays in ctx */
 }
 
 /* Streams being captured right now, process-wide (vmm__capture_begun). */
@@ -913,22 +930,41 @@ struct vmm__reg *vmm__registry(void)
 }
 
 /* Peer access is granted per mapping with cuMemSetAccess: enabling it in the driver does not
- * cover VMM memory.  accessor may then use owner's chunks, now and in future. */
-void vmm__peer_access(int accessor, int owner, int enable)
+ * cover VMM memory.  accessor may then use owner's chunks, now and in future.  All or nothing: if
+ * one chunk refuses, the ones changed before it are set back and the call's error returned, so
+ * the program's call can fail whole as a real one would. */
+CUresult vmm__peer_access(int accessor, int owner, int enable, int *changed)
 {
-    if (!ensure_init() || accessor < 0 || owner < 0 || accessor >= MAX_DEVICES || owner >= MAX_DEVICES || accessor == owner) return;
+    if (changed) *changed = 0;
+    if (!ensure_init() || accessor < 0 || owner < 0 || accessor >= MAX_DEVICES || owner >= MAX_DEVICES || accessor == owner)
+        return CUDA_SUCCESS;
     pthread_mutex_lock(&S.lock);
     device_state *d = &S.dev[owner];
-    if (enable) __atomic_or_fetch(&d->accessors, 1ull << accessor, __ATOMIC_RELEASE);
-    else __atomic_and_fetch(&d->accessors, ~(1ull << accessor), __ATOMIC_RELEASE);
-    CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = accessor},
-                           .flags = enable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE};
-    unsigned failed = 0;
-    for (vchunk *c = S.chunks; c; c = c->hh.next)
-        if (c->dev == owner && cu.MemSetAccess(c->base, c->size, &acc, 1) != CUDA_SUCCESS) failed++;
+    uint64_t bit = 1ull << accessor;
+    int was = (__atomic_load_n(&d->accessors, __ATOMIC_ACQUIRE) & bit) != 0;
+    CUresult rc = CUDA_SUCCESS;
+    if (was != !!enable) {
+        CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = accessor},
+                               .flags = enable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE};
+        vchunk *c, *failed = NULL;
+        for (c = S.chunks; c && !failed; c = c->hh.next)
+            if (c->dev == owner && (rc = cu.MemSetAccess(c->base, c->size, &acc, 1)) != CUDA_SUCCESS) failed = c;
+        if (failed) {
+            acc.flags = was ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+            unsigned unrestored = 0;
+            for (c = S.chunks; c != failed; c = c->hh.next)
+                if (c->dev == owner && VMM__TWICE(cu.MemSetAccess(c->base, c->size, &acc, 1)) != CUDA_SUCCESS) unrestored++;
+            if (unrestored)
+                vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be set back after a failed %s", accessor,
+                         owner, unrestored, enable ? "grant" : "revoke");
+        } else {
+            if (enable) __atomic_or_fetch(&d->accessors, bit, __ATOMIC_RELEASE);
+            else __atomic_and_fetch(&d->accessors, ~bit, __ATOMIC_RELEASE);
+            if (changed) *changed = 1;
+        }
+    }
     pthread_mutex_unlock(&S.lock);
-    if (failed) vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be %s", accessor, owner, failed,
-                         enable ? "granted" : "revoked");
+    return rc;
 }
 
 /* ---- ranges the program maps itself (adopt.c) ---- */

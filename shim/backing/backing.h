@@ -7,6 +7,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* A driver call that undoes (gives memory back, pops a context pushed), made once more if it
+ * fails: nothing else would ever undo it, and a failure may be passing.  The second result stands. */
+#define VMM__TWICE(call) ((call) == CUDA_SUCCESS ? CUDA_SUCCESS : (call))
+
 /* What the shim made of a call.  For an allocation, every answer but DONE and REFUSED sends it
  * to the real function, and says why (the coverage counters, layout.h). */
 typedef enum {
@@ -48,8 +52,10 @@ int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out);
 int vmm__owned(uint64_t ptr);
 /* The registry the shim publishes in, with this process attached; NULL when the shim is not active. */
 struct vmm__reg *vmm__registry(void);
-/* Device `accessor` gains (or loses) access to device `owner`'s shim memory, existing and future. */
-void vmm__peer_access(int accessor, int owner, int enable);
+/* Device `accessor` gains (or loses) access to device `owner`'s shim memory, existing and future;
+ * all or nothing: a driver failure leaves the access as it was and is returned.  *changed (when
+ * not NULL): whether the access was not already so. */
+CUresult vmm__peer_access(int accessor, int owner, int enable, int *changed);
 /* ---- the device's default memory pool as the program sees it (the cudaMemPool* hooks) ----
  * cudaMallocAsync draws from the device's current pool; under the shim the memory comes from the
  * shim's pool instead, so the calls that configure and read the default pool must reach it too. */

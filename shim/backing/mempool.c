@@ -27,54 +27,84 @@ static void load_driver(void)
     memcpy(&cu.DeviceGetDefaultMemPool, &pool, sizeof pool);
 }
 
-static int device_count(void)
+/* The number of devices into *n (at most MAX_POOL_DEVICES).  Inside the guard. */
+static CUresult device_count(int *n)
 {
-    int n = __atomic_load_n(&n_devices, __ATOMIC_ACQUIRE);
-    if (n > 0) return n;
-    if (!cu.DeviceGetCount || cu.DeviceGetCount(&n) != CUDA_SUCCESS || n <= 0) return 0;
-    if (n > MAX_POOL_DEVICES) n = MAX_POOL_DEVICES;
-    __atomic_store_n(&n_devices, n, __ATOMIC_RELEASE);
-    return n;
+    *n = __atomic_load_n(&n_devices, __ATOMIC_ACQUIRE);
+    if (*n > 0) return CUDA_SUCCESS;
+    if (!cu.DeviceGetCount) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult rc = cu.DeviceGetCount(n);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (*n > MAX_POOL_DEVICES) *n = MAX_POOL_DEVICES;
+    if (*n > 0) __atomic_store_n(&n_devices, *n, __ATOMIC_RELEASE);
+    return CUDA_SUCCESS;
 }
 
-/* dev's default pool, or NULL.  Inside the guard. */
-static CUmemoryPool default_pool_of(int dev)
+/* dev's default pool into *pool (NULL: no such device).  Inside the guard. */
+static CUresult default_pool_of(int dev, CUmemoryPool *pool)
 {
-    if (dev < 0 || dev >= device_count()) return NULL;
-    CUmemoryPool p = __atomic_load_n(&default_pool[dev], __ATOMIC_ACQUIRE);
-    if (p) return p;
-    if (!cu.DeviceGetDefaultMemPool || cu.DeviceGetDefaultMemPool(&p, dev) != CUDA_SUCCESS) return NULL;
-    __atomic_store_n(&default_pool[dev], p, __ATOMIC_RELEASE);
-    return p;
+    int n;
+    CUresult rc = device_count(&n);
+    *pool = NULL;
+    if (rc != CUDA_SUCCESS || dev < 0 || dev >= n) return rc;
+    if ((*pool = __atomic_load_n(&default_pool[dev], __ATOMIC_ACQUIRE))) return CUDA_SUCCESS;
+    if (!cu.DeviceGetDefaultMemPool) return CUDA_ERROR_NOT_INITIALIZED;
+    if ((rc = cu.DeviceGetDefaultMemPool(pool, dev)) != CUDA_SUCCESS) *pool = NULL;
+    else __atomic_store_n(&default_pool[dev], *pool, __ATOMIC_RELEASE);
+    return rc;
 }
 
-/* The device whose default pool `pool` is, or -1.  Inside the guard. */
-static int default_pool_device(CUmemoryPool pool)
-{
-    pthread_once(&load_once, load_driver);
-    if (!pool) return -1;
-    int n = device_count();
-    for (int dev = 0; dev < n; dev++)
-        if (default_pool_of(dev) == pool) return dev;
-    return -1;
-}
-
-void vmm__mempool_access_set(CUmemoryPool pool, const CUmemAccessDesc *descs, size_t count)
+CUresult vmm__mempool_default(int dev, CUmemoryPool *pool)
 {
     vmm__enter();
-    int owner = default_pool_device(pool);
-    for (size_t i = 0; owner >= 0 && descs && i < count; i++) {
+    pthread_once(&load_once, load_driver);
+    CUresult rc = default_pool_of(dev, pool);
+    vmm__leave();
+    return rc;
+}
+
+CUresult vmm__mempool_device(CUmemoryPool pool, int *dev)
+{
+    *dev = -1;
+    if (!pool) return CUDA_SUCCESS;
+    vmm__enter();
+    pthread_once(&load_once, load_driver);
+    int n = 0;
+    CUresult rc = device_count(&n);
+    for (int d = 0; rc == CUDA_SUCCESS && d < n && *dev < 0; d++) {
+        CUmemoryPool p;
+        if ((rc = default_pool_of(d, &p)) == CUDA_SUCCESS && p == pool) *dev = d;
+    }
+    vmm__leave();
+    return rc;
+}
+
+CUresult vmm__mempool_set_access(vmm__pool_set_access_fn real, CUmemoryPool pool, int owner,
+                                 const CUmemAccessDesc *descs, size_t count)
+{
+    enum { MAX_UNDO = 64 };
+    int undo[MAX_UNDO], n_undo = 0; /* accessors changed: d granted, -1 - d revoked */
+    CUresult rc = CUDA_SUCCESS;
+    vmm__enter();
+    for (size_t i = 0; owner >= 0 && descs && i < count && rc == CUDA_SUCCESS; i++) {
         const CUmemAccessDesc *a = &descs[i];
         /* the owner's own access cannot change (the driver refuses it); other locations hold no shim memory */
         if (a->location.type != CU_MEM_LOCATION_TYPE_DEVICE || a->location.id == owner) continue;
         /* read-only is granted as read-write: the shim keeps one grant per accessor and owner,
          * shared with cuCtxEnablePeerAccess */
-        int enable = a->flags != CU_MEM_ACCESS_FLAGS_PROT_NONE;
-        vmm__debug("default memory pool of device %d: access of device %d %s on the shim's memory", owner,
-                   a->location.id, enable ? "granted" : "revoked");
-        vmm__peer_access(a->location.id, owner, enable);
+        int enable = a->flags != CU_MEM_ACCESS_FLAGS_PROT_NONE, changed = 0;
+        rc = vmm__peer_access(a->location.id, owner, enable, &changed);
+        if (changed && n_undo < MAX_UNDO) undo[n_undo++] = enable ? a->location.id : -1 - a->location.id;
+        vmm__debug("default memory pool of device %d: access of device %d %s on the shim's memory%s", owner,
+                   a->location.id, enable ? "granted" : "revoked", rc == CUDA_SUCCESS ? "" : " failed");
+    }
+    if (rc == CUDA_SUCCESS) rc = real(pool, descs, count);
+    while (rc != CUDA_SUCCESS && n_undo > 0) {
+        int u = undo[--n_undo];
+        (void)vmm__peer_access(u >= 0 ? u : -1 - u, owner, u < 0, NULL);
     }
     vmm__leave();
+    return rc;
 }
 
 static const char *usage_attribute_name(CUmemPool_attribute attr)
@@ -99,73 +129,54 @@ static int first_read(int dev, CUmemPool_attribute attr)
     return !(__atomic_fetch_or(&logged_reads[bit / 64], mask, __ATOMIC_RELAXED) & mask);
 }
 
-void vmm__mempool_attribute_got(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+void vmm__mempool_attribute_got(int dev, CUmemPool_attribute attr, void *value)
 {
     const char *name = usage_attribute_name(attr);
-    if (!name || !value) return; /* every other attribute is the real pool's own */
-    vmm__enter();
-    int dev = default_pool_device(pool);
+    if (dev < 0 || !name || !value) return; /* every other attribute is the real pool's own */
     vmm__pool_usage u;
-    int backed = dev >= 0 && vmm__pool_usage_get(dev, &u);
+    int backed = vmm__pool_usage_get(dev, &u);
     if (backed)
         *(cuuint64_t *)value += attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT ? u.reserved
                                 : attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH  ? u.reserved_high
                                 : attr == CU_MEMPOOL_ATTR_USED_MEM_CURRENT   ? u.used
                                                                               : u.used_high;
-    if (dev >= 0 && first_read(dev, attr))
+    if (first_read(dev, attr))
         vmm__debug("default memory pool of device %d: %s read%s", dev, name,
                    backed ? " with the shim's memory added" : "; the shim backs no allocations there yet");
-    vmm__leave();
 }
 
-void vmm__mempool_attribute_set(CUmemoryPool pool, CUmemPool_attribute attr, const void *value)
+void vmm__mempool_attribute_set(int dev, CUmemPool_attribute attr, const void *value)
 {
-    if (!value || (attr != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD && attr != CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH &&
-                   attr != CU_MEMPOOL_ATTR_USED_MEM_HIGH))
+    if (dev < 0 || !value ||
+        (attr != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD && attr != CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH &&
+         attr != CU_MEMPOOL_ATTR_USED_MEM_HIGH))
         return; /* the reuse policies only steer the real pool's reuse */
-    vmm__enter();
-    int dev = default_pool_device(pool);
-    if (dev >= 0 && attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) {
+    if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) {
         uint64_t bytes = *(const cuuint64_t *)value;
         vmm__debug("default memory pool of device %d: release threshold %llu bytes set on the shim's memory", dev,
                    (unsigned long long)bytes);
         vmm__pool_set_release_threshold(dev, bytes);
-    } else if (dev >= 0) {
+    } else {
         int which = attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH ? VMM__HIGH_RESERVED : VMM__HIGH_USED;
         vmm__debug("default memory pool of device %d: %s high-water mark reset on the shim's memory", dev,
                    which == VMM__HIGH_RESERVED ? "reserved" : "used");
         vmm__pool_usage_reset_high(dev, which);
     }
-    vmm__leave();
 }
 
-void vmm__mempool_trimmed(CUmemoryPool pool, size_t keep)
+void vmm__mempool_trimmed(int dev, size_t keep)
 {
+    if (dev < 0) return;
+    vmm__debug("default memory pool of device %d: trimmed to %zu bytes with the shim's memory", dev, keep);
     vmm__enter();
-    int dev = default_pool_device(pool);
-    if (dev >= 0) {
-        vmm__debug("default memory pool of device %d: trimmed to %zu bytes with the shim's memory", dev, keep);
-        vmm__pool_trim(dev, keep);
-    }
+    vmm__pool_trim(dev, keep);
     vmm__leave();
 }
 
-void vmm__mempool_current_set(int dev, CUmemoryPool pool)
+void vmm__mempool_current_set(int dev, int is_default)
 {
-    vmm__enter();
-    pthread_once(&load_once, load_driver);
-    CUmemoryPool def = default_pool_of(dev);
-    if (def) {
-        vmm__debug("device %d: %s", dev,
-                   pool == def ? "the default memory pool is current: the shim backs stream-ordered allocations"
-                               : "a memory pool of the program's own is current: stream-ordered allocations pass through");
-        vmm__pool_current_is_default(dev, pool == def);
-    }
-    vmm__leave();
-}
-
-void vmm__mempool_location_current_set(const CUmemLocation *location, CUmemAllocationType type, CUmemoryPool pool)
-{
-    if (location && location->type == CU_MEM_LOCATION_TYPE_DEVICE && type == CU_MEM_ALLOCATION_TYPE_PINNED)
-        vmm__mempool_current_set(location->id, pool);
+    vmm__debug("device %d: %s", dev,
+               is_default ? "the default memory pool is current: the shim backs stream-ordered allocations"
+                          : "a memory pool of the program's own is current: stream-ordered allocations pass through");
+    vmm__pool_current_is_default(dev, is_default);
 }

@@ -136,11 +136,10 @@ VMM_HOOK CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t wi
     vmm__enter();
     CUresult rc = real_(&probe, &p, width, 1, elem);
     if (rc == CUDA_SUCCESS) {
-        static __typeof__(&cuMemFree_v2) real_free;
-        if (!real_free) {
-            void *f = vmm__real_driver("cuMemFree_v2");
-            memcpy(&real_free, &f, sizeof f);
-        }
+        static void *free_slot;
+        __typeof__(&cuMemFree_v2) real_free;
+        void *f = vmm__real_driver_once(&free_slot, "cuMemFree_v2");
+        memcpy(&real_free, &f, sizeof f);
         if (real_free) real_free(probe);
     }
     vmm__leave();
@@ -243,37 +242,55 @@ VMM_HOOK CUresult cuPointerGetAttributes(unsigned n, CUpointer_attribute *attrs,
 
 /* ---- peer access: VMM mappings need their own cuMemSetAccess grant ---- */
 
-static int ctx_device(CUcontext ctx)
+/* The device of ctx (NULL: the current context) into *dev; the driver's error if it cannot tell.
+ * Inside the guard. */
+static CUresult ctx_device(CUcontext ctx, int *dev)
 {
-    static __typeof__(&cuCtxPushCurrent_v2) push;
-    static __typeof__(&cuCtxPopCurrent_v2) pop;
-    static __typeof__(&cuCtxGetDevice) get;
-    if (!push) {
-        void *a = vmm__real_driver("cuCtxPushCurrent_v2"), *b = vmm__real_driver("cuCtxPopCurrent_v2"),
-             *c = vmm__real_driver("cuCtxGetDevice");
-        memcpy(&pop, &b, sizeof b);
-        memcpy(&get, &c, sizeof c);
-        memcpy(&push, &a, sizeof a);
-    }
-    CUdevice dev = -1;
+    static void *slots[3];
+    __typeof__(&cuCtxPushCurrent_v2) push;
+    __typeof__(&cuCtxPopCurrent_v2) pop;
+    __typeof__(&cuCtxGetDevice) get;
+    void *a = vmm__real_driver_once(&slots[0], "cuCtxPushCurrent_v2"), *b = vmm__real_driver_once(&slots[1], "cuCtxPopCurrent_v2"),
+         *c = vmm__real_driver_once(&slots[2], "cuCtxGetDevice");
+    memcpy(&push, &a, sizeof a);
+    memcpy(&pop, &b, sizeof b);
+    memcpy(&get, &c, sizeof c);
+    if (!push || !pop || !get) return CUDA_ERROR_NOT_INITIALIZED;
+    CUdevice d = -1;
     CUcontext popped;
-    if (!push || !pop || !get) return -1;
-    if (ctx) {
-        if (push(ctx) != CUDA_SUCCESS) return -1;
-        get(&dev);
-        pop(&popped);
-    } else if (get(&dev) != CUDA_SUCCESS) {
-        return -1;
+    CUresult rc = ctx ? push(ctx) : CUDA_SUCCESS;
+    if (rc == CUDA_SUCCESS) {
+        rc = get(&d);
+        CUresult back = ctx ? VMM__TWICE(pop(&popped)) : CUDA_SUCCESS; /* else the thread stays in ctx */
+        if (rc == CUDA_SUCCESS) rc = back;
     }
-    return dev;
+    *dev = d;
+    return rc;
 }
 
+/* The driver answers first (so a bad call gets its own error), then the shim's grant follows: a
+ * call the shim cannot follow through (neither context's device found, or a grant refused) is
+ * undone in the driver and fails with the shim's error, as a real one may, instead of
+ * succeeding without the grant. */
 VMM_HOOK CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags)
 {
     VMM_REAL_DRIVER(cuCtxEnablePeerAccess, CUDA_ERROR_NOT_INITIALIZED);
+    static void *disable_slot;
+    __typeof__(&cuCtxDisablePeerAccess) disable;
+    void *f = vmm__real_driver_once(&disable_slot, "cuCtxDisablePeerAccess");
+    memcpy(&disable, &f, sizeof f);
+    int me = -1, owner = -1;
     vmm__enter();
+    CUresult look = ctx_device(NULL, &me);
+    if (look == CUDA_SUCCESS) look = ctx_device(peer, &owner);
     CUresult rc = real_(peer, flags);
-    if (rc == CUDA_SUCCESS || rc == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) vmm__peer_access(ctx_device(NULL), ctx_device(peer), 1);
+    if (rc == CUDA_SUCCESS || rc == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
+        CUresult g = look != CUDA_SUCCESS ? look : vmm__peer_access(me, owner, 1, NULL);
+        if (g != CUDA_SUCCESS) {
+            if (rc == CUDA_SUCCESS && disable) disable(peer);
+            rc = g;
+        }
+    }
     vmm__leave();
     return rc;
 }
@@ -281,22 +298,40 @@ VMM_HOOK CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags)
 VMM_HOOK CUresult cuCtxDisablePeerAccess(CUcontext peer)
 {
     VMM_REAL_DRIVER(cuCtxDisablePeerAccess, CUDA_ERROR_NOT_INITIALIZED);
+    static void *enable_slot;
+    __typeof__(&cuCtxEnablePeerAccess) enable;
+    void *f = vmm__real_driver_once(&enable_slot, "cuCtxEnablePeerAccess");
+    memcpy(&enable, &f, sizeof f);
+    int me = -1, owner = -1;
     vmm__enter();
+    CUresult look = ctx_device(NULL, &me);
+    if (look == CUDA_SUCCESS) look = ctx_device(peer, &owner);
     CUresult rc = real_(peer);
-    if (rc == CUDA_SUCCESS) vmm__peer_access(ctx_device(NULL), ctx_device(peer), 0);
+    if (rc == CUDA_SUCCESS) {
+        CUresult g = look != CUDA_SUCCESS ? look : vmm__peer_access(me, owner, 0, NULL);
+        if (g != CUDA_SUCCESS) {
+            if (enable) enable(peer, 0);
+            rc = g;
+        }
+    }
     vmm__leave();
     return rc;
 }
 
 /* ---- the device's default memory pool: cudaMallocAsync's memory is the shim's ----
  * Real first, always: the real pool keeps every setting the program made (so the getters and
- * cuMemPoolGetAccess stay the driver's), and only a successful call reaches shim/backing. */
+ * cuMemPoolGetAccess stay the driver's), and only a successful call reaches shim/backing.  Which
+ * device's default pool it is comes before (`lookup`): a call the shim could not follow through
+ * fails whole with the lookup's error, never half done. */
 
-#define REAL_THEN(call, after)                                                                        \
+#define REAL_THEN(call, after) LOOKUP_THEN(CUDA_SUCCESS, call, after)
+#define LOOKUP_THEN(lookup, call, after)                                                              \
     do {                                                                                              \
         if (vmm__in_shim()) return call;                                                              \
+        CUresult rc_ = lookup;                                                                        \
+        if (rc_ != CUDA_SUCCESS) return rc_;                                                          \
         vmm__enter();                                                                                 \
-        CUresult rc_ = call;                                                                          \
+        rc_ = call;                                                                                   \
         vmm__leave();                                                                                 \
         if (rc_ == CUDA_SUCCESS) after;                                                               \
         return rc_;                                                                                   \
@@ -305,38 +340,50 @@ VMM_HOOK CUresult cuCtxDisablePeerAccess(CUcontext peer)
 VMM_HOOK CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc *map, size_t count)
 {
     VMM_REAL_DRIVER(cuMemPoolSetAccess, CUDA_ERROR_NOT_INITIALIZED);
-    REAL_THEN(real_(pool, map, count), vmm__mempool_access_set(pool, map, count));
+    if (vmm__in_shim()) return real_(pool, map, count);
+    int dev;
+    CUresult rc = vmm__mempool_device(pool, &dev);
+    return rc != CUDA_SUCCESS ? rc : vmm__mempool_set_access(real_, pool, dev, map, count);
 }
 
 VMM_HOOK CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
 {
     VMM_REAL_DRIVER(cuMemPoolGetAttribute, CUDA_ERROR_NOT_INITIALIZED);
-    REAL_THEN(real_(pool, attr, value), vmm__mempool_attribute_got(pool, attr, value));
+    int dev = -1;
+    LOOKUP_THEN(vmm__mempool_device(pool, &dev), real_(pool, attr, value), vmm__mempool_attribute_got(dev, attr, value));
 }
 
 VMM_HOOK CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
 {
     VMM_REAL_DRIVER(cuMemPoolSetAttribute, CUDA_ERROR_NOT_INITIALIZED);
-    REAL_THEN(real_(pool, attr, value), vmm__mempool_attribute_set(pool, attr, value));
+    int dev = -1;
+    LOOKUP_THEN(vmm__mempool_device(pool, &dev), real_(pool, attr, value), vmm__mempool_attribute_set(dev, attr, value));
 }
 
 VMM_HOOK CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
 {
     VMM_REAL_DRIVER(cuMemPoolTrimTo, CUDA_ERROR_NOT_INITIALIZED);
-    REAL_THEN(real_(pool, keep), vmm__mempool_trimmed(pool, keep));
+    int dev = -1;
+    LOOKUP_THEN(vmm__mempool_device(pool, &dev), real_(pool, keep), vmm__mempool_trimmed(dev, keep));
 }
 
 VMM_HOOK CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
 {
     VMM_REAL_DRIVER(cuDeviceSetMemPool, CUDA_ERROR_NOT_INITIALIZED);
-    REAL_THEN(real_(dev, pool), vmm__mempool_current_set(dev, pool));
+    CUmemoryPool def = NULL;
+    LOOKUP_THEN(vmm__mempool_default(dev, &def), real_(dev, pool), if (def) vmm__mempool_current_set(dev, pool == def));
 }
 
 /* CUDA 13's location form; for a device's pinned memory it is cuDeviceSetMemPool. */
 VMM_HOOK CUresult cuMemSetMemPool(CUmemLocation *location, CUmemAllocationType type, CUmemoryPool pool)
 {
     VMM_REAL_DRIVER(cuMemSetMemPool, CUDA_ERROR_NOT_INITIALIZED);
-    REAL_THEN(real_(location, type, pool), vmm__mempool_location_current_set(location, type, pool));
+    int dev = location && location->type == CU_MEM_LOCATION_TYPE_DEVICE && type == CU_MEM_ALLOCATION_TYPE_PINNED
+                  ? location->id
+                  : -1;
+    CUmemoryPool def = NULL;
+    LOOKUP_THEN(dev >= 0 ? vmm__mempool_default(dev, &def) : CUDA_SUCCESS, real_(location, type, pool),
+                if (def) vmm__mempool_current_set(dev, pool == def));
 }
 
 /* ---- the program's own VMM memory: made exportable and published (backing/adopt.c) ---- */

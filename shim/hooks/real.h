@@ -18,25 +18,44 @@ void *vmm__real_runtime(const char *name, const void *self);
 void *vmm__real_libcuda(char *why, unsigned long why_len);
 void *vmm__real_driver(const char *name);
 
+/* A real function looked up once into *slot, NULL when there is none: the slot is read and
+ * written atomically, as threads may race to look it up first (and all find the same pointer).
+ * vmm__real_runtime_once takes the hook's own address, as vmm__real_runtime does. */
+static inline void *vmm__real_driver_once(void **slot, const char *name)
+{
+    void *p = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (!p && (p = vmm__real_driver(name))) __atomic_store_n(slot, p, __ATOMIC_RELEASE);
+    return p;
+}
+
+static inline void *vmm__real_runtime_once(void **slot, const char *name, const void *self)
+{
+    void *p = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (!p && (p = vmm__real_runtime(name, self))) __atomic_store_n(slot, p, __ATOMIC_RELEASE);
+    return p;
+}
+
 /* Inside a hook: `real_`, the real function of the hook's own name, resolved once (a runtime
  * name through vmm__real_runtime, a driver ABI name in libcuda.so.1); the hook returns `none`
  * when there is none.  memcpy moves pointers between function and object types, which ISO C
  * does not convert. */
 #define VMM_REAL_RUNTIME(name, none)                                                                  \
-    static __typeof__(&name) real_;                                                                   \
-    if (!real_) {                                                                                     \
+    static void *real_slot_;                                                                          \
+    __typeof__(&name) real_;                                                                          \
+    {                                                                                                 \
         __typeof__(&name) self_ = name;                                                               \
         void *self_obj_, *found_;                                                                     \
         memcpy(&self_obj_, &self_, sizeof self_obj_);                                                 \
-        found_ = vmm__real_runtime(#name, self_obj_);                                                 \
+        found_ = vmm__real_runtime_once(&real_slot_, #name, self_obj_);                               \
         memcpy(&real_, &found_, sizeof found_);                                                       \
     }                                                                                                 \
     if (!real_) return none
 
 #define VMM_REAL_DRIVER(name, none)                                                                   \
-    static __typeof__(&name) real_;                                                                   \
-    if (!real_) {                                                                                     \
-        void *found_ = vmm__real_driver(#name);                                                       \
+    static void *real_slot_;                                                                          \
+    __typeof__(&name) real_;                                                                          \
+    {                                                                                                 \
+        void *found_ = vmm__real_driver_once(&real_slot_, #name);                                     \
         memcpy(&real_, &found_, sizeof found_);                                                       \
     }                                                                                                 \
     if (!real_) return none

@@ -20,30 +20,31 @@
 #define VMM_HOOK __attribute__((visibility("default")))
 /* dlsym is called by sanitizer runtimes while they start, before their shadow memory exists:
  * what runs on that path must not be instrumented in the sanitizer builds. */
-#define VMM_EARLY __attribute__((no_sanitize_address))
+#define VMM_EARLY __attribute__((no_sanitize_address, no_sanitize_thread))
 
 /* ---- the real dlsym, bootstrapped without going through our own ---- */
 
 typedef void *(*dlsym_fn)(void *, const char *);
-static dlsym_fn real_dlsym_ptr;
-
-VMM_EARLY static void find_real_dlsym(void)
-{
-    void *p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-    if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
-    memcpy(&real_dlsym_ptr, &p, sizeof p);
-}
+static void *real_dlsym_obj;
 
 VMM_EARLY void *vmm__real_dlsym(void *handle, const char *name)
 {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, find_real_dlsym);
-    if (!real_dlsym_ptr) {
+    /* No pthread_once: ThreadSanitizer's interceptor of it is not ready this early.  Two threads
+     * looking it up at once find the same pointer. */
+    void *p = __atomic_load_n(&real_dlsym_obj, __ATOMIC_ACQUIRE);
+    if (!p) {
+        p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+        if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+        __atomic_store_n(&real_dlsym_obj, p, __ATOMIC_RELEASE);
+    }
+    if (!p) {
         static const char msg[] = "vmmshim: error: cannot find the real dlsym; aborting\n";
         (void)!write(2, msg, sizeof msg - 1);
         abort();
     }
-    return real_dlsym_ptr(handle, name);
+    dlsym_fn real;
+    memcpy(&real, &p, sizeof p);
+    return real(handle, name);
 }
 
 /* ---- which driver functions are wrapped: exact ABI names, matched by pointer identity ---- */

@@ -16,6 +16,8 @@
 #include <cuda.h>
 
 #include <ctype.h>
+#include <dlfcn.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -112,10 +114,20 @@ typedef struct fc_event {
     UT_hash_handle hh;
 } fc_event;
 
+/* An armed failure: calls of `name` (from an object named `caller`, when set) let `skip` pass,
+ * then `remaining` fail with err. */
 struct fc_fail {
     char name[64];
-    int remaining;
+    char caller[64];
+    int skip, remaining;
     CUresult err;
+};
+
+/* Calls of one entry point from one calling object (FAKECUDA_CALLS_AT_EXIT). */
+struct fc_calls {
+    char name[64];
+    char caller[64];
+    unsigned long long n;
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -143,6 +155,11 @@ static fc_pool *g_pools;
 
 static struct fc_fail g_fail[64];
 static int g_fail_armed;
+/* Calls are attributed to the object that made them only when something asks for it: dladdr
+ * per call costs more than most emulated calls. */
+static int g_attribute;
+static char g_calls_path[4096];
+static struct fc_calls g_calls[512];
 
 static __thread CUcontext t_stack[64];
 static __thread int t_depth;
@@ -223,40 +240,77 @@ static void fail_recount(void) /* lock held */
     __atomic_store_n(&g_fail_armed, armed, __ATOMIC_RELEASE);
 }
 
-static CUresult fail_check(const char *name)
+/* The file name (no directory) of the object holding code address `at`: the calling library or
+ * program, so a test can tell the shim's own calls from the program's. */
+static void object_name(const void *at, char *out, size_t n)
 {
-    if (!__atomic_load_n(&g_fail_armed, __ATOMIC_ACQUIRE)) return CUDA_SUCCESS;
+    Dl_info di;
+    const char *name = at && dladdr(at, &di) && di.dli_fname && *di.dli_fname ? di.dli_fname : "?";
+    const char *slash = strrchr(name, '/');
+    snprintf(out, n, "%s", slash ? slash + 1 : name);
+}
+
+static void count_call(const char *name, const char *caller) /* lock held */
+{
+    for (size_t i = 0; i < sizeof g_calls / sizeof g_calls[0]; i++) {
+        struct fc_calls *c = &g_calls[i];
+        if (!c->name[0]) {
+            snprintf(c->name, sizeof c->name, "%s", name);
+            snprintf(c->caller, sizeof c->caller, "%s", caller);
+        }
+        if (!strcmp(c->name, name) && !strcmp(c->caller, caller)) {
+            c->n++;
+            return;
+        }
+    }
+}
+
+static CUresult fail_check(const char *name, const void *caller_at)
+{
+    int attribute = __atomic_load_n(&g_attribute, __ATOMIC_RELAXED);
+    if (!__atomic_load_n(&g_fail_armed, __ATOMIC_ACQUIRE) && !attribute) return CUDA_SUCCESS;
+    char caller[64] = "";
+    if (attribute) object_name(caller_at, caller, sizeof caller);
     CUresult r = CUDA_SUCCESS;
     LOCK();
+    if (g_calls_path[0]) count_call(name, caller);
     for (size_t i = 0; i < sizeof g_fail / sizeof g_fail[0]; i++) {
-        if (g_fail[i].remaining > 0 && !strcmp(g_fail[i].name, name)) {
-            g_fail[i].remaining--;
-            r = g_fail[i].err;
-            fail_recount();
-            break;
+        struct fc_fail *f = &g_fail[i];
+        if (f->remaining <= 0 || strcmp(f->name, name) || (f->caller[0] && strcmp(f->caller, caller))) continue;
+        if (f->skip > 0) {
+            f->skip--;
+            continue;
         }
+        f->remaining--;
+        r = f->err;
+        fail_recount();
+        break;
     }
     UNLOCK();
     if (r != CUDA_SUCCESS) CNT_ADD(failures_injected, 1);
     return r;
 }
 
-static CUresult fc_enter(const char *name, int need_init)
+static CUresult fc_enter(const char *name, int need_init, const void *caller)
 {
-    CUresult r = fail_check(name);
+    CUresult r = fail_check(name, caller);
     if (r != CUDA_SUCCESS) return r;
     if (need_init && !__atomic_load_n(&g_initialized, __ATOMIC_ACQUIRE)) return CUDA_ERROR_NOT_INITIALIZED;
     return CUDA_SUCCESS;
 }
 
-#define FC_ENTER(name)                                                                           \
+/* Where an entry point returns to: its caller.  Taken in the exported function itself (a static
+ * helper may not be inlined, and would see this library instead). */
+#define FC_CALLER __builtin_return_address(0)
+#define FC_ENTER_FROM(name, caller)                                                              \
     do {                                                                                         \
-        CUresult fc_r_ = fc_enter(name, 1);                                                      \
+        CUresult fc_r_ = fc_enter(name, 1, caller);                                              \
         if (fc_r_ != CUDA_SUCCESS) return fc_r_;                                                 \
     } while (0)
+#define FC_ENTER(name) FC_ENTER_FROM(name, FC_CALLER)
 #define FC_ENTER_NOINIT(name)                                                                    \
     do {                                                                                         \
-        CUresult fc_r_ = fc_enter(name, 0);                                                      \
+        CUresult fc_r_ = fc_enter(name, 0, FC_CALLER);                                           \
         if (fc_r_ != CUDA_SUCCESS) return fc_r_;                                                 \
     } while (0)
 
@@ -365,37 +419,48 @@ static unsigned long long parse_bytes(const char *s, int *ok)
 
 static int error_by_name(const char *s, CUresult *out);
 
+static int fail_arm(const char *fn, const char *caller, int skip, int n, int cuda_error);
+
+/* FAKECUDA_FAIL entries: fn[/caller][@k][:n[:err]] (fakecuda.h). */
 static void parse_fail_env(const char *spec)
 {
     char *copy = strdup(spec), *save = NULL;
     if (!copy) return;
     for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        char entry[256];
+        snprintf(entry, sizeof entry, "%s", tok);
         char *fn = tok, *ns = strchr(tok, ':'), *es = NULL;
-        if (!ns) {
-            fprintf(stderr, "fakecuda: FAKECUDA_FAIL: ignoring '%s' (want fn:n[:err])\n", tok);
-            continue;
+        if (ns) *ns++ = 0;
+        char *at = strchr(fn, '@'), *caller = strchr(fn, '/'), *end;
+        if (at) *at++ = 0;
+        if (caller) *caller++ = 0;
+        long n = 1, k = 1;
+        int ok = (ns || at) && (!caller || *caller);
+        if (ok && at) {
+            k = strtol(at, &end, 10);
+            ok = *at && !*end && k >= 1 && k <= INT_MAX;
         }
-        *ns++ = 0;
-        es = strchr(ns, ':');
-        if (es) *es++ = 0;
-        char *end;
-        long n = strtol(ns, &end, 10);
+        if (ok && ns) {
+            es = strchr(ns, ':');
+            if (es) *es++ = 0;
+            n = strtol(ns, &end, 10);
+            ok = *ns && !*end && n >= 0 && n <= INT_MAX;
+        }
         CUresult err = CUDA_SUCCESS;
-        int ok = *ns && !*end && n >= 0 && n <= INT_MAX;
         if (ok && es) {
             long e = strtol(es, &end, 0);
             if (*es && !*end && e >= 0) err = (CUresult)e;
             else ok = error_by_name(es, &err) == 0;
         }
-        if (!ok || fakecuda_fail_next(fn, (int)n, (int)err) != 0)
-            fprintf(stderr, "fakecuda: FAKECUDA_FAIL: ignoring '%s'\n", fn);
+        if (!ok || fail_arm(fn, caller ? caller : "", (int)k - 1, (int)n, (int)err) != 0)
+            fprintf(stderr, "fakecuda: FAKECUDA_FAIL: ignoring '%s' (want fn[/caller][@k][:n[:err]])\n", entry);
     }
     free(copy);
 }
 
 static void fc_atfork_prepare(void) { LOCK(); }
 static void fc_atfork_parent(void) { UNLOCK(); }
-static void fc_atfork_child(void) { pthread_mutex_init(&g_mu, NULL); }
+static void fc_atfork_child(void) { UNLOCK(); } /* the forking thread holds it, in the child too */
 
 __attribute__((constructor)) static void fc_load(void)
 {
@@ -421,62 +486,89 @@ __attribute__((constructor)) static void fc_load(void)
         p->reuse_follow_events = p->reuse_opportunistic = p->reuse_internal_deps = 1;
         p->access[i] = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     }
+    if ((s = getenv("FAKECUDA_CALLS_AT_EXIT")) && *s) {
+        snprintf(g_calls_path, sizeof g_calls_path, "%s", s);
+        g_attribute = 1;
+    }
     if ((s = getenv("FAKECUDA_FAIL")) && *s) parse_fail_env(s);
     pthread_atfork(fc_atfork_prepare, fc_atfork_parent, fc_atfork_child);
 }
 
-__attribute__((destructor)) static void fc_unload(void)
+/* path with "%p" replaced by the process id. */
+static void expand_pid(const char *path, char *out, size_t n)
 {
-    if (!g_counters_path[0]) return;
-    char path[4200];
     size_t o = 0;
-    for (const char *p = g_counters_path; *p && o + 24 < sizeof path; p++) {
+    for (const char *p = path; *p && o + 24 < n; p++) {
         if (p[0] == '%' && p[1] == 'p') {
-            o += (size_t)snprintf(path + o, sizeof path - o, "%ld", (long)getpid());
+            o += (size_t)snprintf(out + o, n - o, "%ld", (long)getpid());
             p++;
         } else {
-            path[o++] = *p;
+            out[o++] = *p;
         }
     }
-    path[o] = 0;
-    struct fakecuda_counters c;
-    fakecuda_counters(&c);
-    FILE *f = fopen(path, "w");
-    if (!f) return;
+    out[o] = 0;
+}
+
+__attribute__((destructor)) static void fc_unload(void)
+{
+    char path[4200];
+    FILE *f;
+    if (g_counters_path[0]) {
+        expand_pid(g_counters_path, path, sizeof path);
+        struct fakecuda_counters c;
+        fakecuda_counters(&c);
+        if ((f = fopen(path, "w"))) {
 #define FC_DUMP(name) fprintf(f, #name "=%llu\n", c.name);
-    FAKECUDA_COUNTER_FIELDS(FC_DUMP)
+            FAKECUDA_COUNTER_FIELDS(FC_DUMP)
 #undef FC_DUMP
-    fclose(f);
+            fclose(f);
+        }
+    }
+    if (g_calls_path[0]) {
+        expand_pid(g_calls_path, path, sizeof path);
+        if ((f = fopen(path, "w"))) {
+            LOCK();
+            for (size_t i = 0; i < sizeof g_calls / sizeof g_calls[0] && g_calls[i].name[0]; i++)
+                fprintf(f, "%s %s %llu\n", g_calls[i].name, g_calls[i].caller, g_calls[i].n);
+            UNLOCK();
+            fclose(f);
+        }
+    }
 }
 
 /* ------------------------------------------------------------------------------------------ */
 /* Control API                                                                                  */
 
-FC_API int fakecuda_fail_next(const char *fn, int n, int cuda_error)
+static int fail_arm(const char *fn, const char *caller, int skip, int n, int cuda_error)
 {
     if (!fn) return -1;
     char base[64];
     base_name(fn, base, sizeof base);
-    if (!sym_known(base)) return -1;
+    if (!sym_known(base) || strlen(caller) >= sizeof g_fail[0].caller) return -1;
     if (n < 0) n = 0;
     CUresult err = cuda_error ? (CUresult)cuda_error : default_fail_error(base);
     int rc = -1;
     LOCK();
     struct fc_fail *slot = NULL;
     for (size_t i = 0; i < sizeof g_fail / sizeof g_fail[0]; i++) {
-        if (!strcmp(g_fail[i].name, base)) { slot = &g_fail[i]; break; }
+        if (!strcmp(g_fail[i].name, base) && !strcmp(g_fail[i].caller, caller)) { slot = &g_fail[i]; break; }
         if (!slot && !g_fail[i].name[0]) slot = &g_fail[i];
     }
     if (slot) {
         snprintf(slot->name, sizeof slot->name, "%s", base);
+        snprintf(slot->caller, sizeof slot->caller, "%s", caller);
+        slot->skip = skip;
         slot->remaining = n;
         slot->err = err;
         rc = 0;
     }
+    if (caller[0]) __atomic_store_n(&g_attribute, 1, __ATOMIC_RELAXED);
     fail_recount();
     UNLOCK();
     return rc;
 }
+
+FC_API int fakecuda_fail_next(const char *fn, int n, int cuda_error) { return fail_arm(fn, "", 0, n, cuda_error); }
 
 FC_API void fakecuda_set_budget(unsigned long long bytes)
 {
@@ -499,12 +591,47 @@ FC_API void fakecuda_set_copy_delay_us(unsigned long long us)
     UNLOCK();
 }
 
+/* Open fds on the memory of no live handle: exported or received fds nobody closed, each keeping
+ * memory alive that the driver no longer accounts for.  Nobody tells the driver when such an fd
+ * is closed, so they are found in the fd table. */
+static unsigned long long count_stray_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return 0;
+    unsigned long long n = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        char link[64], target[128];
+        int fd = atoi(e->d_name);
+        struct stat st;
+        if (e->d_name[0] == '.' || fd == dirfd(d)) continue;
+        snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+        /* by path, not by fd: another thread may close the fd meanwhile, and then it simply goes */
+        ssize_t len = readlink(link, target, sizeof target - 1);
+        if (len <= 0 || stat(link, &st) != 0) continue;
+        target[len] = 0;
+        if (strncmp(target, "/memfd:fakecuda.d", 17)) continue;
+        int live = 0;
+        fc_handle *h, *tmp;
+        LOCK();
+        HASH_ITER(hh, g_handles, h, tmp) {
+            struct stat hs;
+            if (fstat(h->fd, &hs) == 0 && hs.st_ino == st.st_ino && hs.st_dev == st.st_dev) live = 1;
+        }
+        UNLOCK();
+        n += !live;
+    }
+    closedir(d);
+    return n;
+}
+
 FC_API void fakecuda_counters(struct fakecuda_counters *out)
 {
     if (!out) return;
 #define FC_SNAP(name) out->name = __atomic_load_n(&g_cnt.name, __ATOMIC_RELAXED);
     FAKECUDA_COUNTER_FIELDS(FC_SNAP)
 #undef FC_SNAP
+    out->fds_open = count_stray_fds();
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -1511,10 +1638,10 @@ FC_API CUresult cuMemFree_v2(CUdeviceptr dptr)
     return memfree(dptr);
 }
 
-static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+static CUresult alloc_async(const void *caller, CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     CNT_ADD(calls_cuMemAllocAsync, 1);
-    FC_ENTER("cuMemAllocAsync");
+    FC_ENTER_FROM("cuMemAllocAsync", caller);
     CUresult r = stream_check(hStream);
     if (r != CUDA_SUCCESS) return r;
     struct fc_ctx *c = ctx_of(cur_ctx());
@@ -1522,10 +1649,10 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream
     return memalloc_on(dptr, bytesize, c->dev, FROM_CURRENT_POOL, NULL);
 }
 
-static CUresult free_async(CUdeviceptr dptr, CUstream hStream)
+static CUresult free_async(const void *caller, CUdeviceptr dptr, CUstream hStream)
 {
     CNT_ADD(calls_cuMemFreeAsync, 1);
-    FC_ENTER("cuMemFreeAsync");
+    FC_ENTER_FROM("cuMemFreeAsync", caller);
     CUresult r = stream_check(hStream);
     if (r != CUDA_SUCCESS) return r;
     return memfree(dptr);
@@ -1533,40 +1660,41 @@ static CUresult free_async(CUdeviceptr dptr, CUstream hStream)
 
 FC_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
-    return alloc_async(dptr, bytesize, hStream);
+    return alloc_async(FC_CALLER, dptr, bytesize, hStream);
 }
 
 FC_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
-    return alloc_async(dptr, bytesize, hStream ? hStream : CU_STREAM_PER_THREAD);
+    return alloc_async(FC_CALLER, dptr, bytesize, hStream ? hStream : CU_STREAM_PER_THREAD);
 }
 
-FC_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) { return free_async(dptr, hStream); }
+FC_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) { return free_async(FC_CALLER, dptr, hStream); }
 
 FC_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 {
-    return free_async(dptr, hStream ? hStream : CU_STREAM_PER_THREAD);
+    return free_async(FC_CALLER, dptr, hStream ? hStream : CU_STREAM_PER_THREAD);
 }
 
 /* ------------------------------------------------------------------------------------------ */
 /* Memory pools                                                                                 */
 
-static CUresult alloc_from_pool(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
+static CUresult alloc_from_pool(const void *caller, CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                CUstream hStream)
 {
     CNT_ADD(calls_cuMemAllocFromPoolAsync, 1);
-    FC_ENTER("cuMemAllocFromPoolAsync");
+    FC_ENTER_FROM("cuMemAllocFromPoolAsync", caller);
     CUresult r = stream_check(hStream);
     return r != CUDA_SUCCESS ? r : memalloc_on(dptr, bytesize, 0, FROM_GIVEN_POOL, pool);
 }
 
 FC_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
 {
-    return alloc_from_pool(dptr, bytesize, pool, hStream);
+    return alloc_from_pool(FC_CALLER, dptr, bytesize, pool, hStream);
 }
 
 FC_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
 {
-    return alloc_from_pool(dptr, bytesize, pool, hStream ? hStream : CU_STREAM_PER_THREAD);
+    return alloc_from_pool(FC_CALLER, dptr, bytesize, pool, hStream ? hStream : CU_STREAM_PER_THREAD);
 }
 
 static CUresult get_default_pool(CUmemoryPool *pool_out, CUdevice dev)
@@ -2575,11 +2703,12 @@ static int sym_known(const char *base)
     return 0;
 }
 
-static CUresult proc_lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+static CUresult proc_lookup(const void *caller, const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                             CUdriverProcAddressQueryResult *status)
 {
     CNT_ADD(calls_cuGetProcAddress, 1);
-    FC_ENTER_NOINIT("cuGetProcAddress");
+    CUresult fc_r_ = fc_enter("cuGetProcAddress", 0, caller);
+    if (fc_r_ != CUDA_SUCCESS) return fc_r_;
     if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
     if (flags & ~(cuuint64_t)(CU_GET_PROC_ADDRESS_LEGACY_STREAM | CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM))
         return CUDA_ERROR_INVALID_VALUE;
@@ -2602,13 +2731,13 @@ static CUresult proc_lookup(const char *symbol, void **pfn, int cudaVersion, cuu
 FC_API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                                     CUdriverProcAddressQueryResult *symbolStatus)
 {
-    return proc_lookup(symbol, pfn, cudaVersion, flags, symbolStatus);
+    return proc_lookup(FC_CALLER, symbol, pfn, cudaVersion, flags, symbolStatus);
 }
 
 FC_API CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
 {
     CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SUCCESS;
-    CUresult r = proc_lookup(symbol, pfn, cudaVersion, flags, &status);
+    CUresult r = proc_lookup(FC_CALLER, symbol, pfn, cudaVersion, flags, &status);
     /* The first ABI has no status: a miss is CUDA_ERROR_NOT_FOUND. */
     return r == CUDA_SUCCESS && status != CU_GET_PROC_ADDRESS_SUCCESS ? CUDA_ERROR_NOT_FOUND : r;
 }

@@ -11,7 +11,17 @@
  *                                 cuMemAlloc family fail with CUDA_ERROR_OUT_OF_MEMORY past it
  *   FAKECUDA_NO_VMM=1             devices report no VMM / POSIX-fd support; cuMemCreate and
  *                                 cuMemAddressReserve return CUDA_ERROR_NOT_SUPPORTED
- *   FAKECUDA_FAIL=fn:n[:err],...  the next n calls of fn fail (see fakecuda_fail_next)
+ *   FAKECUDA_FAIL=entry,...       each entry fn[/caller][@k][:n[:err]] makes calls of fn fail:
+ *                                 n of them (default 1) with err (a CUresult number or name,
+ *                                 with or without CUDA_ERROR_; default as fakecuda_fail_next),
+ *                                 from the k-th on (default 1), counting only the calls made
+ *                                 from the object (library or program) whose file name is
+ *                                 caller, when given.  Without @k, n is required (fn:n[:err],
+ *                                 the next n calls).  cuMemMap/libvmmshim.so@2 fails the second
+ *                                 cuMemMap the shim makes; cuMemCreate@3:2:OUT_OF_MEMORY the
+ *                                 third and fourth of the process.
+ *   FAKECUDA_CALLS_AT_EXIT=path   write one line "fn caller count" per entry point and calling
+ *                                 object at exit ("%p" as below), the positions @k can name
  *   FAKECUDA_EVENT_DELAY_US=N     work recorded on a stream completes N microseconds late
  *   FAKECUDA_COPY_DELAY_US=N      every copy takes N microseconds: a synchronous one returns that
  *                                 late, an asynchronous one keeps its stream busy that much
@@ -35,6 +45,8 @@
     X(memalloc_live)         /* cuMemAlloc/AllocAsync/AllocPitch/AllocManaged not yet freed */ \
     X(ipc_opens_live)        /* cuIpcOpenMemHandle mappings not yet closed */                  \
     X(host_allocs_live)      /* cuMemAllocHost/cuMemHostAlloc not yet cuMemFreeHost'd */       \
+    X(fds_open)              /* fds on the memory of no live handle: exported or received and  \
+                                never closed (read from /proc/self/fd at each snapshot) */     \
     X(calls_cuMemCreate)                                                                       \
     X(calls_cuMemAlloc)      /* cuMemAlloc_v2 */                                               \
     X(calls_cuMemAllocAsync) /* cuMemAllocAsync and cuMemAllocAsync_ptsz */                    \

@@ -224,6 +224,10 @@ API cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) { return ret(map(
 API cudaError_t cudaEventSynchronize(cudaEvent_t e) { return ret(map(cuEventSynchronize((CUevent)e))); }
 API cudaError_t cudaEventQuery(cudaEvent_t e) { return ret(map(cuEventQuery((CUevent)e))); }
 API cudaError_t cudaEventDestroy(cudaEvent_t e) { return ret(map(cuEventDestroy((CUevent)e))); }
+API cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags)
+{
+    return ret(map(cuStreamWaitEvent((CUstream)s, (CUevent)e, flags)));
+}
 
 /* Legacy IPC over the driver's cuIpc* (the emulated driver opens none: NOT_SUPPORTED). */
 API cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *devPtr)

@@ -57,20 +57,21 @@ static inline int spawn_capture(char *const argv[], const char *const env[], cha
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
-static inline int spawn__find_asan(struct dl_phdr_info *info, size_t size, void *data)
+static inline int spawn__find_sanitizer(struct dl_phdr_info *info, size_t size, void *data)
 {
     (void)size;
-    if (!strstr(info->dlpi_name, "libasan.so")) return 0;
+    if (!strstr(info->dlpi_name, "libasan.so") && !strstr(info->dlpi_name, "libtsan.so")) return 0;
     snprintf(data, 300, "%s", info->dlpi_name);
     return 1;
 }
 
-/* "LD_PRELOAD=<shim>" — with the ASan runtime this test runs with in front of it, since a
- * sanitizer runtime must come first in the initial library list. */
+/* "LD_PRELOAD=<shim>" — with the ASan or TSan runtime this test runs with in front of it, since
+ * a sanitizer runtime must come first in the initial library list (and the shim's dlsym, asked
+ * by the runtime for what comes after it, must find libc's functions, not the runtime's). */
 static inline void spawn_preload(char *buf, size_t len, const char *shim)
 {
-    char asan[300] = "";
-    dl_iterate_phdr(spawn__find_asan, asan);
-    snprintf(buf, len, "LD_PRELOAD=%s%s%s", asan, *asan ? " " : "", shim);
+    char san[300] = "";
+    dl_iterate_phdr(spawn__find_sanitizer, san);
+    snprintf(buf, len, "LD_PRELOAD=%s%s%s", san, *san ? " " : "", shim);
 }
 #endif

@@ -691,13 +691,20 @@ typedef struct dir_case {
 
 enum { DC_SYMLINK, DC_WORLD_WRITABLE_THEN_FIXED, DC_GROUP_WRITABLE, DC_OTHER_OWNER, DC_UMASK, DC_XDG, DC_BAD_GROUP };
 
+/* Broker threads of this process, by name (a sanitizer runtime may run threads of its own). */
 static int count_threads(void)
 {
     DIR *d = opendir("/proc/self/task");
     int n = 0;
     if (!d) return -1;
-    for (struct dirent *de; (de = readdir(d)) != NULL;)
-        if (de->d_name[0] != '.') n++;
+    for (struct dirent *de; (de = readdir(d)) != NULL;) {
+        char path[300], name[32] = "";
+        if (de->d_name[0] == '.') continue;
+        snprintf(path, sizeof path, "/proc/self/task/%s/comm", de->d_name);
+        FILE *f = fopen(path, "r");
+        if (f && fgets(name, sizeof name, f) && !strncmp(name, "vmmshim-broker", 14)) n++;
+        if (f) fclose(f);
+    }
     closedir(d);
     return n;
 }
@@ -735,14 +742,14 @@ static void dir_case_child(void *arg)
         rc = vmm__broker_start(dummy_export, path, sizeof path);
         CHECK(rc == -EACCES, "a directory writable by others was accepted (rc %d)", rc);
         CHECK(file_contains(dc->log, "writable by others"), "no warning about the mode");
-        CHECK_EQ(count_threads(), 1);
+        CHECK_EQ(count_threads(), 0);
         if (dc->kind == DC_WORLD_WRITABLE_THEN_FIXED) {
             /* a failed start may be retried */
             chmod(real, 0700);
             rc = vmm__broker_start(dummy_export, path, sizeof path);
             snprintf(want, sizeof want, "%s/%d.sock", real, (int)getpid());
             CHECK(rc == 0 && !strcmp(path, want), "retry after fixing the mode: rc %d, path %s", rc, path);
-            CHECK_EQ(count_threads(), 2);
+            CHECK_EQ(count_threads(), 1);
             at_exit_unlink();
         }
         break;
@@ -773,7 +780,7 @@ static void dir_case_child(void *arg)
         char again[112] = "";
         CHECK_EQ(vmm__broker_start(dummy_export, again, sizeof again), 0);
         CHECK(!strcmp(again, path), "second start gave %s", again);
-        CHECK_EQ(count_threads(), 2);
+        CHECK_EQ(count_threads(), 1);
         char tiny[8];
         CHECK_EQ(vmm__broker_start(dummy_export, tiny, sizeof tiny), -ENAMETOOLONG);
         at_exit_unlink();

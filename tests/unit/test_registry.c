@@ -897,8 +897,7 @@ static void test_kill_mid_publish(void)
         vmm_reg_alloc *a = rec_of(&r, msg.slots[2]);
         uint32_t s = __atomic_load_n(&a->seq, __ATOMIC_RELAXED);
         __atomic_store_n(&a->seq, s + 1, __ATOMIC_RELAXED);
-        __atomic_thread_fence(__ATOMIC_RELEASE);
-        __atomic_store_n(&a->requested_size, 777, __ATOMIC_RELAXED);
+        __atomic_store_n(&a->requested_size, 777, __ATOMIC_RELEASE); /* after the seq, as a writer's */
         raise(SIGKILL);
         _exit(6);
     }

@@ -714,17 +714,33 @@ static bool ctx_enter(CUcontext ctx, CUcontext *prev)
     return cu.CtxGetCurrent(prev) == CUDA_SUCCESS && *prev != ctx && cu.CtxSetCurrent(ctx) == CUDA_SUCCESS;
 }
 
+/* A driver call that undoes (gives memory back, restores a context), made once more if it fails:
+ * nothing else would ever undo it, and a failure may be passing.  The second result stands. */
+#define TWICE(call) ((call) == CUDA_SUCCESS ? CUDA_SUCCESS : (call))
+
+/* Give back the pieces of a mapping, as far as they exist: the mapping, the handle, the address
+ * range (not freed under a mapping the driver kept).  The first failure's status. */
+static vmm_status undo(CUdeviceptr base, size_t size, CUmemGenericAllocationHandle handle, bool mapped, bool reserved)
+{
+    vmm_status st = VMM_OK;
+    CUresult r;
+    if (mapped && (r = TWICE(cu.MemUnmap(base, size))) != CUDA_SUCCESS) {
+        st = cu_fail("cuMemUnmap", r);
+        reserved = false;
+    }
+    if ((r = TWICE(cu.MemRelease(handle))) != CUDA_SUCCESS && st == VMM_OK) st = cu_fail("cuMemRelease", r);
+    if (reserved && (r = TWICE(cu.MemAddressFree(base, size))) != CUDA_SUCCESS && st == VMM_OK)
+        st = cu_fail("cuMemAddressFree", r);
+    return st;
+}
+
 /* Unmap, release and free the address range of a mapping no reference points to any more. */
 static vmm_status unmap_chunk(CUdeviceptr base, size_t size, CUmemGenericAllocationHandle handle, CUcontext ctx)
 {
     CUcontext cur;
     bool switched = ctx_enter(ctx, &cur);
-    vmm_status st = VMM_OK;
-    CUresult r;
-    if ((r = cu.MemUnmap(base, size)) != CUDA_SUCCESS) st = cu_fail("cuMemUnmap", r);
-    if ((r = cu.MemRelease(handle)) != CUDA_SUCCESS && st == VMM_OK) st = cu_fail("cuMemRelease", r);
-    if ((r = cu.MemAddressFree(base, size)) != CUDA_SUCCESS && st == VMM_OK) st = cu_fail("cuMemAddressFree", r);
-    if (switched) (void)cu.CtxSetCurrent(cur);
+    vmm_status st = undo(base, size, handle, true, true);
+    if (switched) (void)TWICE(cu.CtxSetCurrent(cur)); /* else the thread stays in ctx */
     return st;
 }
 
@@ -1030,33 +1046,33 @@ static vmm_status map_chunk(CUmemGenericAllocationHandle handle, size_t size, CU
     r = cu.MemAddressReserve(&c->base, size, 0, 0, 0);
     uint64_t t1 = now_ns();
     tm.reserve_ns = t1 - t0;
+    bool reserved = false, mapped = false;
     if (r != CUDA_SUCCESS) {
         what = "cuMemAddressReserve";
-        goto release;
+        goto undo;
     }
+    reserved = true;
     r = cu.MemMap(c->base, size, 0, c->handle, 0);
     uint64_t t2 = now_ns();
     tm.map_ns = t2 - t1;
     if (r != CUDA_SUCCESS) {
         what = "cuMemMap";
-        goto free_range;
+        goto undo;
     }
+    mapped = true;
     CUmemAccessDesc acc;
     access_for(&acc, dev);
     r = cu.MemSetAccess(c->base, size, &acc, 1);
     tm.access_ns = now_ns() - t2;
     if (r != CUDA_SUCCESS) {
         what = "cuMemSetAccess";
-        (void)cu.MemUnmap(c->base, size);
-        goto free_range;
+        goto undo;
     }
     c->size = size;
     c->devices = dev >= 0 && dev < 64 ? 1ull << dev : 0;
     return VMM_OK;
-free_range:
-    (void)cu.MemAddressFree(c->base, size);
-release:
-    (void)cu.MemRelease(c->handle);
+undo:
+    (void)undo(c->base, size, c->handle, mapped, reserved);
     return cu_fail(what, r);
 }
 
@@ -1356,7 +1372,7 @@ static vmm_status range_fetch(vmm_registry *reg, range_plan *p)
 static void range_release_handles(range_plan *p)
 {
     for (size_t k = 0; k < p->n_pc; k++)
-        if (p->pc[k].handle_of == k) (void)cu.MemRelease(p->pc[k].handle);
+        if (p->pc[k].handle_of == k) (void)TWICE(cu.MemRelease(p->pc[k].handle));
 }
 
 /* Unmap what was mapped (all of it, or what a failed import got to), free the reservation. */
@@ -1366,13 +1382,14 @@ static vmm_status range_unmap(range_map *m)
     bool switched = ctx_enter(m->ctx, &cur);
     vmm_status st = VMM_OK;
     CUresult r;
-    /* one call per mapping: a driver need not unmap several mappings in one call */
+    /* one call per mapping: a driver need not unmap several mappings in one call; the range is
+     * not freed under a mapping the driver kept */
     for (size_t k = 0; k < m->n; k++)
-        if ((r = cu.MemUnmap(m->base + m->map[k].at, m->map[k].len)) != CUDA_SUCCESS && st == VMM_OK)
+        if ((r = TWICE(cu.MemUnmap(m->base + m->map[k].at, m->map[k].len))) != CUDA_SUCCESS && st == VMM_OK)
             st = cu_fail("cuMemUnmap", r);
-    if (m->size && (r = cu.MemAddressFree(m->base, m->size)) != CUDA_SUCCESS && st == VMM_OK)
+    if (m->size && st == VMM_OK && (r = TWICE(cu.MemAddressFree(m->base, m->size))) != CUDA_SUCCESS)
         st = cu_fail("cuMemAddressFree", r);
-    if (switched) (void)cu.CtxSetCurrent(cur);
+    if (switched) (void)TWICE(cu.CtxSetCurrent(cur));
     free(m);
     return st;
 }
