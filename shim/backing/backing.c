@@ -890,6 +890,9 @@ size_t vmm__pool_free_bytes_current(void)
 
 int vmm__stream_capturing(CUstream stream)
 {
+    /* No stream of the process captures (every capture begins through the hooks that count
+     * them): no driver call on every stream-ordered allocation and free. */
+    if (__atomic_load_n(&captures, __ATOMIC_ACQUIRE) == 0) return 0;
     if (!ensure_init()) return 0;
     CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
     return cu.StreamIsCapturing(stream, &st) == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE;
