@@ -184,11 +184,35 @@ static void on_exit_detach(void)
         }
 }
 
+/* The parent's tables as a fork child inherited them: never used there, never freed (another
+ * thread of the parent may have been changing them at the fork), only kept reachable, so that a
+ * leak checker (the ASan build's) does not blame the child for what it never allocated.
+ * Volatile: stores nothing reads would be optimised away. */
+static volatile struct {
+    vmm__block *by_addr, *by_slot;
+    vchunk *chunks;
+    note *notes;
+    struct {
+        vmm__chunk *chunks;
+        vmm__block *spare;
+        CUevent *events;
+    } dev[MAX_DEVICES];
+} inherited;
+
 static void after_fork_child(void)
 {
     /* The child owns none of its parent's memory: forget it all, and start afresh if it ever
      * allocates (CUDA itself is not usable across fork unless the child re-initialises). */
     pthread_mutex_init(&S.lock, NULL);
+    inherited.by_addr = S.by_addr;
+    inherited.by_slot = S.by_slot;
+    inherited.chunks = S.chunks;
+    inherited.notes = S.notes;
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        inherited.dev[i].chunks = S.dev[i].pool.chunks;
+        inherited.dev[i].spare = S.dev[i].pool.spare;
+        inherited.dev[i].events = S.dev[i].events;
+    }
     S.by_addr = S.by_slot = NULL; /* parent's chunks leak in the child by design */
     S.chunks = NULL;
     S.notes = NULL;
