@@ -116,6 +116,9 @@ static struct {
     device_state dev[MAX_DEVICES];
 } S = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
+/* Streams being captured right now, process-wide (vmm__capture_begun). */
+static int captures;
+
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
 /* The coverage counters (layout.h, COVERAGE) live in this process's registry record once it is
@@ -220,14 +223,40 @@ static void coverage_after_fork(void)
     coverage = &local_coverage;
 }
 
+/* The parent's tables as a fork child inherited them: never used there, never freed (another
+ * thread of the parent may have been changing them at the fork), only kept reachable, so that a
+ * leak checker (the ASan build's) does not blame the child for what it never allocated.
+ * Volatile: stores nothing reads would be optimised away. */
+static volatile struct {
+    vmm__block *by_addr, *by_slot;
+    vchunk *chunks;
+    note *notes;
+    struct {
+        vmm__chunk *chunks;
+        vmm__block *spare;
+        CUevent *events;
+    } dev[MAX_DEVICES];
+} inherited;
+
 static void after_fork_child(void)
 {
     /* The child owns none of its parent's memory: forget it all, and start afresh if it ever
      * allocates (CUDA itself is not usable across fork unless the child re-initialises). */
     pthread_mutex_init(&S.lock, NULL);
+    inherited.by_addr = S.by_addr;
+    inherited.by_slot = S.by_slot;
+    inherited.chunks = S.chunks;
+    inherited.notes = S.notes;
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        inherited.dev[i].chunks = S.dev[i].pool.chunks;
+        inherited.dev[i].spare = S.dev[i].pool.spare;
+        inherited.dev[i].events = S.dev[i].events;
+    }
     S.by_addr = S.by_slot = NULL; /* parent's chunks leak in the child by design */
     S.chunks = NULL;
     S.notes = NULL;
+    S.deferred = NULL;
+    __atomic_store_n(&captures, 0, __ATOMIC_RELAXED); /* the parent's capturing threads are not here */
     memset(S.dev, 0, sizeof S.dev);
     if (S.registry_ok) vmm__reg_forget_after_fork(&S.reg);
     S.broker_started = 0;
@@ -724,9 +753,6 @@ static void sync_ctx(CUcontext ctx)
     cu.CtxSynchronize();
     if (switched) (void)VMM__TWICE(cu.CtxSetCurrent(prev)); /* else the thread stays in ctx */
 }
-
-/* Streams being captured right now, process-wide (vmm__capture_begun). */
-static int captures;
 
 /* Lock held.  Detach the deferred blocks of ctx: a synchronization of ctx covers them. */
 static vmm__block *take_deferred_locked(CUcontext ctx)
