@@ -7,6 +7,7 @@
 #include "vmmctl.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -140,10 +141,23 @@ static void print_table(const tick *t, double interval, uint64_t now_ns)
            (unsigned long long)allocs, allocs == 1 ? "" : "s", vmm__ctl_human(req, &h1), vmm__ctl_human(map, &h2));
 }
 
+/* SIGINT and SIGTERM stay blocked except inside ppoll, which unblocks them atomically: a signal
+ * that came between the check of stop_requested and the sleep would otherwise go unseen until the
+ * sleep ended, a whole interval later. */
+static sigset_t waking;
+
 /* Sleep until `until` (CLOCK_MONOTONIC), or a signal asks to stop. */
 static void sleep_until(const struct timespec *until)
 {
-    while (!stop_requested && clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, until, NULL) == EINTR) {}
+    while (!stop_requested) {
+        struct timespec now, left;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long long ns = (long long)(until->tv_sec - now.tv_sec) * 1000000000 + (until->tv_nsec - now.tv_nsec);
+        if (ns <= 0) return;
+        left.tv_sec = (time_t)(ns / 1000000000);
+        left.tv_nsec = (long)(ns % 1000000000);
+        (void)ppoll(NULL, 0, &left, &waking);
+    }
 }
 
 int vmm__ctl_cmd_watch(int argc, char **argv)
@@ -185,6 +199,13 @@ int vmm__ctl_cmd_watch(int argc, char **argv)
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
+    sigset_t stops;
+    sigemptyset(&stops);
+    sigaddset(&stops, SIGINT);
+    sigaddset(&stops, SIGTERM);
+    sigprocmask(SIG_BLOCK, &stops, &waking);
+    sigdelset(&waking, SIGINT);
+    sigdelset(&waking, SIGTERM);
     bool tty = isatty(STDOUT_FILENO) == 1;
     struct timespec next;
     clock_gettime(CLOCK_MONOTONIC, &next);
