@@ -59,6 +59,27 @@ static bool load_driver(void)
     return true;
 }
 
+/* A fake owner's start: device 0's primary context made current, and the properties and the
+ * read-write access of an exportable (POSIX fd) chunk on it.  The driver's error, or success. */
+static CUresult owner_driver_start(CUmemAllocationProp *prop, CUmemAccessDesc *acc)
+{
+    CUdevice dev = 0;
+    CUcontext ctx = NULL;
+    CUresult r;
+    if ((r = drv.Init(0)) || (r = drv.DeviceGet(&dev, 0)) || (r = drv.DevicePrimaryCtxRetain(&ctx, dev)) ||
+        (r = drv.CtxSetCurrent(ctx)))
+        return r;
+    memset(prop, 0, sizeof *prop);
+    prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop->location.id = (int)dev;
+    prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    memset(acc, 0, sizeof *acc);
+    acc->location = prop->location;
+    acc->flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return CUDA_SUCCESS;
+}
+
 static struct fakecuda_counters counters(void)
 {
     struct fakecuda_counters c;

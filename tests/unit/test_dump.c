@@ -323,21 +323,10 @@ static void fo_main(int cmd, int rep)
     info.pid = (int32_t)getpid();
     setenv("VMMSHIM_BROKER_DIR", g_dir, 1);
     vmm__opt_reload_for_test();
-    CUdevice dev = 0;
-    CUcontext ctx = NULL;
-    CUresult r;
-    if ((r = drv.Init(0)) || (r = drv.DeviceGet(&dev, 0)) || (r = drv.DevicePrimaryCtxRetain(&ctx, dev)) ||
-        (r = drv.CtxSetCurrent(ctx)))
-        FO_FAIL(1, "driver init: %d", (int)r);
     CUmemAllocationProp prop;
-    memset(&prop, 0, sizeof prop);
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     CUmemAccessDesc acc;
-    memset(&acc, 0, sizeof acc);
-    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CUresult r = owner_driver_start(&prop, &acc);
+    if (r) FO_FAIL(1, "driver init: %d", (int)r);
     char err[256] = "";
     int rc = vmm__reg_open(&fo_reg, g_reg, VMM__REG_CREATE, 1024, NULL, err, sizeof err);
     if (rc || (rc = vmm__reg_attach(&fo_reg, NULL))) FO_FAIL(2, "registry: %d %s", rc, err);

@@ -154,23 +154,10 @@ static void owner_main(int cmd, int rep)
     o_info.pid = (int32_t)getpid();
     setenv("VMMSHIM_BROKER_DIR", g_dir, 1);
     vmm__opt_reload_for_test();
-    CUdevice dev = 0;
-    CUcontext ctx = NULL;
-    CUresult r;
-    if ((r = drv.Init(0)) || (r = drv.DeviceGet(&dev, 0)) || (r = drv.DevicePrimaryCtxRetain(&ctx, dev)) ||
-        (r = drv.CtxSetCurrent(ctx)))
-        OWNER_FAIL(1, "driver init: %d", (int)r);
     CUmemAllocationProp prop;
-    memset(&prop, 0, sizeof prop);
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = (int)dev;
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     CUmemAccessDesc acc;
-    memset(&acc, 0, sizeof acc);
-    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    acc.location.id = (int)dev;
-    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CUresult r = owner_driver_start(&prop, &acc);
+    if (r) OWNER_FAIL(1, "driver init: %d", (int)r);
     /* a spare page after each region, so that no other region can follow it in the address space
      * (a range runs on into whatever record comes next) */
     for (int g = 0; g < N_REGION; g++) {
