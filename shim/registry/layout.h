@@ -74,6 +74,16 @@
  * is never reused, so (owner, chunk_id) keys a cache of imported chunks.  extent is the bytes of the
  * chunk the allocation occupies (>= requested_size): the allocation covers [address, address+extent).
  *
+ * MULTI-HANDLE (layout version 4): the owner's pool maps many handles into one address range, so
+ * free space merges across them, and an allocation may span several.  Such a record has
+ * VMM_REG_F_MULTI_HANDLE and n_handles >= 2: its "chunk" is n_handles handles mapped back to back
+ * in the owner, chunk_id names the first, chunk_offset is address - the first handle's base, and
+ * mapped_size is the sum of their sizes.  An importer obtains every handle (the broker's protocol
+ * v2 hands them out in order, with their sizes), maps each whole handle at its place in one
+ * reservation of mapped_size bytes, and uses base + chunk_offset.  pidfd and fabric export name
+ * one handle: such a record offers VMM_HANDLE_BROKER only.  A reader of an older version sees
+ * mapped_size larger than the one handle it gets, and its import fails: it must not guess.
+ *
  * FINDING (pid, address) without scanning: a record's level is g = max(8, ceil(log2(extent)));
  * its key is (address rounded down to 2^g) | g, and the index holds one entry per bound record,
  * under vmm_reg_hash(pid, key).  Since extent <= 2^g, the allocation covering A, if any, starts in
@@ -119,8 +129,8 @@
  * version-2 reader reads a version-3 segment as it always did, so compat_version stays 2.  The
  * version still moves on so that a reader can tell a segment made by a writer that knows them;
  * since writers of both versions may share one segment, each record says for itself
- * (stats_generation). */
-#define VMM_REG_VERSION 3u
+ * (stats_generation).  4: MULTI-HANDLE records (n_handles at 320, in bytes that were reserved). */
+#define VMM_REG_VERSION 4u
 #define VMM_REG_COMPAT_VERSION 2u /* 2: one record per pooled allocation, index by level */
 #define VMM_REG_CHUNK_RECORDS 64u
 #define VMM_REG_MIN_LEVEL 8u  /* 256 bytes */
@@ -146,7 +156,8 @@ enum {
 /* vmm_reg_alloc.flags */
 enum {
     VMM_REG_F_NOT_EXPORTABLE = 1u << 0, /* passed through (e.g. during stream capture) */
-    VMM_REG_F_SHARED_CHUNK = 1u << 1    /* its chunk may hold other allocations of the same owner */
+    VMM_REG_F_SHARED_CHUNK = 1u << 1,   /* its chunk may hold other allocations of the same owner */
+    VMM_REG_F_MULTI_HANDLE = 1u << 2    /* its chunk is n_handles handles back to back (MULTI-HANDLE) */
 };
 
 /* vmm_reg_alloc.api: the call that made the allocation */
@@ -243,7 +254,8 @@ typedef struct vmm_reg_alloc {
     uint64_t chunk_id;         /* 296 the chunk within its owner, never reused (0 = none) */
     uint64_t chunk_offset;     /* 304 address - the chunk's base */
     uint64_t extent;           /* 312 bytes of the chunk the allocation occupies (the index's key) */
-    uint8_t reserved[64];      /* 320 */
+    uint32_t n_handles;        /* 320 handles back to back from the chunk's base (MULTI-HANDLE); 0 or 1: one */
+    uint8_t reserved[60];      /* 324 */
 } vmm_reg_alloc;               /* 384 */
 
 #define VMM_ASSERT_OFF(T, f, o) _Static_assert(offsetof(T, f) == (o), #T "." #f " offset")
@@ -327,6 +339,7 @@ VMM_ASSERT_OFF(vmm_reg_alloc, fabric, 232);
 VMM_ASSERT_OFF(vmm_reg_alloc, chunk_id, 296);
 VMM_ASSERT_OFF(vmm_reg_alloc, chunk_offset, 304);
 VMM_ASSERT_OFF(vmm_reg_alloc, extent, 312);
+VMM_ASSERT_OFF(vmm_reg_alloc, n_handles, 320);
 VMM_ASSERT_OFF(vmm_reg_alloc, reserved, 320);
 
 /* A record's level in the index: the smallest g >= 8 with extent <= 2^g. */
