@@ -340,7 +340,7 @@ VMM_ASSERT_OFF(vmm_reg_alloc, chunk_id, 296);
 VMM_ASSERT_OFF(vmm_reg_alloc, chunk_offset, 304);
 VMM_ASSERT_OFF(vmm_reg_alloc, extent, 312);
 VMM_ASSERT_OFF(vmm_reg_alloc, n_handles, 320);
-VMM_ASSERT_OFF(vmm_reg_alloc, reserved, 320);
+VMM_ASSERT_OFF(vmm_reg_alloc, reserved, 324);
 
 /* A record's level in the index: the smallest g >= 8 with extent <= 2^g. */
 static inline unsigned vmm_reg_level(uint64_t extent)
