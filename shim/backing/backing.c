@@ -1,18 +1,23 @@
-/* VMM backing: the mechanism under the pool (shim/pool decides where allocations go).  A chunk
- * is one cuMemCreate handle (POSIX-fd exportable), mapped into its own reservation aligned to the
- * next power of two of its size, so the chunk holding any address is found by a few exact
- * lookups.  Every allocation is published in the registry with its chunk; the broker exports the
- * chunk's handle.  Stream-ordered frees become reusable once an event shows the stream reached
- * them (at once on the same stream): the pool asks through the event callbacks here. */
+/* VMM backing: the mechanism under the pool (shim/pool decides where allocations go).  Each
+ * device has two pools, as natively cudaMalloc memory and the default pool's are apart: one for
+ * synchronous allocations, one for stream-ordered ones.  A pool reserves large arenas of address
+ * space once and maps segments (one cuMemCreate handle each, POSIX-fd exportable) into them where
+ * allocations need memory; every allocation is published in the registry with the segments it
+ * spans, and the broker exports them.  Freed memory goes back to the device after an idle delay
+ * (VMMSHIM_GIVE_BACK_MS), from a thread of the shim's own, so a program that frees and makes no
+ * further call still gives it back.  Stream-ordered frees become reusable once an event shows the
+ * stream reached them (at once on the same stream): the pool asks through the event callbacks. */
 #include "backing/backing.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include <uthash.h>
 
@@ -28,20 +33,17 @@
 #define MAX_DEVICES 64
 #define NO_SLOT UINT32_MAX
 
-/* A chunk as the mechanism knows it. */
-typedef struct vchunk {
-    uint64_t base, size; /* key of the table: base */
+/* A segment as the mechanism knows it (the pool's vmm__seg has its place and size). */
+typedef struct vseg {
     CUmemGenericAllocationHandle handle;
     int dev, exported_fd, has_fabric;
-    /* The fd the broker hands out duplicates of: exported at the first request for the chunk
+    /* The fd the broker hands out duplicates of: exported at the first request for the segment
      * (an export costs ~0.6 ms on an H100, a dup microseconds), kept above 1023 like exported_fd;
      * -1 until then, or for good when no such fd number is free (each request exports then). */
     int broker_fd;
     uint64_t id;
     uint8_t fabric[64];
-    vmm__chunk *pool_chunk;
-    UT_hash_handle hh;
-} vchunk;
+} vseg;
 
 /* An allocation the real allocator made, which the shim only notes in the registry. */
 typedef struct note {
@@ -58,7 +60,7 @@ typedef struct device_state {
     CUcontext primary;
     size_t granularity;
     uint8_t uuid[16];
-    vmm__pool pool;
+    vmm__pool pool[2];          /* [0] synchronous allocations, [1] stream-ordered (the default pool's) */
     int pool_ready;
     int custom_pool;            /* the program made another pool current: stream-ordered calls pass */
     uint64_t release_threshold; /* the default pool's, as the program set it */
@@ -76,6 +78,7 @@ static struct {
     CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*DeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
     CUresult (*DeviceGetUuid)(CUuuid *, CUdevice);
+    CUresult (*DeviceTotalMem)(size_t *, CUdevice);
     CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
     CUresult (*MemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
     CUresult (*MemRelease)(CUmemGenericAllocationHandle);
@@ -108,10 +111,13 @@ static struct {
     int broker_started;
     vmm__block *by_addr, *by_slot; /* live allocations */
     vmm__block *deferred;          /* freed while a stream captured, not yet synchronized (via fnext) */
-    vchunk *chunks;                /* by base */
     note *notes;                   /* by address */
     uint64_t next_chunk_id;
-    size_t cache_limit;
+    uint64_t cache_limit;          /* bytes of empty synchronous memory kept past the give-back delay */
+    uint64_t give_back_ns;
+    pthread_cond_t purge_wake;     /* the give-back thread waits on it (CLOCK_MONOTONIC) */
+    int purge_state;               /* 0 not started, 1 waiting for work, 2 waiting for a deadline, -1 could not start */
+    int stopping;                  /* at exit: no more driver calls from the give-back thread */
     char tag[32];
     device_state dev[MAX_DEVICES];
 } S = {.lock = PTHREAD_MUTEX_INITIALIZER};
@@ -144,7 +150,7 @@ static int load_driver(char *why, size_t len)
     int ok = LOAD(Init, cuInit) && LOAD(CtxGetCurrent, cuCtxGetCurrent) && LOAD(CtxSetCurrent, cuCtxSetCurrent) &&
              LOAD(CtxGetDevice, cuCtxGetDevice) && LOAD(CtxSynchronize, cuCtxSynchronize) &&
              LOAD(DevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain) && LOAD(DeviceGetAttribute, cuDeviceGetAttribute) &&
-             LOAD(DeviceGetUuid, cuDeviceGetUuid) && LOAD(MemGetAllocationGranularity, cuMemGetAllocationGranularity) &&
+             LOAD(DeviceGetUuid, cuDeviceGetUuid) && LOAD(DeviceTotalMem, cuDeviceTotalMem) && LOAD(MemGetAllocationGranularity, cuMemGetAllocationGranularity) &&
              LOAD(MemCreate, cuMemCreate) && LOAD(MemRelease, cuMemRelease) &&
              LOAD(MemAddressReserve, cuMemAddressReserve) && LOAD(MemAddressFree, cuMemAddressFree) &&
              LOAD(MemMap, cuMemMap) && LOAD(MemUnmap, cuMemUnmap) && LOAD(MemSetAccess, cuMemSetAccess) &&
@@ -189,6 +195,9 @@ static void print_coverage(const vmm_reg_proc *c)
 
 static void at_exit(void)
 {
+    pthread_mutex_lock(&S.lock);
+    S.stopping = 1; /* CUDA may be torn down next: the give-back thread makes no more calls */
+    pthread_mutex_unlock(&S.lock);
     /* Pure shared-memory work: CUDA may already be torn down at exit.  The counters move back
      * here first: once detached, the record may be another process's. */
     if (S.registry_ok) {
@@ -206,13 +215,14 @@ static void at_exit(void)
     }
     if (vmm__opt_bool(VMM__OPT_STATS)) print_coverage(&local_coverage);
     if (vmm__opt_bool(VMM__OPT_VERBOSE))
-        for (int i = 0; i < MAX_DEVICES; i++) {
-            const vmm__pool *p = &S.dev[i].pool;
-            if (S.dev[i].pool_ready)
-                vmm__log(VMM__LOG_INFO, "device %d pool: %llu chunks made, %llu given back; peak %llu MiB reserved, %llu MiB used",
-                         i, (unsigned long long)p->chunks_made, (unsigned long long)p->chunks_released,
-                         (unsigned long long)(p->reserved_high >> 20), (unsigned long long)(p->used_high >> 20));
-        }
+        for (int i = 0; i < MAX_DEVICES; i++)
+            for (int k = 0; k < 2 && S.dev[i].pool_ready; k++) {
+                const vmm__pool *p = &S.dev[i].pool[k];
+                vmm__log(VMM__LOG_INFO, "device %d %s pool: %llu segments made, %llu given back; peak %llu MiB reserved, %llu MiB used",
+                         i, k ? "stream-ordered" : "synchronous", (unsigned long long)p->segs_made,
+                         (unsigned long long)p->segs_released, (unsigned long long)(p->reserved_high >> 20),
+                         (unsigned long long)(p->used_high >> 20));
+            }
 }
 
 /* The child has made no allocation yet, whatever its parent counted. */
@@ -229,14 +239,14 @@ static void coverage_after_fork(void)
  * Volatile: stores nothing reads would be optimised away. */
 static volatile struct {
     vmm__block *by_addr, *by_slot;
-    vchunk *chunks;
     note *notes;
     struct {
-        vmm__chunk *chunks;
-        vmm__block *spare;
+        vmm__pool pool[2];
         CUevent *events;
     } dev[MAX_DEVICES];
 } inherited;
+
+static void purge_cond_init(void);
 
 static void after_fork_child(void)
 {
@@ -245,15 +255,15 @@ static void after_fork_child(void)
     pthread_mutex_init(&S.lock, NULL);
     inherited.by_addr = S.by_addr;
     inherited.by_slot = S.by_slot;
-    inherited.chunks = S.chunks;
     inherited.notes = S.notes;
     for (int i = 0; i < MAX_DEVICES; i++) {
-        inherited.dev[i].chunks = S.dev[i].pool.chunks;
-        inherited.dev[i].spare = S.dev[i].pool.spare;
+        memcpy((void *)inherited.dev[i].pool, S.dev[i].pool, sizeof S.dev[i].pool);
         inherited.dev[i].events = S.dev[i].events;
     }
-    S.by_addr = S.by_slot = NULL; /* parent's chunks leak in the child by design */
-    S.chunks = NULL;
+    S.by_addr = S.by_slot = NULL; /* parent's segments leak in the child by design */
+    pthread_cond_destroy(&S.purge_wake);
+    purge_cond_init();
+    S.purge_state = 0; /* the parent's give-back thread is not here */
     S.notes = NULL;
     S.deferred = NULL;
     __atomic_store_n(&captures, 0, __ATOMIC_RELAXED); /* the parent's capturing threads are not here */
@@ -267,6 +277,15 @@ static void after_fork_child(void)
         coverage = vmm__reg_self(&S.reg);
         vmm__frames_after_fork(&S.reg);
     }
+}
+
+static void purge_cond_init(void)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&S.purge_wake, &ca);
+    pthread_condattr_destroy(&ca);
 }
 
 static void init(void)
@@ -289,7 +308,9 @@ static void init(void)
         return;
     }
     S.export_pidfd = vmm__opt_enum(VMM__OPT_EXPORT) == 1;
-    S.cache_limit = (size_t)vmm__opt_size(VMM__OPT_CACHE_SIZE);
+    S.cache_limit = vmm__opt_size(VMM__OPT_CACHE_SIZE);
+    S.give_back_ns = (uint64_t)vmm__opt_int(VMM__OPT_GIVE_BACK_MS) * 1000000u;
+    purge_cond_init();
     S.isolate = vmm__opt_bool(VMM__OPT_ISOLATE);
     snprintf(S.tag, sizeof S.tag, "%s", vmm__opt_str(VMM__OPT_TAG));
     const char *name = vmm__opt_str(VMM__OPT_REGISTRY);
@@ -409,16 +430,9 @@ static int device_usable(int dev)
     return d->usable;
 }
 
-/* ---- chunks: the mechanism the pool calls (under S.lock) ---- */
+/* ---- segments: the mechanism the pool calls (under S.lock) ---- */
 
-static uint64_t pow2_ceil(uint64_t v)
-{
-    uint64_t p = 1;
-    while (p < v) p <<= 1;
-    return p;
-}
-
-static void export_chunk(vchunk *c)
+static void export_seg(vseg *c)
 {
     if (S.export_pidfd) {
         int fd = -1;
@@ -432,24 +446,31 @@ static void export_chunk(vchunk *c)
         c->has_fabric = 1;
 }
 
-/* Give back what a chunk holds: its mapping, reservation and handle, as far as they exist, each
- * call made twice if need be (VMM__TWICE); what still fails stays with the driver until the
- * process exits (one warning), and a range still holding its mapping is not freed under it. */
-static void chunk_undo(CUdeviceptr va, uint64_t size, CUmemGenericAllocationHandle h, int mapped, int reserved)
+/* Give back a segment's mapping and handle, as far as they exist, each call made twice if need
+ * be (VMM__TWICE); what still fails stays with the driver until the process exits (one warning). */
+static void seg_undo(CUdeviceptr va, uint64_t size, CUmemGenericAllocationHandle h, int mapped)
 {
     CUresult unmap = mapped ? VMM__TWICE(cu.MemUnmap(va, size)) : CUDA_SUCCESS;
-    CUresult unreserve = reserved && unmap == CUDA_SUCCESS ? VMM__TWICE(cu.MemAddressFree(va, size)) : CUDA_SUCCESS;
     CUresult release = VMM__TWICE(cu.MemRelease(h));
-    const char *what = unmap ? "cuMemUnmap" : unreserve ? "cuMemAddressFree" : release ? "cuMemRelease" : NULL;
-    if (what)
-        vmm__log(VMM__LOG_WARNING, "giving back a chunk of %llu bytes: %s failed twice (CUDA error %d); the driver keeps it "
-                 "until exit", (unsigned long long)size, what, (int)(unmap ? unmap : unreserve ? unreserve : release));
+    if (unmap || release)
+        vmm__log(VMM__LOG_WARNING, "giving back %llu bytes: %s failed twice (CUDA error %d); the driver keeps them "
+                 "until exit", (unsigned long long)size, unmap ? "cuMemUnmap" : "cuMemRelease", (int)(unmap ? unmap : release));
 }
 
-static int chunk_create(void *ctx, vmm__chunk *pc)
+static int access_list(device_state *d, CUmemAccessDesc *acc)
+{
+    int n = 0;
+    uint64_t accessors = __atomic_load_n(&d->accessors, __ATOMIC_ACQUIRE) | (1ull << d->index);
+    for (int i = 0; i < MAX_DEVICES; i++)
+        if (accessors & (1ull << i))
+            acc[n++] = (CUmemAccessDesc){.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = i},
+                                         .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    return n;
+}
+
+static int seg_create(void *ctx, vmm__seg *ps)
 {
     device_state *d = ctx;
-    uint64_t size = pc->size;
     int dev = d->index;
     CUmemAllocationProp p = {0};
     p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -457,55 +478,65 @@ static int chunk_create(void *ctx, vmm__chunk *pc)
     p.location.id = dev;
     p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | (d->fabric ? CU_MEM_HANDLE_TYPE_FABRIC : 0);
     CUmemGenericAllocationHandle h;
-    CUresult rc = cu.MemCreate(&h, size, &p, 0);
+    CUresult rc = cu.MemCreate(&h, ps->size, &p, 0);
     if (rc != CUDA_SUCCESS) return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
-    CUdeviceptr va = 0;
-    int reserved = 0, mapped = 0;
-    if ((rc = cu.MemAddressReserve(&va, size, pow2_ceil(size), 0, 0)) != CUDA_SUCCESS) goto undo;
-    reserved = 1;
-    if ((rc = cu.MemMap(va, size, 0, h, 0)) != CUDA_SUCCESS) goto undo;
+    int mapped = 0;
+    if ((rc = cu.MemMap(ps->base, ps->size, 0, h, 0)) != CUDA_SUCCESS) goto undo;
     mapped = 1;
     CUmemAccessDesc acc[MAX_DEVICES];
-    size_t n_acc = 0;
-    uint64_t accessors = __atomic_load_n(&d->accessors, __ATOMIC_ACQUIRE) | (1ull << dev);
-    for (int i = 0; i < MAX_DEVICES; i++)
-        if (accessors & (1ull << i))
-            acc[n_acc++] = (CUmemAccessDesc){.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = i},
-                                             .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-    if ((rc = cu.MemSetAccess(va, size, acc, n_acc)) != CUDA_SUCCESS) goto undo;
-    vchunk *c = calloc(1, sizeof *c);
+    if ((rc = cu.MemSetAccess(ps->base, ps->size, acc, (size_t)access_list(d, acc))) != CUDA_SUCCESS) goto undo;
+    vseg *c = calloc(1, sizeof *c);
     if (!c) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
         goto undo;
     }
-    c->base = va;
-    c->size = size;
     c->handle = h;
     c->dev = dev;
     c->exported_fd = -1;
     c->broker_fd = -1;
     c->id = vmm__new_chunk_id();
-    c->pool_chunk = pc;
-    export_chunk(c);
-    HASH_ADD(hh, S.chunks, base, sizeof(uint64_t), c);
-    pc->base = va;
-    pc->mech = c;
+    export_seg(c);
+    ps->mech = c;
     return 0;
 undo:
-    chunk_undo(va, size, h, mapped, reserved);
+    seg_undo(ps->base, ps->size, h, mapped);
     return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
 }
 
-/* The pool calls this only for chunks with no allocation left and every free's event reached. */
-static void chunk_destroy(void *ctx, vmm__chunk *pc)
+/* The pool calls this only for segments no allocation touches, every free's event reached (or
+ * for everything at a device reset). */
+static void seg_destroy(void *ctx, vmm__seg *ps)
 {
     (void)ctx;
-    vchunk *c = pc->mech;
-    HASH_DELETE(hh, S.chunks, c);
+    vseg *c = ps->mech;
     if (c->exported_fd >= 0) close(c->exported_fd); /* its records were retracted before */
     if (c->broker_fd >= 0) close(c->broker_fd);
-    chunk_undo(c->base, c->size, c->handle, 1, 1);
+    seg_undo(ps->base, ps->size, c->handle, 1);
     free(c);
+}
+
+static int arena_reserve(void *ctx, uint64_t size, uint64_t *base)
+{
+    device_state *d = ctx;
+    CUdeviceptr va = 0;
+    if (cu.MemAddressReserve(&va, size, d->granularity, 0, 0) != CUDA_SUCCESS) return -ENOMEM;
+    *base = va;
+    return 0;
+}
+
+static void arena_unreserve(void *ctx, uint64_t base, uint64_t size)
+{
+    (void)ctx;
+    if (VMM__TWICE(cu.MemAddressFree(base, size)) != CUDA_SUCCESS)
+        vmm__log(VMM__LOG_WARNING, "freeing %llu bytes of address space failed twice; kept until exit", (unsigned long long)size);
+}
+
+static uint64_t now_ns(void *ctx)
+{
+    (void)ctx;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
 static int event_done(void *ctx, void *e)
@@ -513,12 +544,6 @@ static int event_done(void *ctx, void *e)
     (void)ctx;
     CUresult rc = cu.EventQuery((CUevent)e);
     return rc != CUDA_ERROR_NOT_READY; /* an error will never become "reached": do not wait on it */
-}
-
-static void event_wait(void *ctx, void *e)
-{
-    (void)ctx;
-    cu.EventSynchronize((CUevent)e);
 }
 
 static void event_release(void *ctx, void *e)
@@ -544,62 +569,195 @@ static CUevent event_get_locked(device_state *d)
     return cu.EventCreate(&e, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS ? e : NULL;
 }
 
-static uint64_t retain_bytes(const device_state *d)
+/* Stream-ordered memory stays mapped up to the default pool's release threshold, as natively;
+ * synchronous memory up to VMMSHIM_CACHE_SIZE (0: native cudaFree keeps none). */
+static uint64_t retain_of(const device_state *d, int k) { return k ? d->release_threshold : S.cache_limit; }
+
+/* Address space reserved at a time: the device's memory, so one arena serves a pool that fills
+ * the device (and a program with several pools never runs address space short). */
+static uint64_t arena_bytes(device_state *d)
 {
-    return d->release_threshold > S.cache_limit ? d->release_threshold : S.cache_limit;
+    size_t total = 0;
+    const uint64_t gib = 1ull << 30;
+    if (cu.DeviceTotalMem(&total, d->index) != CUDA_SUCCESS || total == 0) total = 64 * gib;
+    return ((uint64_t)total + gib - 1) / gib * gib;
 }
 
-static vmm__pool *pool_of_locked(device_state *d)
+static void pools_ready_locked(device_state *d)
 {
-    if (!d->pool_ready) {
-        vmm__pool_ops ops = {.ctx = d,
-                             .chunk_create = chunk_create,
-                             .chunk_destroy = chunk_destroy,
-                             .event_done = event_done,
-                             .event_wait = event_wait,
-                             .event_release = event_release};
-        vmm__pool_init(&d->pool, &ops, d->granularity, retain_bytes(d), S.isolate);
-        d->pool_ready = 1;
+    if (d->pool_ready) return;
+    vmm__pool_ops ops = {.ctx = d,
+                         .reserve = arena_reserve,
+                         .unreserve = arena_unreserve,
+                         .seg_create = seg_create,
+                         .seg_destroy = seg_destroy,
+                         .event_done = event_done,
+                         .event_release = event_release,
+                         .now_ns = now_ns};
+    uint64_t arena = arena_bytes(d);
+    for (int k = 0; k < 2; k++) vmm__pool_init(&d->pool[k], &ops, d->granularity, arena, retain_of(d, k), S.isolate);
+    d->pool_ready = 1;
+}
+
+/* ---- giving memory back after the idle delay ---- */
+
+/* One pass over every pool: what has been empty for the delay goes back (beyond each pool's
+ * budget).  Returns when the next segment falls due (UINT64_MAX: none is waiting). */
+static uint64_t purge_pass_locked(uint64_t now)
+{
+    uint64_t next = UINT64_MAX, delay = S.give_back_ns;
+    if (__atomic_load_n(&captures, __ATOMIC_ACQUIRE) > 0) return now + (delay ? delay : 1000000u); /* after the capture */
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        device_state *d = &S.dev[i];
+        for (int k = 0; k < 2 && d->pool_ready; k++) {
+            vmm__pool *p = &d->pool[k];
+            if (now >= delay) vmm__pool_release(p, 0, p->retain, now - delay);
+            uint64_t oldest = vmm__pool_oldest_empty(p);
+            if (oldest != UINT64_MAX && vmm__pool_empty_bytes(p) > p->retain && oldest + delay < next) next = oldest + delay;
+        }
     }
-    return &d->pool;
+    /* a segment a free in flight still touches is looked at again a little later, never spun on */
+    if (next != UINT64_MAX && next < now + 5000000u) next = now + 5000000u;
+    return next;
+}
+
+static void *purge_main(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&S.lock);
+    while (!S.stopping) {
+        uint64_t next = purge_pass_locked(now_ns(NULL));
+        if (next == UINT64_MAX) {
+            S.purge_state = 1;
+            pthread_cond_wait(&S.purge_wake, &S.lock);
+        } else {
+            S.purge_state = 2;
+            struct timespec t = {.tv_sec = (time_t)(next / 1000000000u), .tv_nsec = (long)(next % 1000000000u)};
+            pthread_cond_timedwait(&S.purge_wake, &S.lock, &t);
+        }
+    }
+    S.purge_state = 1;
+    pthread_mutex_unlock(&S.lock);
+    return NULL;
+}
+
+/* Under S.lock: a segment became empty, so the give-back thread has a deadline to keep.  Started
+ * on the first one, with every signal blocked (the program's handlers never run on it); woken only
+ * when it waits with no deadline, so a free costs no system call while one is set. */
+static void purge_kick_locked(void)
+{
+    if (S.purge_state == 1) {
+        pthread_cond_signal(&S.purge_wake);
+        S.purge_state = 2;
+    } else if (S.purge_state == 0) {
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        pthread_t t;
+        int rc = pthread_create(&t, &at, purge_main, NULL);
+        pthread_attr_destroy(&at);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (rc == 0) {
+            pthread_setname_np(t, "vmmshim-purge");
+            S.purge_state = 2;
+        } else {
+            S.purge_state = -1;
+            vmm__log(VMM__LOG_WARNING, "the give-back thread did not start (%s); freed memory goes back when the "
+                     "pool next grows or is trimmed", strerror(rc));
+        }
+    }
 }
 
 /* ---- publishing and the broker ---- */
 
-static int broker_export(uint64_t slot, uint64_t generation, const uint8_t id[16], int *fd, uint64_t *mapped,
-                         uint32_t *device)
+static device_state *dev_of_block(const vmm__block *b)
 {
+    return &S.dev[((vseg *)vmm__pool_seg_at(b->arena, b->arena->pool->granule, b->addr)->mech)->dev];
+}
+
+/* The segments under block b, in address order: the first, their number and their bytes. */
+static vmm__seg *span_of(const vmm__block *b, uint32_t *n, uint64_t *bytes)
+{
+    uint64_t g = b->arena->pool->granule, end = b->addr + b->size;
+    vmm__seg *first = vmm__pool_seg_at(b->arena, g, b->addr);
+    *n = 0;
+    *bytes = 0;
+    for (vmm__seg *s = first; s; s = s->base + s->size < end ? vmm__pool_seg_at(b->arena, g, s->base + s->size) : NULL) {
+        (*n)++;
+        *bytes += s->size;
+    }
+    return first;
+}
+
+/* An fd for segment c: a duplicate of the one kept, or a fresh export (kept for next time). */
+static int seg_fd_locked(vseg *c, int *fd)
+{
+    int kept = c->broker_fd >= 0 ? c->broker_fd : c->exported_fd;
+    if (kept >= 0) return (*fd = fcntl(kept, F_DUPFD_CLOEXEC, 0)) < 0 ? -errno : 0;
+    if (cu.MemExportToShareableHandle(fd, c->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS) return -EIO;
+    c->broker_fd = fcntl(*fd, F_DUPFD_CLOEXEC, 1024);
+    return 0;
+}
+
+/* The broker asks for handles [first, first + max) of a live allocation's span: their fds (the
+ * broker closes them) and sizes, in address order. */
+static int broker_export_many(uint64_t slot, uint64_t generation, const uint8_t id[16], uint32_t first, uint32_t max,
+                              int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
+{
+    *n_here = *n_total = 0;
     pthread_mutex_lock(&S.lock);
     vmm__block *b = NULL;
     uint32_t key = (uint32_t)slot;
     HASH_FIND(hs, S.by_slot, &key, sizeof key, b);
-    int rc;
     if (!b) {
         pthread_mutex_unlock(&S.lock);
-        return vmm__adopt_export(slot, generation, id, fd, mapped, device); /* a range the program mapped */
+        uint64_t mapped = 0;
+        if (first != 0 || max == 0) return -EINVAL;
+        int rc = vmm__adopt_export(slot, generation, id, &fds[0], &mapped, device); /* a range the program mapped */
+        if (rc == 0) {
+            sizes[0] = mapped;
+            *n_here = *n_total = 1;
+        }
+        return rc;
     }
+    int rc = 0;
     if (!b->live)
         rc = -ENOENT;
     else if (b->generation != generation || memcmp(b->alloc_id, id, 16) != 0)
         rc = -ESTALE;
     else {
-        vchunk *c = b->chunk->mech;
-        int kept = c->broker_fd >= 0 ? c->broker_fd : c->exported_fd;
-        rc = 0;
-        if (kept >= 0) {
-            if ((*fd = fcntl(kept, F_DUPFD_CLOEXEC, 0)) < 0) rc = -errno;
-        } else if (cu.MemExportToShareableHandle(fd, c->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) !=
-                   CUDA_SUCCESS) {
-            rc = -EIO;
-        } else {
-            c->broker_fd = fcntl(*fd, F_DUPFD_CLOEXEC, 1024);
+        uint64_t bytes, g = b->arena->pool->granule;
+        uint32_t n, i = 0;
+        vmm__seg *s = span_of(b, &n, &bytes);
+        *n_total = n;
+        *device = (uint32_t)((vseg *)s->mech)->dev;
+        if (first >= n) rc = -ERANGE;
+        for (; s && rc == 0 && *n_here < max && i < n; i++, s = i < n ? vmm__pool_seg_at(b->arena, g, s->base + s->size) : NULL) {
+            if (i < first) continue;
+            if ((rc = seg_fd_locked(s->mech, &fds[*n_here])) == 0) sizes[(*n_here)++] = s->size;
         }
-        if (rc == 0) {
-            *mapped = c->size;
-            *device = (uint32_t)c->dev;
-        }
+        if (rc != 0)
+            while (*n_here) close(fds[--*n_here]);
     }
     pthread_mutex_unlock(&S.lock);
+    return rc;
+}
+
+/* The broker's one-handle protocol: an allocation of one segment. */
+static int broker_export(uint64_t slot, uint64_t generation, const uint8_t id[16], int *fd, uint64_t *mapped,
+                         uint32_t *device)
+{
+    uint64_t size = 0;
+    uint32_t n_here, n_total;
+    int rc = broker_export_many(slot, generation, id, 0, 1, fd, &size, &n_here, &n_total, device);
+    if (rc == 0 && n_total != 1) {
+        close(*fd);
+        return -EPROTONOSUPPORT;
+    }
+    if (rc == 0) *mapped = size;
     return rc;
 }
 
@@ -631,27 +789,36 @@ static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream
     memcpy(d->frames, f->pc, f->n * sizeof f->pc[0]); /* the rest stays zero: no stack bytes in shared memory */
 }
 
-/* One record per allocation: bound (and indexed) at its address and extent, published with its
- * chunk.  Under S.lock, so the broker never sees a half-published block. */
+/* One record per allocation: bound (and indexed) at its address and extent, published with the
+ * segments it spans.  Under S.lock, so the broker never sees a half-published block. */
 static void publish_locked(vmm__block *b, CUstream stream, const vmm__frames *f)
 {
     b->slot = NO_SLOT;
     if (!S.registry_ok) return;
-    vchunk *c = b->chunk->mech;
+    uint32_t n;
+    uint64_t bytes;
+    vmm__seg *first = span_of(b, &n, &bytes);
+    vseg *c = first->mech;
     vmm_reg_alloc d;
     fill_common(&d, c->dev, b->api, stream, b->requested, f);
-    d.mapped_size = c->size;
+    d.mapped_size = bytes;
     d.chunk_id = c->id;
-    d.chunk_offset = b->addr - c->base;
-    d.flags = b->size < c->size ? VMM_REG_F_SHARED_CHUNK : 0;
+    d.chunk_offset = b->addr - first->base;
+    d.flags = b->size < bytes ? VMM_REG_F_SHARED_CHUNK : 0;
     d.handle_kinds = __atomic_load_n(&S.broker_started, __ATOMIC_ACQUIRE) > 0 ? VMM_HANDLE_BROKER : 0;
-    if (c->exported_fd >= 0) {
-        d.handle_kinds |= VMM_HANDLE_PIDFD;
-        d.exported_fd = c->exported_fd;
-    }
-    if (c->has_fabric) {
-        d.handle_kinds |= VMM_HANDLE_FABRIC;
-        memcpy(d.fabric, c->fabric, sizeof d.fabric);
+    if (n > 1) { /* pidfd and fabric name one handle */
+        d.flags |= VMM_REG_F_MULTI_HANDLE;
+        d.n_handles = n;
+    } else {
+        d.n_handles = 1;
+        if (c->exported_fd >= 0) {
+            d.handle_kinds |= VMM_HANDLE_PIDFD;
+            d.exported_fd = c->exported_fd;
+        }
+        if (c->has_fabric) {
+            d.handle_kinds |= VMM_HANDLE_FABRIC;
+            memcpy(d.fabric, c->fabric, sizeof d.fabric);
+        }
     }
     vmm_reg_alloc out;
     if (vmm__reg_add(&S.reg, b->addr, b->size, &d, &b->slot, &out) != 0) {
@@ -674,6 +841,26 @@ static void retract_locked(vmm__block *b)
 
 /* ---- the API ---- */
 
+/* From dev's pool for the call's kind.  When the device is full, the other pool's empty segments
+ * go too, and then the frees still in flight are waited for (outside the lock: a wait under it
+ * would stall every thread) before one more try; only then is the device full for the shim. */
+static vmm__block *alloc_locked(device_state *d, size_t size, int ordered, uint64_t stream, int *err)
+{
+    vmm__block *b = vmm__pool_alloc(&d->pool[ordered], size, ordered, stream, err);
+    if (b || *err != -ENOMEM) return b;
+    vmm__pool_release(&d->pool[!ordered], 0, 0, UINT64_MAX);
+    if ((b = vmm__pool_alloc(&d->pool[ordered], size, ordered, stream, err)) || *err != -ENOMEM) return b;
+    void *ev[64];
+    unsigned n = vmm__pool_pending_events(&d->pool[0], ev, 64);
+    n += vmm__pool_pending_events(&d->pool[1], ev + n, 64 - n);
+    if (n == 0) return NULL;
+    pthread_mutex_unlock(&S.lock);
+    for (unsigned i = 0; i < n; i++) cu.EventSynchronize((CUevent)ev[i]); /* one recycled meanwhile only waits longer */
+    pthread_mutex_lock(&S.lock);
+    vmm__pool_release(&d->pool[!ordered], 0, 0, UINT64_MAX);
+    return vmm__pool_alloc(&d->pool[ordered], size, ordered, stream, err);
+}
+
 vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream stream, void **ptr)
 {
     if (!ensure_init()) return S.failed && vmm__opt_bool(VMM__OPT_STRICT) ? VMM__REFUSED : VMM__DISABLED;
@@ -690,8 +877,9 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     vmm__frames_capture(&f); /* before the lock: it takes the loader lock */
 
     pthread_mutex_lock(&S.lock);
+    pools_ready_locked(d);
     int err;
-    vmm__block *b = vmm__pool_alloc(pool_of_locked(d), size, stream_ordered, (uint64_t)(uintptr_t)stream, &err);
+    vmm__block *b = alloc_locked(d, size, stream_ordered, (uint64_t)(uintptr_t)stream, &err);
     if (!b) {
         pthread_mutex_unlock(&S.lock);
         if (err == -ENOMEM) return VMM__NOMEM;
@@ -712,16 +900,14 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     return VMM__DONE;
 }
 
-/* The chunk holding p, of any state: chunks are aligned to the next power of two of their size,
- * so the base is p rounded down to one of a few dozen alignments. */
-static vchunk *chunk_containing_locked(uint64_t p)
+/* The arena of one of the shim's pools holding p (allocated, free or not mapped), or NULL. */
+static vmm__arena *arena_containing_locked(uint64_t p)
 {
-    for (unsigned k = 21; k <= 47; k++) {
-        uint64_t base = p & ~((1ull << k) - 1);
-        vchunk *c = NULL;
-        HASH_FIND(hh, S.chunks, &base, sizeof base, c);
-        if (c) return p - c->base < c->size ? c : NULL;
-    }
+    for (int i = 0; i < MAX_DEVICES; i++)
+        for (int k = 0; k < 2 && S.dev[i].pool_ready; k++) {
+            vmm__arena *a = vmm__pool_arena_at(&S.dev[i].pool[k], p);
+            if (a) return a;
+        }
     return NULL;
 }
 
@@ -731,15 +917,15 @@ static vmm__block *block_containing_locked(uint64_t p)
     vmm__block *b = NULL;
     HASH_FIND(hh, S.by_addr, &p, sizeof p, b);
     if (!b) {
-        vchunk *c = chunk_containing_locked(p);
-        if (!c) return NULL;
+        vmm__arena *a = arena_containing_locked(p);
+        if (!a) return NULL;
         vmm_reg_alloc rec;
         uint64_t slot;
         if (S.registry_ok && vmm__reg_find(&S.reg, S.reg.pid, p, &rec, &slot) == 0) {
             uint32_t key = (uint32_t)slot;
             HASH_FIND(hs, S.by_slot, &key, sizeof key, b);
         } else {
-            b = vmm__pool_block_at(c->pool_chunk, p); /* unpublished: walk the chunk */
+            b = vmm__pool_block_at(a, a->pool->granule, p); /* unpublished: walk the arena */
         }
     }
     return b && b->live && p - b->addr < b->requested + (b->requested == 0) ? b : NULL;
@@ -776,7 +962,7 @@ static void pool_free_list_locked(vmm__block *list)
     while (list) {
         vmm__block *b = list;
         list = b->fnext;
-        vmm__pool_free(&S.dev[((vchunk *)b->chunk->mech)->dev].pool, b, 0, NULL);
+        if (vmm__pool_free(b->arena->pool, b, 0, NULL)) purge_kick_locked();
     }
 }
 
@@ -792,7 +978,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
         note *n = NULL;
         HASH_FIND(hh, S.notes, &p, sizeof p, n);
         if (n) HASH_DELETE(hh, S.notes, n); /* the real runtime owns it; drop our note of it */
-        vmm__result r = n ? VMM__PASS : chunk_containing_locked(p) ? VMM__INVALID : VMM__PASS;
+        vmm__result r = n ? VMM__PASS : arena_containing_locked(p) ? VMM__INVALID : VMM__PASS;
         pthread_mutex_unlock(&S.lock);
         if (n) {
             if (n->slot != NO_SLOT) vmm__reg_remove(&S.reg, n->slot);
@@ -803,7 +989,8 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     HASH_DELETE(hh, S.by_addr, b);
     retract_locked(b); /* out of the registry before the memory can be reused */
     b->live = 0;
-    device_state *d = &S.dev[((vchunk *)b->chunk->mech)->dev];
+    device_state *d = dev_of_block(b);
+    vmm__pool *pool = b->arena->pool;
     CUevent ev = NULL;
     if (stream_ordered) {
         if (capturing) {
@@ -834,7 +1021,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
         pool_free_list_locked(covered);
     }
     if (stream_ordered) pthread_mutex_lock(&S.lock); /* the other branch holds it already */
-    vmm__pool_free(&d->pool, b, (uint64_t)(uintptr_t)stream, ev);
+    if (vmm__pool_free(pool, b, (uint64_t)(uintptr_t)stream, ev)) purge_kick_locked();
     pthread_mutex_unlock(&S.lock);
     return VMM__DONE;
 }
@@ -909,7 +1096,9 @@ size_t vmm__pool_free_bytes_current(void)
         return 0;
     pthread_mutex_lock(&S.lock);
     device_state *d = &S.dev[dev];
-    size_t n = d->pool_ready ? d->pool.reserved - d->pool.used : 0;
+    /* what a request could get: empty segments go when a pool must grow or the device is full;
+     * free space between live blocks serves only requests that fit there */
+    size_t n = d->pool_ready ? vmm__pool_empty_bytes(&d->pool[0]) + vmm__pool_empty_bytes(&d->pool[1]) : 0;
     pthread_mutex_unlock(&S.lock);
     return n;
 }
@@ -930,12 +1119,14 @@ int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out)
     pthread_mutex_lock(&S.lock);
     vmm__block *b = block_containing_locked(ptr);
     if (b) {
-        vchunk *c = b->chunk->mech;
+        uint32_t n;
+        uint64_t bytes;
+        vmm__seg *first = span_of(b, &n, &bytes);
         out->base = b->addr;
         out->requested = b->requested;
-        out->mapped = c->size;
-        out->chunk_offset = b->addr - c->base;
-        out->dev = c->dev;
+        out->mapped = bytes;
+        out->chunk_offset = b->addr - first->base;
+        out->dev = ((vseg *)first->mech)->dev;
         out->slot = b->slot;
         out->generation = b->generation;
         memcpy(out->alloc_id, b->alloc_id, 16);
@@ -948,7 +1139,7 @@ int vmm__owned(uint64_t ptr)
 {
     if (!S.ready || !ptr) return 0;
     pthread_mutex_lock(&S.lock);
-    int owned = chunk_containing_locked(ptr) != NULL;
+    int owned = arena_containing_locked(ptr) != NULL;
     pthread_mutex_unlock(&S.lock);
     return owned;
 }
@@ -975,14 +1166,17 @@ CUresult vmm__peer_access(int accessor, int owner, int enable, int *changed)
     if (was != !!enable) {
         CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = accessor},
                                .flags = enable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE};
-        vchunk *c, *failed = NULL;
-        for (c = S.chunks; c && !failed; c = c->hh.next)
-            if (c->dev == owner && (rc = cu.MemSetAccess(c->base, c->size, &acc, 1)) != CUDA_SUCCESS) failed = c;
+        vmm__seg *s = NULL, *failed = NULL;
+        int k, failed_k = 2;
+        for (k = 0; k < 2 && d->pool_ready && !failed; k++)
+            for (s = d->pool[k].segs; s && !failed; s = s->snext)
+                if ((rc = cu.MemSetAccess(s->base, s->size, &acc, 1)) != CUDA_SUCCESS) failed = s, failed_k = k;
         if (failed) {
             acc.flags = was ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
             unsigned unrestored = 0;
-            for (c = S.chunks; c != failed; c = c->hh.next)
-                if (c->dev == owner && VMM__TWICE(cu.MemSetAccess(c->base, c->size, &acc, 1)) != CUDA_SUCCESS) unrestored++;
+            for (k = 0; k <= failed_k && k < 2; k++)
+                for (s = d->pool[k].segs; s && s != failed; s = s->snext)
+                    if (VMM__TWICE(cu.MemSetAccess(s->base, s->size, &acc, 1)) != CUDA_SUCCESS) unrestored++;
             if (unrestored)
                 vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be set back after a failed %s", accessor,
                          owner, unrestored, enable ? "grant" : "revoke");
@@ -1057,7 +1251,7 @@ void vmm__device_reset(int dev)
     device_state *d = &S.dev[dev];
     vmm__block *b, *bt;
     HASH_ITER(hh, S.by_addr, b, bt) {
-        if (((vchunk *)b->chunk->mech)->dev != dev) continue;
+        if (dev_of_block(b) != d) continue;
         HASH_DELETE(hh, S.by_addr, b);
         retract_locked(b);
         b->live = 0;
@@ -1069,11 +1263,12 @@ void vmm__device_reset(int dev)
         if (n->slot != NO_SLOT) vmm__reg_remove(&S.reg, n->slot);
         free(n);
     }
-    for (vmm__block **pp = &S.deferred; *pp;) /* their chunks go with the pool */
-        if (((vchunk *)(*pp)->chunk->mech)->dev == dev) *pp = (*pp)->fnext;
+    for (vmm__block **pp = &S.deferred; *pp;) /* their segments go with the pool */
+        if (dev_of_block(*pp) == d) *pp = (*pp)->fnext;
         else pp = &(*pp)->fnext;
     if (d->pool_ready) {
-        vmm__pool_destroy(&d->pool);
+        vmm__pool_destroy(&d->pool[0]);
+        vmm__pool_destroy(&d->pool[1]);
         d->pool_ready = 0;
     }
     while (d->n_events) cu.EventDestroy(d->events[--d->n_events]);
@@ -1090,11 +1285,11 @@ int vmm__pool_usage_get(int dev, vmm__pool_usage *out)
     device_state *d = dev_at(dev);
     if (!d) return 0;
     pthread_mutex_lock(&S.lock);
-    if (d->pool_ready) {
-        out->reserved = d->pool.reserved;
-        out->reserved_high = d->pool.reserved_high;
-        out->used = d->pool.used;
-        out->used_high = d->pool.used_high;
+    if (d->pool_ready) { /* the default pool's figures: stream-ordered memory only, as natively */
+        out->reserved = d->pool[1].reserved;
+        out->reserved_high = d->pool[1].reserved_high;
+        out->used = d->pool[1].used;
+        out->used_high = d->pool[1].used_high;
     }
     pthread_mutex_unlock(&S.lock);
     return 1;
@@ -1105,8 +1300,8 @@ void vmm__pool_usage_reset_high(int dev, int which)
     device_state *d = dev_at(dev);
     if (!d) return;
     pthread_mutex_lock(&S.lock);
-    if (which == VMM__HIGH_RESERVED) d->pool.reserved_high = d->pool.reserved;
-    else d->pool.used_high = d->pool.used;
+    if (which == VMM__HIGH_RESERVED) d->pool[1].reserved_high = d->pool[1].reserved;
+    else d->pool[1].used_high = d->pool[1].used;
     pthread_mutex_unlock(&S.lock);
 }
 
@@ -1115,7 +1310,7 @@ void vmm__pool_trim(int dev, uint64_t keep)
     device_state *d = dev_at(dev);
     if (!d) return;
     pthread_mutex_lock(&S.lock);
-    if (d->pool_ready) vmm__pool_give_back(&d->pool, keep);
+    if (d->pool_ready) vmm__pool_release(&d->pool[1], keep, 0, UINT64_MAX);
     pthread_mutex_unlock(&S.lock);
 }
 
@@ -1125,7 +1320,8 @@ void vmm__pool_set_release_threshold(int dev, uint64_t bytes)
     if (!d) return;
     pthread_mutex_lock(&S.lock);
     d->release_threshold = bytes;
-    if (d->pool_ready) d->pool.retain = retain_bytes(d);
+    if (d->pool_ready) d->pool[1].retain = retain_of(d, 1);
+    purge_kick_locked(); /* a lower threshold may put memory past it */
     pthread_mutex_unlock(&S.lock);
 }
 

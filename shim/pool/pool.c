@@ -5,7 +5,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* A recorded event, shared by the pieces a pending free block is split into: each piece holds a
+ * reference, and the mechanism gets the event back when the last one lets go. */
+struct vmm__ev {
+    void *e;
+    uint32_t refs;
+    vmm__ev *next;
+};
+
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+static uint64_t end_of(const vmm__block *b) { return b->addr + b->size; }
 
 /* TLSF-style classes: 8 per power of two from 512 bytes, so a class's blocks differ by < 12.5%. */
 static int class_of(uint64_t size)
@@ -16,7 +25,7 @@ static int class_of(uint64_t size)
     return c < VMM_POOL_CLASSES ? c : VMM_POOL_CLASSES - 1;
 }
 
-static vmm__pool_bins *bins_of(vmm__pool *p, const vmm__block *b) { return &p->bins[b->chunk->small ? 1 : 0]; }
+static vmm__pool_bins *bins_of(vmm__pool *p, const vmm__block *b) { return &p->bins[b->arena->small][b->backed]; }
 
 static void bin_insert(vmm__pool *p, vmm__block *b)
 {
@@ -64,11 +73,44 @@ static void block_recycle(vmm__pool *p, vmm__block *b)
     p->spare = b;
 }
 
+/* ---- events ---- */
+
+static vmm__ev *ev_wrap(vmm__pool *p, void *e)
+{
+    if (!e) return NULL;
+    vmm__ev *ev = p->spare_ev;
+    if (ev) p->spare_ev = ev->next;
+    else if (!(ev = malloc(sizeof *ev))) {
+        /* No memory even for 24 bytes: the free is treated as complete (as a synchronous one). */
+        p->ops.event_release(p->ops.ctx, e);
+        return NULL;
+    }
+    ev->e = e;
+    ev->refs = 1;
+    return ev;
+}
+
+static void ev_put(vmm__pool *p, vmm__ev *ev)
+{
+    if (!ev || --ev->refs) return;
+    p->ops.event_release(p->ops.ctx, ev->e);
+    ev->next = p->spare_ev;
+    p->spare_ev = ev;
+}
+
 static void event_clear(vmm__pool *p, vmm__block *b)
 {
-    if (b->event) p->ops.event_release(p->ops.ctx, b->event);
+    ev_put(p, b->event);
     b->event = NULL;
     b->stream = 0;
+}
+
+static int reached(vmm__pool *p, vmm__block *b)
+{
+    if (!b->event) return 1;
+    if (!p->ops.event_done(p->ops.ctx, b->event->e)) return 0;
+    event_clear(p, b);
+    return 1;
 }
 
 /* May `stream` (any stream when !ordered) use free block b now?  Its own stream may at once:
@@ -77,170 +119,410 @@ static int usable(vmm__pool *p, vmm__block *b, int ordered, uint64_t stream)
 {
     if (!b->event) return 1;
     if (ordered && b->stream == stream) return 1;
-    if (!p->ops.event_done(p->ops.ctx, b->event)) return 0;
-    event_clear(p, b);
-    return 1;
+    return reached(p, b);
 }
 
-static uint64_t front_gap(const vmm__block *b, uint64_t align) { return round_up(b->addr, align) - b->addr; }
+/* ---- pages: which segment is mapped at, and which block holds, each granule of an arena ---- */
 
-static vmm__block *find_free(vmm__pool *p, uint64_t need, uint64_t align, int small, int ordered, uint64_t stream)
+static uint64_t page_of(const vmm__pool *p, const vmm__arena *a, uint64_t addr) { return (addr - a->base) / p->granule; }
+
+/* b holds every page whose first byte lies in [from, to). */
+static void own_pages(vmm__pool *p, vmm__block *b, uint64_t from, uint64_t to)
 {
-    vmm__pool_bins *bins = &p->bins[small];
-    int c = class_of(need);
-    for (vmm__block *b = bins->head[c]; b; b = b->fnext)
-        if ((p->isolate ? b->size == need : b->size >= need + front_gap(b, align)) && usable(p, b, ordered, stream)) return b;
-    if (p->isolate) return NULL; /* a chunk is never shared, so only its own size will do */
-    for (c = next_class(bins, c + 1); c >= 0; c = next_class(bins, c + 1))
-        for (vmm__block *b = bins->head[c]; b; b = b->fnext)
-            if (b->size >= need + front_gap(b, align) && usable(p, b, ordered, stream)) return b;
-    return NULL;
+    vmm__arena *a = b->arena;
+    uint64_t i = round_up(from - a->base, p->granule) / p->granule, end = round_up(to - a->base, p->granule) / p->granule;
+    for (; i < end; i++) a->blk[i] = b;
 }
 
-static void note_used(vmm__pool *p, int64_t delta)
-{
-    p->used += (uint64_t)delta;
-    if (p->used > p->used_high) p->used_high = p->used;
-}
+vmm__seg *vmm__pool_seg_at(const vmm__arena *a, uint64_t granule, uint64_t addr) { return a->seg[(addr - a->base) / granule]; }
 
-/* Take `need` bytes from free block b at the first `align`ed address, leaving what is before and
- * after free where it is worth it.  NULL (b untouched) only when no block struct can be had. */
-static vmm__block *carve(vmm__pool *p, vmm__block *b, uint64_t need, uint64_t align)
+vmm__block *vmm__pool_block_at(const vmm__arena *a, uint64_t granule, uint64_t addr)
 {
-    uint64_t front = front_gap(b, align);
-    bin_remove(p, b);
-    if (front) { /* the gap stays free, with whatever event it waits on; the rest is used now */
-        vmm__block *nb = block_new(p);
-        if (!nb) {
-            bin_insert(p, b);
-            return NULL;
-        }
-        nb->addr = b->addr + front;
-        nb->size = b->size - front;
-        nb->chunk = b->chunk;
-        nb->prev = b;
-        nb->next = b->next;
-        if (b->next) b->next->prev = nb;
-        b->next = nb;
-        b->size = front;
-        bin_insert(p, b);
-        b = nb;
-    }
-    uint64_t rest = b->size - need;
-    /* A small chunk's rest serves any small request; a large rest under 1 MiB would only ever
-     * serve requests that go to small chunks, so it stays with the block. */
-    uint64_t min_rest = b->chunk->small ? VMM_POOL_ALIGN : VMM_POOL_SMALL_MAX + 1;
-    vmm__block *r = !p->isolate && rest >= min_rest ? block_new(p) : NULL;
-    if (r) {
-        r->addr = b->addr + need;
-        r->size = rest;
-        r->chunk = b->chunk;
-        r->prev = b;
-        r->next = b->next;
-        if (b->next) b->next->prev = r;
-        b->next = r;
-        r->free = 1;
-        r->stream = b->stream; /* the rest is still what that free gave back */
-        r->event = b->event;
-        b->event = NULL;
-        b->size = need;
-        bin_insert(p, r);
-    }
-    event_clear(p, b);
-    if (b->chunk->n_live++ == 0) p->empty_bytes -= b->chunk->size;
-    b->free = 0;
-    note_used(p, (int64_t)b->size);
+    vmm__block *b = a->blk[(addr - a->base) / granule];
+    while (b && addr >= end_of(b)) b = b->next;
     return b;
 }
 
-static void chunk_release(vmm__pool *p, vmm__chunk *c)
+vmm__arena *vmm__pool_arena_at(const vmm__pool *p, uint64_t addr)
 {
-    for (vmm__block *b = c->first, *n; b; b = n) {
-        n = b->next;
-        if (b->event) p->ops.event_wait(p->ops.ctx, b->event);
-        event_clear(p, b);
-        if (b->free) bin_remove(p, b);
-        block_recycle(p, b);
-    }
-    if (c->prev) c->prev->next = c->next;
-    else p->chunks = c->next;
-    if (c->next) c->next->prev = c->prev;
-    if (c->n_live == 0) p->empty_bytes -= c->size;
-    p->reserved -= c->size;
-    p->n_chunks--;
-    p->chunks_released++;
-    p->ops.chunk_destroy(p->ops.ctx, c);
-    free(c);
+    for (vmm__arena *a = p->arenas; a; a = a->next)
+        if (addr >= a->base && addr - a->base < a->size) return a;
+    return NULL;
 }
 
-/* Give back empty chunks, oldest first, until `over` says stop. */
-static uint64_t release_empty(vmm__pool *p, uint64_t keep_reserved, uint64_t keep_empty)
+/* ---- splitting and joining free blocks (neither is in a bin meanwhile) ---- */
+
+/* Cut b at `at` (inside it) into *l and *r; the larger piece keeps b's struct, so only the
+ * smaller one's pages are rewritten.  0, or -ENOMEM with b untouched. */
+static int split(vmm__pool *p, vmm__block *b, uint64_t at, vmm__block **l, vmm__block **r)
+{
+    vmm__block *n = block_new(p);
+    if (!n) return -ENOMEM;
+    uint64_t lo = b->addr, hi = end_of(b);
+    n->arena = b->arena;
+    n->free = b->free;
+    n->backed = b->backed;
+    n->stream = b->stream;
+    n->event = b->event;
+    if (n->event) n->event->refs++;
+    if (at - lo >= hi - at) { /* n is the right piece */
+        n->addr = at;
+        n->size = hi - at;
+        b->size = at - lo;
+        n->prev = b;
+        n->next = b->next;
+        if (b->next) b->next->prev = n;
+        b->next = n;
+        own_pages(p, n, at, hi);
+        *l = b;
+        *r = n;
+    } else { /* n is the left piece */
+        n->addr = lo;
+        n->size = at - lo;
+        b->addr = at;
+        b->size = hi - at;
+        n->next = b;
+        n->prev = b->prev;
+        if (b->prev) b->prev->next = n;
+        else b->arena->first = n;
+        b->prev = n;
+        own_pages(p, n, lo, at);
+        *l = n;
+        *r = b;
+    }
+    return 0;
+}
+
+/* l and r (adjacent, l first) become one block waiting on `ev` (one of theirs, or NULL). */
+static vmm__block *join(vmm__pool *p, vmm__block *l, vmm__block *r, vmm__ev *ev, uint64_t stream)
+{
+    vmm__block *keep = l->size >= r->size ? l : r, *gone = keep == l ? r : l;
+    if (ev) ev->refs++;
+    ev_put(p, l->event);
+    ev_put(p, r->event);
+    own_pages(p, keep, gone->addr, end_of(gone));
+    vmm__block *prev = l->prev, *next = r->next;
+    keep->addr = l->addr;
+    keep->size = l->size + r->size;
+    keep->prev = prev;
+    keep->next = next;
+    if (prev) prev->next = keep;
+    else keep->arena->first = keep;
+    if (next) next->prev = keep;
+    keep->event = ev;
+    keep->stream = ev ? stream : 0;
+    block_recycle(p, gone);
+    return keep;
+}
+
+/* Free neighbours merge when both are mapped or both are not, and they wait on at most one
+ * stream: a settled block joins a pending one (the whole then waits on that stream's event, a
+ * short wait that keeps free space whole). */
+static int compatible(vmm__pool *p, vmm__block *a, vmm__block *b)
+{
+    if (!a->free || a->backed != b->backed) return 0;
+    if (a->event) reached(p, a);
+    return !a->event || !b->event || a->stream == b->stream;
+}
+
+/* Free block b (in no bin) merges with its compatible free neighbours and goes into its bin.
+ * Of two events on one stream the newer (b's) is kept: reaching it means reaching the other. */
+static vmm__block *coalesce(vmm__pool *p, vmm__block *b)
+{
+    if (!p->isolate || !b->backed) {
+        vmm__block *n = b->next;
+        if (n && compatible(p, n, b)) {
+            bin_remove(p, n);
+            vmm__ev *ev = b->event ? b->event : n->event;
+            b = join(p, b, n, ev, ev == b->event ? b->stream : n->stream);
+        }
+        vmm__block *v = b->prev;
+        if (v && compatible(p, v, b)) {
+            bin_remove(p, v);
+            vmm__ev *ev = b->event ? b->event : v->event;
+            b = join(p, v, b, ev, ev == b->event ? b->stream : v->stream);
+        }
+    }
+    bin_insert(p, b);
+    return b;
+}
+
+/* ---- segments ---- */
+
+static void empty_unlink(vmm__pool *p, vmm__seg *s)
+{
+    if (s->eprev) s->eprev->enext = s->enext;
+    else p->empty_head = s->enext;
+    if (s->enext) s->enext->eprev = s->eprev;
+    else p->empty_tail = s->eprev;
+    s->eprev = s->enext = NULL;
+    p->empty_bytes -= s->size;
+}
+
+static void touch(vmm__pool *p, vmm__seg *s)
+{
+    if (s->n_live++ == 0) empty_unlink(p, s);
+}
+
+/* Returns 1 when s became empty. */
+static int untouch(vmm__pool *p, vmm__seg *s)
+{
+    if (--s->n_live) return 0;
+    s->empty_since = p->ops.now_ns(p->ops.ctx);
+    s->enext = NULL;
+    s->eprev = p->empty_tail;
+    if (p->empty_tail) p->empty_tail->enext = s;
+    else p->empty_head = s;
+    p->empty_tail = s;
+    p->empty_bytes += s->size;
+    return 1;
+}
+
+/* Every segment under [lo, hi), which must all be mapped. */
+#define FOR_SEGS(p, a, lo, hi, s)                                                                          \
+    for (vmm__seg *s = vmm__pool_seg_at(a, (p)->granule, lo); s; \
+         s = s->base + s->size < (hi) ? vmm__pool_seg_at(a, (p)->granule, s->base + s->size) : NULL)
+
+/* No block in s is allocated, and no free in flight touches it (reached ones are cleared). */
+static int seg_idle(vmm__pool *p, vmm__seg *s)
+{
+    vmm__arena *a = s->arena;
+    for (vmm__block *b = a->blk[page_of(p, a, s->base)]; b && b->addr < s->base + s->size; b = b->next)
+        if (!b->free || !reached(p, b)) return 0;
+    return 1;
+}
+
+/* The free blocks in [lo, hi) (page-aligned, all free, none waiting on an event) change from
+ * mapped to unmapped or back: cut at lo and hi, joined into one, and merged with its like
+ * neighbours.  -ENOMEM (nothing changed that matters) when no block struct can be had. */
+static int set_backed(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi, int backed)
+{
+    vmm__block *b = vmm__pool_block_at(a, p->granule, lo), *l, *r;
+    bin_remove(p, b);
+    if (b->addr < lo) {
+        if (split(p, b, lo, &l, &r)) return bin_insert(p, b), -ENOMEM;
+        bin_insert(p, l);
+        b = r;
+    }
+    vmm__block *inner = NULL;
+    for (;;) {
+        if (end_of(b) > hi) {
+            if (split(p, b, hi, &l, &r)) {
+                bin_insert(p, b);
+                if (inner) bin_insert(p, inner);
+                return -ENOMEM;
+            }
+            bin_insert(p, r);
+            b = l;
+        }
+        inner = inner ? join(p, inner, b, NULL, 0) : b;
+        if (end_of(inner) >= hi) break;
+        b = inner->next;
+        bin_remove(p, b);
+    }
+    inner->backed = backed;
+    coalesce(p, inner);
+    return 0;
+}
+
+static void seg_release(vmm__pool *p, vmm__seg *s)
+{
+    vmm__arena *a = s->arena;
+    if (set_backed(p, a, s->base, s->base + s->size, 0) != 0) return; /* kept until a block struct can be had */
+    for (uint64_t i = page_of(p, a, s->base), n = s->size / p->granule; n--; i++) a->seg[i] = NULL;
+    if (s->n_live == 0) empty_unlink(p, s);
+    if (s->sprev) s->sprev->snext = s->snext;
+    else p->segs = s->snext;
+    if (s->snext) s->snext->sprev = s->sprev;
+    p->reserved -= s->size;
+    p->n_segs--;
+    p->segs_released++;
+    p->ops.seg_destroy(p->ops.ctx, s);
+    free(s);
+}
+
+uint64_t vmm__pool_release(vmm__pool *p, uint64_t keep_reserved, uint64_t keep_empty, uint64_t until)
 {
     uint64_t given = 0;
-    vmm__chunk *last = p->chunks;
-    while (last && last->next) last = last->next;
-    for (vmm__chunk *c = last, *prev; c && (p->reserved > keep_reserved && p->empty_bytes > keep_empty); c = prev) {
-        prev = c->prev;
-        if (c->n_live) continue;
-        given += c->size;
-        chunk_release(p, c);
+    for (vmm__seg *s = p->empty_head, *next; s && p->reserved > keep_reserved && p->empty_bytes > keep_empty; s = next) {
+        next = s->enext;
+        if (s->empty_since > until) break; /* oldest first: the rest are younger still */
+        if (!seg_idle(p, s)) continue;
+        uint64_t size = s->size, before = p->reserved;
+        seg_release(p, s);
+        if (p->reserved < before) given += size;
     }
     return given;
 }
 
-static int chunk_add(vmm__pool *p, uint64_t size, int small, vmm__block **out)
+/* Map segments over the unmapped [lo, hi) of arena a: 0, or the mechanism's error with nothing
+ * made. */
+static int seg_add(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi)
 {
-    vmm__chunk *c = calloc(1, sizeof *c);
-    vmm__block *b = block_new(p);
-    if (c) c->size = size;
-    int rc = c && b ? p->ops.chunk_create(p->ops.ctx, c) : -ENOMEM;
+    vmm__seg *s = calloc(1, sizeof *s);
+    if (!s) return -ENOMEM;
+    s->base = lo;
+    s->size = hi - lo;
+    s->arena = a;
+    int rc = p->ops.seg_create(p->ops.ctx, s);
     if (rc) {
-        free(c);
-        if (b) block_recycle(p, b);
+        free(s);
         return rc;
     }
-    c->small = small;
-    c->first = b;
-    c->next = p->chunks;
-    if (p->chunks) p->chunks->prev = c;
-    p->chunks = c;
-    p->n_chunks++;
-    p->chunks_made++;
-    p->reserved += size;
+    if (set_backed(p, a, lo, hi, 1) != 0) {
+        p->ops.seg_destroy(p->ops.ctx, s);
+        free(s);
+        return -ENOMEM;
+    }
+    for (uint64_t i = page_of(p, a, lo), n = s->size / p->granule; n--; i++) a->seg[i] = s;
+    s->snext = p->segs;
+    if (p->segs) p->segs->sprev = s;
+    p->segs = s;
+    p->n_segs++;
+    p->segs_made++;
+    p->reserved += s->size;
     if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
-    p->empty_bytes += size;
-    b->addr = c->base;
-    b->size = size;
-    b->chunk = c;
-    b->free = 1;
-    bin_insert(p, b);
-    *out = b;
+    s->n_live = 1; /* the caller's block touches it; untouch files it as empty if not */
     return 0;
 }
 
-/* The device is full: every free that is still in flight is waited for, so its block is usable. */
-static void settle_events(vmm__pool *p)
+/* ---- arenas ---- */
+
+static vmm__arena *arena_add(vmm__pool *p, int small, uint64_t need)
 {
-    for (int k = 0; k < 2; k++)
-        for (int c = next_class(&p->bins[k], 0); c >= 0; c = next_class(&p->bins[k], c + 1))
-            for (vmm__block *b = p->bins[k].head[c]; b; b = b->fnext)
-                if (b->event) {
-                    p->ops.event_wait(p->ops.ctx, b->event);
-                    event_clear(p, b);
-                }
+    uint64_t size = need > p->arena_size ? round_up(need, p->granule) : p->arena_size;
+    uint64_t pages = size / p->granule;
+    vmm__arena *a = calloc(1, sizeof *a);
+    vmm__block *b = block_new(p);
+    if (a) a->seg = calloc(pages, sizeof *a->seg);
+    if (a) a->blk = calloc(pages, sizeof *a->blk);
+    if (!a || !b || !a->seg || !a->blk || p->ops.reserve(p->ops.ctx, size, &a->base) != 0) {
+        if (a) free(a->seg), free(a->blk);
+        free(a);
+        if (b) block_recycle(p, b);
+        return NULL;
+    }
+    a->pool = p;
+    a->size = size;
+    a->small = small;
+    a->next = p->arenas;
+    p->arenas = a;
+    b->arena = a;
+    b->addr = a->base;
+    b->size = size;
+    b->free = 1;
+    a->first = b;
+    for (uint64_t i = 0; i < pages; i++) a->blk[i] = b;
+    bin_insert(p, b);
+    return a;
 }
 
-static vmm__block *carve_or_fail(vmm__pool *p, vmm__block *b, uint64_t need, uint64_t align, int *err)
+/* ---- allocation ---- */
+
+static uint64_t front_gap(const vmm__block *b, uint64_t align) { return round_up(b->addr, align) - b->addr; }
+
+static int fits(vmm__pool *p, vmm__block *b, uint64_t need, uint64_t align, int ordered, uint64_t stream)
 {
-    vmm__block *got = carve(p, b, need, align);
-    if (!got) *err = -ENOMEM;
+    if (b->size < need + front_gap(b, align)) return 0;
+    if (p->isolate && b->backed) { /* only a block that is exactly one segment of this size */
+        vmm__seg *s = vmm__pool_seg_at(b->arena, p->granule, b->addr);
+        if (b->size != need || s->base != b->addr || s->size != need) return 0;
+    }
+    return !b->backed || usable(p, b, ordered, stream);
+}
+
+static vmm__block *find_free(vmm__pool *p, int small, int backed, uint64_t need, uint64_t align, int ordered,
+                             uint64_t stream)
+{
+    vmm__pool_bins *bins = &p->bins[small][backed];
+    int c = class_of(need);
+    for (vmm__block *b = bins->head[c]; b; b = b->fnext)
+        if (fits(p, b, need, align, ordered, stream)) return b;
+    for (c = next_class(bins, c + 1); c >= 0; c = next_class(bins, c + 1))
+        for (vmm__block *b = bins->head[c]; b; b = b->fnext)
+            if (fits(p, b, need, align, ordered, stream)) return b;
+    return NULL;
+}
+
+/* [start, start + need) lies in mapped free blocks from b on, each usable by the caller: it
+ * becomes one allocated block, the rest around it stays free. */
+static vmm__block *carve(vmm__pool *p, vmm__block *b, uint64_t start, uint64_t need, int *err)
+{
+    uint64_t end = start + need;
+    vmm__block *l, *r, *got = NULL;
+    bin_remove(p, b);
+    if (b->addr < start) {
+        if (split(p, b, start, &l, &r)) goto nomem;
+        bin_insert(p, l);
+        b = r;
+    }
+    for (;;) {
+        event_clear(p, b); /* usable by the caller, so nothing of it is waited for */
+        if (end_of(b) > end) {
+            /* a large arena's rest under 1 MiB would only ever serve requests that go to the
+             * small arenas: it stays with the block (counted as used by the request alone) */
+            uint64_t rest = end_of(b) - end;
+            if (b->arena->small || p->isolate || rest > VMM_POOL_SMALL_MAX) {
+                if (split(p, b, end, &l, &r)) goto nomem;
+                bin_insert(p, r);
+                b = l;
+            }
+        }
+        got = got ? join(p, got, b, NULL, 0) : b;
+        if (end_of(got) >= end) break;
+        b = got->next;
+        bin_remove(p, b);
+    }
+    got->free = 0;
+    got->charged = round_up(need, VMM_POOL_ALIGN);
+    FOR_SEGS(p, got->arena, got->addr, end_of(got), s) touch(p, s);
+    p->used += got->charged;
+    if (p->used > p->used_high) p->used_high = p->used;
+    return got;
+nomem:
+    if (got) coalesce(p, got);
+    coalesce(p, b);
+    *err = -ENOMEM;
+    return NULL;
+}
+
+/* Grow: place the request on unmapped space (after the mapped free block just before it, when
+ * that one can take its start) and map what it needs, at least the arena's growth step. */
+static vmm__block *grow(vmm__pool *p, int small, uint64_t need, uint64_t align, int ordered, uint64_t stream, int *err)
+{
+    vmm__block *u = find_free(p, small, 0, need, align, ordered, stream);
+    if (!u) {
+        vmm__arena *fresh = arena_add(p, small, need);
+        if (!fresh) {
+            *err = -ENOMEM;
+            return NULL;
+        }
+        u = fresh->first;
+    }
+    vmm__arena *a = u->arena;
+    vmm__block *l = u->prev;
+    uint64_t lo = u->addr, u_end = end_of(u), start = round_up(u->addr, align);
+    if (!p->isolate && l && l->free && l->backed && usable(p, l, ordered, stream) && round_up(l->addr, align) < lo)
+        start = round_up(l->addr, align);
+    uint64_t hi = round_up(start + need, p->granule);
+    uint64_t step = p->isolate ? 0 : small ? p->granule : VMM_POOL_MIN_GROWTH;
+    if (hi - lo < step) hi = lo + step;
+    if (hi > u_end) hi = u_end;
+    int rc = seg_add(p, a, lo, hi); /* u and l may be joined with the new space from here on */
+    if (rc) {
+        *err = rc;
+        return NULL;
+    }
+    vmm__seg *s = vmm__pool_seg_at(a, p->granule, lo);
+    vmm__block *got = carve(p, vmm__pool_block_at(a, p->granule, start), start, need, err);
+    untouch(p, s); /* seg_add counted the caller's block, which carve counted again */
     return got;
 }
 
 vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uint64_t stream, int *err)
 {
     *err = 0;
-    if (size == 0 || size > UINT64_MAX - p->granule) {
+    if (size == 0 || size > UINT64_MAX / 2) {
         *err = -EINVAL;
         return NULL;
     }
@@ -249,119 +531,97 @@ vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uin
     /* Native cudaMalloc gives requests over 1 MiB whole 2 MiB pages; cudaMallocAsync packs them at
      * 512 bytes (measured, README.md).  Each gets at least what native gives it. */
     uint64_t align = VMM_POOL_ALIGN;
-    if (!small && !stream_ordered) {
+    if (p->isolate || (!small && !stream_ordered)) {
         need = round_up(need, p->granule);
         align = p->granule;
     }
-    vmm__block *b = find_free(p, need, align, small, stream_ordered, stream);
-    if (b) return carve_or_fail(p, b, need, align, err);
-
-    uint64_t exact = round_up(need, p->granule);
-    uint64_t chunk = small ? round_up(p->granule, VMM_POOL_ALIGN)
-                     : !p->isolate && need <= VMM_POOL_MEDIUM_MAX ? round_up(VMM_POOL_MEDIUM_CHUNK, p->granule)
-                                                                 : exact;
-    if (chunk < exact) chunk = exact;
-    int rc = chunk_add(p, chunk, small, &b);
-    if (rc == -ENOMEM && chunk != exact) rc = chunk_add(p, chunk = exact, small, &b);
-    if (rc == -ENOMEM) {
-        /* Never fail before the driver would: wait for frees in flight, give back every empty
-         * chunk, and look again before asking once more. */
-        settle_events(p);
-        release_empty(p, 0, 0);
-        if ((b = find_free(p, need, align, small, stream_ordered, stream))) return carve_or_fail(p, b, need, align, err);
-        rc = chunk_add(p, exact, small, &b);
-    }
-    if (rc) {
-        *err = rc;
-        return NULL;
-    }
-    return carve_or_fail(p, b, need, align, err); /* a new chunk's base is aligned: no gap */
+    vmm__block *b = find_free(p, small, 1, need, align, stream_ordered, stream);
+    if (b) return carve(p, b, round_up(b->addr, align), need, err);
+    /* Growing: what sits empty beyond the budget goes first, so the footprint follows the live
+     * bytes rather than adding new memory on top of memory this request could not use. */
+    vmm__pool_release(p, 0, p->retain, UINT64_MAX);
+    b = grow(p, small, need, align, stream_ordered, stream, err);
+    if (b || *err != -ENOMEM) return b;
+    /* The device is full: every empty segment goes, and the request is tried once more. */
+    vmm__pool_release(p, 0, 0, UINT64_MAX);
+    if ((b = find_free(p, small, 1, need, align, stream_ordered, stream)))
+        return carve(p, b, round_up(b->addr, align), need, err);
+    *err = 0;
+    return grow(p, small, need, align, stream_ordered, stream, err);
 }
 
-/* Free neighbours merge unless they wait on different streams: a settled block joins a pending
- * one (the whole then waits on that stream's event, a short wait that keeps free space whole). */
-static int compatible(vmm__pool *p, vmm__block *a, const vmm__block *b)
+int vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event)
 {
-    if (a->event && p->ops.event_done(p->ops.ctx, a->event)) event_clear(p, a);
-    return !a->event || !b->event || a->stream == b->stream;
-}
-
-/* b absorbs its free neighbour n (n follows b).  Of two events on one stream the newer is kept:
- * reaching it means reaching the older one too. */
-static void absorb(vmm__pool *p, vmm__block *b, vmm__block *n, int n_is_newer)
-{
-    if (n->event && (!b->event || n_is_newer)) {
-        if (b->event) p->ops.event_release(p->ops.ctx, b->event);
-        b->event = n->event;
-        b->stream = n->stream;
-    } else if (n->event) {
-        p->ops.event_release(p->ops.ctx, n->event);
-    }
-    n->event = NULL;
-    b->size += n->size;
-    b->next = n->next;
-    if (n->next) n->next->prev = b;
-    block_recycle(p, n);
-}
-
-void vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event)
-{
-    vmm__chunk *c = b->chunk;
-    note_used(p, -(int64_t)b->size);
+    int emptied = 0;
+    p->used -= b->charged;
+    b->charged = 0;
+    FOR_SEGS(p, b->arena, b->addr, end_of(b), s) emptied |= untouch(p, s);
     b->free = 1;
-    b->stream = event ? stream : 0;
-    b->event = event;
-    if (!p->isolate) {
-        vmm__block *n = b->next;
-        if (n && n->free && compatible(p, n, b)) {
-            bin_remove(p, n);
-            absorb(p, b, n, 0);
-        }
-        vmm__block *v = b->prev;
-        if (v && v->free && compatible(p, v, b)) {
-            bin_remove(p, v);
-            absorb(p, v, b, 1);
-            b = v;
-        }
-    }
-    bin_insert(p, b);
-    if (--c->n_live == 0) {
-        p->empty_bytes += c->size;
-        if (p->empty_bytes > p->retain) release_empty(p, 0, p->retain);
-    }
+    b->backed = 1;
+    b->event = ev_wrap(p, event);
+    b->stream = b->event ? stream : 0;
+    coalesce(p, b);
+    return emptied;
 }
 
-uint64_t vmm__pool_give_back(vmm__pool *p, uint64_t keep)
+uint64_t vmm__pool_oldest_empty(const vmm__pool *p) { return p->empty_head ? p->empty_head->empty_since : UINT64_MAX; }
+
+uint64_t vmm__pool_empty_bytes(const vmm__pool *p) { return p->empty_bytes; }
+
+unsigned vmm__pool_pending_events(vmm__pool *p, void **events, unsigned max)
 {
-    return release_empty(p, keep, 0);
+    unsigned n = 0;
+    for (int k = 0; k < 2; k++)
+        for (int c = next_class(&p->bins[k][1], 0); c >= 0; c = next_class(&p->bins[k][1], c + 1))
+            for (vmm__block *b = p->bins[k][1].head[c]; b && n < max; b = b->fnext)
+                if (b->event) events[n++] = b->event->e;
+    return n;
 }
 
-vmm__block *vmm__pool_block_at(const vmm__chunk *c, uint64_t addr)
-{
-    for (vmm__block *b = c->first; b; b = b->next)
-        if (addr >= b->addr && addr - b->addr < b->size) return b;
-    return NULL;
-}
-
-void vmm__pool_init(vmm__pool *p, const vmm__pool_ops *ops, uint64_t granule, uint64_t retain, int isolate)
+void vmm__pool_init(vmm__pool *p, const vmm__pool_ops *ops, uint64_t granule, uint64_t arena_size, uint64_t retain,
+                    int isolate)
 {
     memset(p, 0, sizeof *p);
     p->ops = *ops;
     p->granule = granule ? granule : 2u << 20;
+    p->arena_size = round_up(arena_size > p->granule ? arena_size : p->granule, p->granule);
     p->retain = retain;
     p->isolate = isolate;
 }
 
 void vmm__pool_destroy(vmm__pool *p)
 {
-    while (p->chunks) {
-        p->chunks->n_live = 0;
-        p->empty_bytes += p->chunks->size;
-        chunk_release(p, p->chunks);
+    while (p->segs) {
+        vmm__seg *s = p->segs;
+        p->segs = s->snext;
+        p->ops.seg_destroy(p->ops.ctx, s);
+        free(s);
+    }
+    while (p->arenas) {
+        vmm__arena *a = p->arenas;
+        p->arenas = a->next;
+        for (vmm__block *b = a->first, *n; b; b = n) {
+            n = b->next;
+            ev_put(p, b->event);
+            free(b);
+        }
+        p->ops.unreserve(p->ops.ctx, a->base, a->size);
+        free(a->seg);
+        free(a->blk);
+        free(a);
     }
     while (p->spare) {
         vmm__block *b = p->spare;
         p->spare = b->fnext;
         free(b);
     }
+    while (p->spare_ev) {
+        vmm__ev *ev = p->spare_ev;
+        p->spare_ev = ev->next;
+        free(ev);
+    }
+    vmm__pool_ops ops = p->ops;
+    uint64_t g = p->granule, as = p->arena_size, retain = p->retain;
+    int iso = p->isolate;
+    vmm__pool_init(p, &ops, g, as, retain, iso);
 }

@@ -1,8 +1,17 @@
-/* The pool's policy: which chunk and where in it a request goes (size classes, good fit, split,
- * coalesce), when chunks are made and given back, and when a freed block may be reused by which
- * stream.  The mechanism (making and releasing chunks, asking whether a stream reached an event)
- * comes in through vmm__pool_ops, so nothing here knows CUDA.  Not thread-safe: the caller holds
- * one lock per pool. */
+/* The pool's policy: where in its address space a request goes (size classes, good fit, split,
+ * coalesce), when physical memory is mapped under that space and when it is given back, and when
+ * a freed block may be reused by which stream.
+ *
+ * A pool owns arenas: large address reservations made once, in which physical handles
+ * ("segments", each one exportable VMM handle) are mapped where allocations need them.  Free space
+ * is one address-ordered list per arena, so it merges across segment boundaries, and an
+ * allocation may span several segments.  A segment no live block touches is "empty"; empty
+ * segments are given back by vmm__pool_release (after an idle delay, beyond a byte budget, on trim,
+ * or when the device is full), and their address space stays free for later growth.
+ *
+ * The mechanism (reserving, making and releasing segments, asking whether a stream reached an
+ * event) comes in through vmm__pool_ops, so nothing here knows CUDA, and nothing here blocks.
+ * Not thread-safe: the caller holds one lock over the pool. */
 #ifndef VMM_POOL_H
 #define VMM_POOL_H
 #include <stdint.h>
@@ -11,23 +20,26 @@
 /* Every block starts on, and is a multiple of, this many bytes: what native cudaMalloc gives
  * (measured on an H100; README.md, "The pool"). */
 #define VMM_POOL_ALIGN 512u
-/* Requests up to this size share small chunks of one granule (2 MiB). */
+/* Requests up to this size live in the small arenas, packed; larger ones in the large arenas, so
+ * a long-lived small block never pins a segment a large one freed. */
 #define VMM_POOL_SMALL_MAX (1u << 20)
-/* Requests up to this size are split out of medium chunks; larger ones get a chunk of their own
- * size (rounded to the granule), which later frees may split for others. */
-#define VMM_POOL_MEDIUM_MAX (10u << 20)
-#define VMM_POOL_MEDIUM_CHUNK (20u << 20)
+/* A large arena grows by at least this much when the free space it maps is too small, so a run of
+ * medium requests makes one segment, not one each (PyTorch's large segments are 20 MiB too). */
+#define VMM_POOL_MIN_GROWTH (20u << 20)
 
-typedef struct vmm__chunk vmm__chunk;
+typedef struct vmm__arena vmm__arena;
+typedef struct vmm__ev vmm__ev;
 
 typedef struct vmm__block {
-    uint64_t addr, size;                 /* size: the block's extent in its chunk */
-    vmm__chunk *chunk;
-    struct vmm__block *prev, *next;      /* neighbours in the chunk, by address */
+    uint64_t addr, size;                 /* size: the block's extent */
+    vmm__arena *arena;
+    struct vmm__block *prev, *next;      /* neighbours in the arena, by address */
     struct vmm__block *fprev, *fnext;    /* free list of its size class, while free */
     int free, cls;
-    uint64_t stream;                     /* free: the stream that freed it (0: any stream may use it) */
-    void *event;                         /* free: recorded on `stream` at the free; NULL once reached */
+    int backed;                          /* free: 1 all of it mapped, 0 none of it (never mixed) */
+    uint64_t stream;                     /* free: the stream that freed it */
+    vmm__ev *event;                      /* free: recorded on `stream` at the free; NULL once reached */
+    uint64_t charged;                    /* allocated: bytes counted as used (the request, 512-rounded) */
     /* the rest belongs to the caller (shim/backing): the allocation living in the block */
     uint64_t requested, generation;
     uint32_t slot, api;
@@ -37,24 +49,38 @@ typedef struct vmm__block {
     UT_hash_handle hh, hs;               /* caller's tables: by address, by registry slot */
 } vmm__block;
 
-struct vmm__chunk {
+typedef struct vmm__seg {
     uint64_t base, size;
     void *mech;                          /* the mechanism's handle for it */
-    int small;                           /* holds requests up to VMM_POOL_SMALL_MAX, packed */
-    uint32_t n_live;                     /* allocated blocks in it */
-    vmm__block *first;                   /* lowest block */
-    vmm__chunk *prev, *next;             /* every chunk of the pool */
+    vmm__arena *arena;
+    uint32_t n_live;                     /* allocated blocks touching it */
+    uint64_t empty_since;                /* ops.now_ns() when n_live fell to 0 */
+    struct vmm__seg *eprev, *enext;      /* the pool's empty segments, oldest first */
+    struct vmm__seg *sprev, *snext;      /* every segment of the pool */
+} vmm__seg;
+
+struct vmm__arena {
+    struct vmm__pool *pool;
+    uint64_t base, size;
+    vmm__seg **seg;                      /* per granule page: the segment mapped there, or NULL */
+    vmm__block **blk;                    /* per granule page: the block holding the page's first byte */
+    vmm__block *first;
+    int small;
+    vmm__arena *next;
 };
 
 typedef struct vmm__pool_ops {
     void *ctx;
-    /* Make chunk c of c->size bytes: 0 with c->base and c->mech set; -ENOMEM when the device is
-     * full; any other negative value for other failures. */
-    int (*chunk_create)(void *ctx, vmm__chunk *c);
-    void (*chunk_destroy)(void *ctx, vmm__chunk *c);
-    int (*event_done)(void *ctx, void *event); /* 1 once the stream reached it */
-    void (*event_wait)(void *ctx, void *event);
+    /* Reserve `size` bytes of address space (granule-aligned): 0 and *base, or -errno. */
+    int (*reserve)(void *ctx, uint64_t size, uint64_t *base);
+    void (*unreserve)(void *ctx, uint64_t base, uint64_t size);
+    /* Map a new segment of s->size bytes at s->base: 0 with s->mech set; -ENOMEM when the device
+     * is full; any other negative value for other failures. */
+    int (*seg_create)(void *ctx, vmm__seg *s);
+    void (*seg_destroy)(void *ctx, vmm__seg *s);
+    int (*event_done)(void *ctx, void *event); /* 1 once the stream reached it; never blocks */
     void (*event_release)(void *ctx, void *event);
+    uint64_t (*now_ns)(void *ctx);
 } vmm__pool_ops;
 
 #define VMM_POOL_CLASSES 320
@@ -66,29 +92,46 @@ typedef struct vmm__pool_bins {
 
 typedef struct vmm__pool {
     vmm__pool_ops ops;
-    uint64_t granule;
-    uint64_t retain;                     /* bytes of empty chunks kept for reuse */
-    int isolate;                         /* every allocation its own chunk, never shared */
-    vmm__pool_bins bins[2];              /* [1]: small chunks' free blocks, [0]: the others' */
-    vmm__chunk *chunks;
-    vmm__block *spare;                   /* recycled block structs */
+    uint64_t granule, arena_size;
+    uint64_t retain;                     /* bytes of empty segments kept when memory is given back */
+    int isolate;                         /* every allocation its own segments, never shared */
+    vmm__pool_bins bins[2][2];           /* [small arena][backed] */
+    vmm__arena *arenas;
+    vmm__seg *segs, *empty_head, *empty_tail;
+    vmm__block *spare;
+    vmm__ev *spare_ev;
     uint64_t reserved, reserved_high, used, used_high, empty_bytes;
-    uint64_t n_chunks, chunks_made, chunks_released;
+    uint64_t n_segs, segs_made, segs_released;
 } vmm__pool;
 
-void vmm__pool_init(vmm__pool *p, const vmm__pool_ops *ops, uint64_t granule, uint64_t retain, int isolate);
-/* A block of at least `size` bytes that `stream` may use at once (any stream when !stream_ordered),
- * from free space or a new chunk.  NULL with *err = -ENOMEM when the device is full even after
- * giving back every empty chunk, or another negative error from the mechanism. */
+/* arena_size: address space reserved at a time (more arenas are added when one is full). */
+void vmm__pool_init(vmm__pool *p, const vmm__pool_ops *ops, uint64_t granule, uint64_t arena_size, uint64_t retain,
+                    int isolate);
+/* A block of at least `size` bytes that `stream` may use at once (any stream when !stream_ordered).
+ * Free space already mapped is preferred; else the pool grows, first giving back empty segments
+ * beyond `retain`.  NULL with *err = -ENOMEM when the device is full even after giving back every
+ * empty segment it could, or another negative error from the mechanism. */
 vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uint64_t stream, int *err);
 /* Give a block back.  event NULL: every stream may reuse it at once; else `stream` at once and
- * other streams once the event is reached. */
-void vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event);
-/* Give back empty chunks (waiting for their frees to complete) until at most `keep` bytes are
- * reserved or none is left; returns the bytes given back. */
-uint64_t vmm__pool_give_back(vmm__pool *p, uint64_t keep);
-/* The block containing addr, if addr is in one of the pool's chunks (walks that chunk's blocks). */
-vmm__block *vmm__pool_block_at(const vmm__chunk *c, uint64_t addr);
-/* Give back every chunk (at exit of a test); blocks still allocated are dropped. */
+ * other streams once the event is reached.  Returns 1 when a segment became empty. */
+int vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event);
+/* Give back empty segments, oldest first, while more than keep_reserved bytes are reserved and
+ * more than keep_empty bytes are in empty segments, among those empty since `until` (ops.now_ns
+ * clock) or earlier.  A segment some free still in flight touches is skipped, never waited for.
+ * Returns the bytes given back. */
+uint64_t vmm__pool_release(vmm__pool *p, uint64_t keep_reserved, uint64_t keep_empty, uint64_t until);
+/* When the oldest empty segment became empty (UINT64_MAX: none is). */
+uint64_t vmm__pool_oldest_empty(const vmm__pool *p);
+/* Up to `max` events that frees still in flight wait on (to wait for outside the caller's lock). */
+unsigned vmm__pool_pending_events(vmm__pool *p, void **events, unsigned max);
+/* Bytes a request could get without growing: every empty segment. */
+uint64_t vmm__pool_empty_bytes(const vmm__pool *p);
+/* The arena holding addr, or NULL. */
+vmm__arena *vmm__pool_arena_at(const vmm__pool *p, uint64_t addr);
+/* The segment mapped at addr in arena a, or NULL. */
+vmm__seg *vmm__pool_seg_at(const vmm__arena *a, uint64_t granule, uint64_t addr);
+/* The block (free or not) holding addr in arena a, or NULL. */
+vmm__block *vmm__pool_block_at(const vmm__arena *a, uint64_t granule, uint64_t addr);
+/* Give back everything (a device reset, or a test's end); blocks still allocated are dropped. */
 void vmm__pool_destroy(vmm__pool *p);
 #endif

@@ -71,7 +71,8 @@ static void test_table(void)
     CHECK(strcmp(vmm__opt_str(VMM__OPT_LOG_FILE), "") == 0, "log file");
     CHECK_EQ(vmm__opt_bool(VMM__OPT_ENABLE), 1);
     CHECK_EQ(vmm__opt_int(VMM__OPT_REGISTRY_CAPACITY), 1048576);
-    CHECK(vmm__opt_size(VMM__OPT_CACHE_SIZE) == 4ULL << 30, "cache %llu", vmm__opt_size(VMM__OPT_CACHE_SIZE));
+    CHECK(vmm__opt_size(VMM__OPT_CACHE_SIZE) == 0, "cache %llu", vmm__opt_size(VMM__OPT_CACHE_SIZE));
+    CHECK(vmm__opt_int(VMM__OPT_GIVE_BACK_MS) == 200, "give-back %lld", vmm__opt_int(VMM__OPT_GIVE_BACK_MS));
     CHECK_EQ(vmm__opt_enum(VMM__OPT_EXPORT), VMM__EXPORT_BROKER);
     CHECK_EQ(vmm__opt_enum(VMM__OPT_FABRIC), VMM__FABRIC_AUTO);
     CHECK_EQ(vmm__opt_int(VMM__OPT_FRAMES), 0);
@@ -80,7 +81,7 @@ static void test_table(void)
     CHECK(strcmp(vmm__opt_type_name(VMM__OPT_CACHE_SIZE), "size") == 0, "type");
     CHECK(strcmp(vmm__opt_type_name(VMM__OPT_FABRIC), "enum") == 0, "type");
     CHECK(strcmp(vmm__opt_type_name(VMM__OPT_TAG), "string") == 0, "type");
-    CHECK(strcmp(vmm__opt_default_text(VMM__OPT_CACHE_SIZE), "4G") == 0, "default text");
+    CHECK(strcmp(vmm__opt_default_text(VMM__OPT_CACHE_SIZE), "0") == 0, "default text");
     CHECK(vmm__opt_str(VMM__OPT_COUNT) != NULL && vmm__opt_str(VMM__OPT_STRICT)[0] == 0, "str never NULL");
     CHECK_EQ(vmm__opt_init(), 0);
 }
