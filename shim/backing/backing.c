@@ -118,6 +118,7 @@ static struct {
     pthread_cond_t purge_wake;     /* the give-back thread waits on it (CLOCK_MONOTONIC) */
     int purge_state;               /* 0 not started, 1 waiting for work, 2 waiting for a deadline, -1 could not start */
     int stopping;                  /* at exit: no more driver calls from the give-back thread */
+    int sync_due;                  /* empty segments wait for a synchronization (vmm__synchronized) */
     char tag[32];
     device_state dev[MAX_DEVICES];
 } S = {.lock = PTHREAD_MUTEX_INITIALIZER};
@@ -601,6 +602,19 @@ static void pools_ready_locked(device_state *d)
 
 /* ---- giving memory back after the idle delay ---- */
 
+/* The budget of each pool: what cudaMalloc freed may stay empty up to VMMSHIM_CACHE_SIZE bytes;
+ * the default pool keeps up to its release threshold reserved, as natively. */
+static void release_locked(vmm__pool *p, int stream_ordered, uint64_t until)
+{
+    if (stream_ordered) vmm__pool_release(p, p->retain, 0, until);
+    else vmm__pool_release(p, 0, p->retain, until);
+}
+
+static int settled(const vmm__pool *p, int stream_ordered)
+{
+    return !vmm__pool_empty_bytes(p) || (stream_ordered ? p->reserved <= p->retain : vmm__pool_empty_bytes(p) <= p->retain);
+}
+
 /* One pass over every pool: what has been empty for the delay goes back (beyond each pool's
  * budget).  Returns when the next segment falls due (UINT64_MAX: none is waiting). */
 static uint64_t purge_pass_locked(uint64_t now)
@@ -611,9 +625,9 @@ static uint64_t purge_pass_locked(uint64_t now)
         device_state *d = &S.dev[i];
         for (int k = 0; k < 2 && d->pool_ready; k++) {
             vmm__pool *p = &d->pool[k];
-            if (now >= delay) vmm__pool_release(p, 0, p->retain, now - delay);
+            if (now >= delay) release_locked(p, k, now - delay);
             uint64_t oldest = vmm__pool_oldest_empty(p);
-            if (oldest != UINT64_MAX && vmm__pool_empty_bytes(p) > p->retain && oldest + delay < next) next = oldest + delay;
+            if (oldest != UINT64_MAX && !settled(p, k) && oldest + delay < next) next = oldest + delay;
         }
     }
     /* a segment a free in flight still touches is looked at again a little later, never spun on */
@@ -639,6 +653,21 @@ static void *purge_main(void *arg)
     S.purge_state = 1;
     pthread_mutex_unlock(&S.lock);
     return NULL;
+}
+
+static void purge_kick_locked(void);
+
+/* Under S.lock: a free emptied a segment of p.  With no give-back delay it goes back at once, as
+ * natively (unless a free in flight still touches it: then at the next synchronization or pass). */
+static void emptied_locked(vmm__pool *p, int stream_ordered)
+{
+    if (stream_ordered) __atomic_store_n(&S.sync_due, 1, __ATOMIC_RELAXED);
+    if (!S.give_back_ns) {
+        release_locked(p, stream_ordered, UINT64_MAX);
+        if (settled(p, stream_ordered)) return;
+        __atomic_store_n(&S.sync_due, 1, __ATOMIC_RELAXED);
+    }
+    purge_kick_locked();
 }
 
 /* Under S.lock: a segment became empty, so the give-back thread has a deadline to keep.  Started
@@ -962,7 +991,7 @@ static void pool_free_list_locked(vmm__block *list)
     while (list) {
         vmm__block *b = list;
         list = b->fnext;
-        if (vmm__pool_free(b->arena->pool, b, 0, NULL)) purge_kick_locked();
+        if (vmm__pool_free(b->arena->pool, b, 0, NULL)) emptied_locked(b->arena->pool, 0);
     }
 }
 
@@ -1021,9 +1050,30 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
         pool_free_list_locked(covered);
     }
     if (stream_ordered) pthread_mutex_lock(&S.lock); /* the other branch holds it already */
-    if (vmm__pool_free(pool, b, (uint64_t)(uintptr_t)stream, ev)) purge_kick_locked();
+    if (vmm__pool_free(pool, b, (uint64_t)(uintptr_t)stream, ev)) emptied_locked(pool, stream_ordered);
     pthread_mutex_unlock(&S.lock);
     return VMM__DONE;
+}
+
+/* Natively a synchronization releases the default pool's memory beyond its threshold; with no
+ * give-back delay, what cudaMalloc freed goes then too.  A flag keeps the common case (nothing
+ * waiting) to one load. */
+void vmm__synchronized(void)
+{
+    if (!S.ready || !__atomic_load_n(&S.sync_due, __ATOMIC_ACQUIRE)) return;
+    pthread_mutex_lock(&S.lock);
+    __atomic_store_n(&S.sync_due, 0, __ATOMIC_RELAXED);
+    int left = 0;
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        device_state *d = &S.dev[i];
+        for (int k = 0; k < 2 && d->pool_ready; k++) {
+            if (k == 0 && S.give_back_ns) continue;
+            release_locked(&d->pool[k], k, UINT64_MAX);
+            left |= !settled(&d->pool[k], k);
+        }
+    }
+    if (left) __atomic_store_n(&S.sync_due, 1, __ATOMIC_RELAXED); /* frees of streams not synchronized yet */
+    pthread_mutex_unlock(&S.lock);
 }
 
 void vmm__capture_begun(void) { __atomic_add_fetch(&captures, 1, __ATOMIC_ACQ_REL); }

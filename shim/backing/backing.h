@@ -102,6 +102,8 @@ void vmm__device_reset(int dev);
  * does, a free never synchronizes a context, and its block waits for a safe moment. */
 void vmm__capture_begun(void);
 void vmm__capture_ended(void);
+/* The program synchronized a context or stream successfully. */
+void vmm__synchronized(void);
 /* The program mapped a range of a handle the shim made exportable (maps_adopted, layout.h). */
 void vmm__count_adopted(void);
 /* True when stream is being captured into a graph. */

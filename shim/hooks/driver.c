@@ -498,3 +498,29 @@ VMM_HOOK CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *g)
     VMM_REAL_DRIVER(cuStreamEndCapture_ptsz, CUDA_ERROR_NOT_INITIALIZED);
     return end_capture(real_, per_thread(s), g);
 }
+
+/* A synchronization is where the default pool gives back what lies beyond its release threshold
+ * (natively too), and where frees waiting on the work just finished become idle. */
+static CUresult synchronized(CUresult rc)
+{
+    if (rc == CUDA_SUCCESS && !vmm__in_shim()) vmm__synchronized();
+    return rc;
+}
+
+VMM_HOOK CUresult cuCtxSynchronize(void)
+{
+    VMM_REAL_DRIVER(cuCtxSynchronize, CUDA_ERROR_NOT_INITIALIZED);
+    return synchronized(real_());
+}
+
+VMM_HOOK CUresult cuStreamSynchronize(CUstream s)
+{
+    VMM_REAL_DRIVER(cuStreamSynchronize, CUDA_ERROR_NOT_INITIALIZED);
+    return synchronized(real_(s));
+}
+
+VMM_HOOK CUresult cuStreamSynchronize_ptsz(CUstream s)
+{
+    VMM_REAL_DRIVER(cuStreamSynchronize_ptsz, CUDA_ERROR_NOT_INITIALIZED);
+    return synchronized(real_(s));
+}

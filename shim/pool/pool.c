@@ -325,6 +325,28 @@ static int set_backed(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi, int
     return 0;
 }
 
+/* An arena with no segment holds only free, unmapped blocks: its address space goes back, so a
+ * program that frees everything leaves nothing reserved either. */
+static void arena_drop(vmm__pool *p, vmm__arena *a)
+{
+    for (vmm__arena **pp = &p->arenas; *pp; pp = &(*pp)->next)
+        if (*pp == a) {
+            *pp = a->next;
+            break;
+        }
+    for (vmm__block *b = a->first, *n; b; b = n) {
+        n = b->next;
+        bin_remove(p, b);
+        ev_put(p, b->event);
+        b->event = NULL;
+        block_recycle(p, b);
+    }
+    p->ops.unreserve(p->ops.ctx, a->base, a->size);
+    free(a->seg);
+    free(a->blk);
+    free(a);
+}
+
 static void seg_release(vmm__pool *p, vmm__seg *s)
 {
     vmm__arena *a = s->arena;
@@ -339,6 +361,7 @@ static void seg_release(vmm__pool *p, vmm__seg *s)
     p->segs_released++;
     p->ops.seg_destroy(p->ops.ctx, s);
     free(s);
+    if (--a->n_segs == 0) arena_drop(p, a);
 }
 
 uint64_t vmm__pool_release(vmm__pool *p, uint64_t keep_reserved, uint64_t keep_empty, uint64_t until)
@@ -375,6 +398,7 @@ static int seg_add(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi)
         return -ENOMEM;
     }
     for (uint64_t i = page_of(p, a, lo), n = s->size / p->granule; n--; i++) a->seg[i] = s;
+    a->n_segs++;
     s->snext = p->segs;
     if (p->segs) p->segs->sprev = s;
     p->segs = s;
@@ -510,6 +534,7 @@ static vmm__block *grow(vmm__pool *p, int small, uint64_t need, uint64_t align, 
     if (hi > u_end) hi = u_end;
     int rc = seg_add(p, a, lo, hi); /* u and l may be joined with the new space from here on */
     if (rc) {
+        if (!a->n_segs) arena_drop(p, a);
         *err = rc;
         return NULL;
     }

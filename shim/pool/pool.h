@@ -66,6 +66,7 @@ struct vmm__arena {
     vmm__block **blk;                    /* per granule page: the block holding the page's first byte */
     vmm__block *first;
     int small;
+    uint32_t n_segs;                     /* none left: the arena's address space goes back too */
     vmm__arena *next;
 };
 

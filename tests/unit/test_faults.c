@@ -233,7 +233,8 @@ static void set_env(const run_cfg *c)
 {
     char v[300];
     setenv("FAKECUDA_DEVICES", c->w->devices, 1);
-    setenv("VMMSHIM_CACHE_SIZE", "0", 1); /* empty chunks go back at once: only live memory stays */
+    setenv("VMMSHIM_CACHE_SIZE", "0", 1);
+    setenv("VMMSHIM_GIVE_BACK_MS", "0", 1); /* freed memory goes back at once: only live memory stays */
     setenv("VMMSHIM_REGISTRY", g_registry, 1);
     setenv("VMMSHIM_REGISTRY_CAPACITY", "4096", 1); /* every check walks it all: keep it small */
     snprintf(v, sizeof v, "%s/owner.cnt", g_dir);

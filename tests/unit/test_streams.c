@@ -166,7 +166,8 @@ int main(void)
     snprintf(g_counters, sizeof g_counters, "/tmp/vmmshim-streams-%d-counters", (int)getpid());
     setenv("VMMSHIM_REGISTRY", g_registry, 1);
     setenv("VMMSHIM_REGISTRY_CAPACITY", "4096", 1);
-    setenv("VMMSHIM_CACHE_SIZE", "0", 1); /* empty chunks go back at once: only live memory stays */
+    setenv("VMMSHIM_CACHE_SIZE", "0", 1);
+    setenv("VMMSHIM_GIVE_BACK_MS", "0", 1); /* freed memory goes back at once: only live memory stays */
     setenv("FAKECUDA_EVENT_DELAY_US", "200", 1); /* work completes late: frees wait on events */
     signal(SIGPIPE, SIG_IGN);
     const char *threads = "8", *rounds = san && *san ? "100" : "300";
