@@ -16,7 +16,7 @@
 typedef enum {
     VMM__DONE = 0,        /* handled by the shim: *ptr set */
     VMM__PASS = 1,        /* not the shim's: call the real function (an allocation of no bytes, or none) */
-    VMM__NOMEM = 2,       /* out of memory even after giving back empty chunks: the real allocator decides,
+    VMM__NOMEM = 2,       /* out of memory even after giving back empty segments: the real allocator decides,
                              and the result is noted */
     VMM__INVALID = 3,     /* the shim's memory, but a double free or interior pointer */
     VMM__REFUSED = 4,     /* VMMSHIM_STRICT=1 and the shim could not start */
@@ -35,12 +35,12 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream);
  * count it by reason, and publish it flagged not exportable when the shim notes such memory
  * (NOMEM, OWN_POOL, CAPTURED). */
 void vmm__note_passthrough(vmm__result why, void *ptr, size_t size, uint32_t api, CUstream stream);
-/* Free bytes in the current device's pool (counted as free by cudaMemGetInfo). */
+/* Bytes of empty segments of the current device, which a request would get (cudaMemGetInfo counts them free). */
 size_t vmm__pool_free_bytes_current(void);
 /* A live shim allocation as the rest of the shim sees it. */
 typedef struct vmm__alloc_ref {
-    uint64_t base, requested, mapped; /* mapped: the chunk's size */
-    uint64_t chunk_offset;            /* base - the chunk's base */
+    uint64_t base, requested, mapped; /* mapped: the bytes of the segments it spans */
+    uint64_t chunk_offset;            /* base - its first segment's base */
     int dev;
     uint32_t slot;
     uint64_t generation;
@@ -48,7 +48,7 @@ typedef struct vmm__alloc_ref {
 } vmm__alloc_ref;
 /* The live shim allocation containing ptr (any interior address): 1 and *out filled, else 0. */
 int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out);
-/* Inside any chunk the shim holds, allocated or free (or past an allocation's requested end). */
+/* Inside any arena the shim holds, allocated or free (or past an allocation's requested end). */
 int vmm__owned(uint64_t ptr);
 /* The registry the shim publishes in, with this process attached; NULL when the shim is not active. */
 struct vmm__reg *vmm__registry(void);
@@ -60,19 +60,19 @@ CUresult vmm__peer_access(int accessor, int owner, int enable, int *changed);
  * cudaMallocAsync draws from the device's current pool; under the shim the memory comes from the
  * shim's pool instead, so the calls that configure and read the default pool must reach it too. */
 typedef struct vmm__pool_usage {
-    uint64_t reserved, reserved_high; /* bytes of the shim's chunks on the device */
-    uint64_t used, used_high;         /* bytes of live blocks in them */
+    uint64_t reserved, reserved_high; /* bytes of the stream-ordered pool's segments on the device */
+    uint64_t used, used_high;         /* its live allocations, each rounded to 512 bytes */
 } vmm__pool_usage;
 /* 1 and *out filled when the shim backs allocations on dev; 0 when it does not. */
 int vmm__pool_usage_get(int dev, vmm__pool_usage *out);
 /* Reset a high-water mark to its current value (cudaMemPoolAttrReservedMemHigh / UsedMemHigh). */
 enum { VMM__HIGH_RESERVED = 0, VMM__HIGH_USED = 1 };
 void vmm__pool_usage_reset_high(int dev, int which);
-/* Release empty chunks of dev until at most `keep` bytes are reserved, or none is left to release
+/* Release empty stream-ordered segments of dev until at most `keep` bytes are reserved, or none is left to release
  * (cudaMemPoolTrimTo). */
 void vmm__pool_trim(int dev, uint64_t keep);
-/* cudaMemPoolAttrReleaseThreshold of dev's default pool: empty chunks up to this many bytes (or
- * VMMSHIM_CACHE_SIZE, whichever is larger) stay cached. */
+/* cudaMemPoolAttrReleaseThreshold of dev's default pool: its empty segments stay while it reserves
+ * no more than this; beyond it they go back at a synchronization or after the give-back delay. */
 void vmm__pool_set_release_threshold(int dev, uint64_t bytes);
 /* The program made another pool current on dev (cudaDeviceSetMemPool): while is_default is 0,
  * stream-ordered allocations on dev pass through to that pool untouched. */
@@ -95,7 +95,7 @@ void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size,
                         uint64_t chunk_id, int dev, int exportable, const struct vmm__frames *f, vmm__published *out);
 void vmm__retract_range(vmm__published *pub);
 /* dev's primary context is about to be reset (cudaDeviceReset, cuDevicePrimaryCtxReset): its
- * allocations and cached chunks go, as native reset frees them.  dev -1: the calling thread's
+ * allocations and empty segments go, as native reset frees them.  dev -1: the calling thread's
  * current device (nothing when no context is current). */
 void vmm__device_reset(int dev);
 /* A stream of this process began or ended capturing (the driver hooks count them): while any

@@ -41,7 +41,7 @@ K/M/G/T suffix (powers of 1024; KiB/MiB/GiB/TiB too).
 A bad value prints one line naming the variable, the value and what is allowed, and the default
 is used:
 
-    vmmshim: warning: VMMSHIM_CACHE_SIZE='12Q' is not a size (use bytes or K/M/G/T suffix, 0..1T); using default 4G
+    vmmshim: warning: VMMSHIM_CACHE_SIZE='12Q' is not a size (use bytes or K/M/G/T suffix, 0..1T); using default 0
 
 With `VMMSHIM_STRICT=1` the same line is an error and start-up is refused.  `vmmctl config`
 prints the effective value of every option and where it came from; `VMMSHIM_VERBOSE=1` prints
