@@ -58,7 +58,7 @@ class Nvml:
                 self._py = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
                 self.how = "pynvml"
             except Exception as e2:  # no NVML at all
-                raise RuntimeError(f"NVML unavailable ({e}; pynvml: {e2})") from None
+                raise RuntimeError(f"{e}; pynvml: {e2}") from None
         self.index = index
 
     def info(self):
