@@ -93,6 +93,10 @@ def child_env(side, reg):
     for k in ("LD_PRELOAD", "BENCH_DRY"):
         env.pop(k, None)
     env["PYTHONUNBUFFERED"] = "1"
+    # bench_mem's waits follow the give-back delay: the steady window starts after it, and the
+    # give-back wait lasts well past it
+    env.setdefault("BENCH_SETTLE_MS", str(int(GIVE_BACK_MS + 400)))
+    env.setdefault("BENCH_GIVEBACK_WAIT_MS", str(int(max(1500, 3 * GIVE_BACK_MS + 500))))
     if side == "shim":
         env["LD_PRELOAD"] = SHIM
         env["VMMSHIM_REGISTRY"] = reg
@@ -298,9 +302,13 @@ def derive(job, run):
             before = ns.wmedian(s, m["ready"] + 0.02, m["before"])
             held = ns.wmedian(s, m["allocated"], m["free_call"])
             d["held"] = above(run, held, before)
-            back = None if before is None else ns.first_at_or_below(s, m["freed"], before + 64 * MiB)
-            d["delay_ms"] = None if back is None else back * 1e3
-            d["never"] = 1.0 if back is None and before is not None else 0.0
+            nbytes = num(kv.get("bytes")) or 2.4 * GiB
+            if d["held"] is not None and d["held"] < 0.9 * nbytes:  # NVML looks at another GPU?
+                d["unseen"] = 1.0
+            else:
+                back = None if before is None else ns.first_at_or_below(s, m["freed"], before + 64 * MiB)
+                d["delay_ms"] = None if back is None else back * 1e3
+                d["never"] = 1.0 if back is None and before is not None else 0.0
             d["free_call_ms"] = (m["freed"] - m["free_call"]) * 1e3
         d["bytes"] = num(kv.get("bytes"))
     elif job in ("pool", "cupy"):
@@ -633,6 +641,9 @@ def table(selected_jobs, elapsed):
                 never = sum(results.get((job, "never"), {}).get(side, {}).values())
                 if never:
                     text += f"; not back within the wait in {never:.0f} round(s)"
+                unseen = sum(results.get((job, "unseen"), {}).get(side, {}).values())
+                if unseen:
+                    text += f"; NVML never saw the 2.4 GiB in {unseen:.0f} round(s) (BENCH_NVML_INDEX?)"
             return text
 
         ok = None
