@@ -174,7 +174,7 @@ test-gpu:
 # names (see bench.sh) runs a part: everything takes longer than 10 minutes.
 bench-gpu:
 	@BUILD=$(BUILD) tests/gpu/bench.sh; a=$$?; \
-	case ",$${BENCH_ONLY:-all}," in *,all,* | *,companion,*) BUILD=$(BUILD) tests/gpu/companion_bench.sh || a=1 ;; esac; \
+	case ",$${BENCH_ONLY:-all},$${BENCH_DRY:-0}" in *,1) ;; *,all,* | *,companion,*) BUILD=$(BUILD) tests/gpu/companion_bench.sh || a=1 ;; esac; \
 	exit $$a
 
 # On the GPU machine as test-gpu: real programs and frameworks (static runtime, driver API, legacy

@@ -436,7 +436,8 @@ def coloc(side, rnd):
         if sampler:
             s = sampler.stop()
             base = ns.wmedian(s, None, t0)
-            peak = ns.wmax(s, t0, t1) - base if base is not None else None
+            top = ns.wmax(s, t0, t1)
+            peak = top - base if top is not None and base is not None else None
     status.setdefault(job, {}).setdefault(side, {})[rnd] = ok
     put(job, side, rnd, {"fail": fails, "allocs": allocs, "live_sum": live, "nvml_peak": peak})
     print(f"  {side} coloc: {ok}, {fails} failed of {allocs} allocations", flush=True)
