@@ -200,6 +200,8 @@ def run_program(side, argv, env_extra, timeout, reg):
         run.rc = "timeout"
         run.out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+    except OSError as e:  # could not start it at all
+        run.rc, err = "exec failed", str(e)
     run.t1 = time.monotonic()
     time.sleep(0.05)
     if sampler:
@@ -362,8 +364,8 @@ def put(job, side, rnd, d):
 
 
 def why_not(run):
-    if run.rc == "timeout":
-        return "timed out"
+    if run.rc in ("timeout", "exec failed"):
+        return "timed out" if run.rc == "timeout" else "could not start"
     if isinstance(run.rc, int) and run.rc < 0:
         return f"crashed (signal {-run.rc})"
     return f"exit {run.rc}"
