@@ -9,6 +9,13 @@
 # alignment table, and "bench: N passed, N failed".  Raw results and logs: ${OUT:-/tmp}/vmmshim-bench/.
 # ROUNDS (default 3) and BENCH_BUDGET (seconds for the whole run, default 480) are settable: a round
 # that would not fit in what is left is skipped, and the table says so.
+# Then the memory rows of issue 15 and the GPU-bound PyTorch step rows (tests/gpu/bench_mem.py: NVML
+# sampled from another process, its own table and "bench-mem: N passed, N failed"; MEM_ROUNDS,
+# STEP_ROUNDS, MEM_BUDGET), and a last line "bench: total N passed, N failed" over both tables.
+# BENCH_ONLY (comma-separated; default all) picks rows: speed (= churn,many,oom,align,torchspeed,step),
+# mem (= torch,graphs,mixed,giveback,pool,coloc,cupy), companion (companion_bench.sh, run by the
+# Makefile), or any of those names.  BENCH_DRY=1 runs nothing on a GPU: it prints what would run and
+# feeds made-up results through bench_mem.py's analysis (a check of the logic on a machine without one).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 B=$PWD/${BUILD:-build}
@@ -21,8 +28,35 @@ RAW=$W/raw.txt # "ROUND SIDE JOB R case key=value ..." and "ROUND SIDE JOB EXIT 
 LOG=$W/log.txt # every run's stdout and stderr
 X=$(mktemp -d "${TMPDIR:-/tmp}/vmmshim-bench-bin.XXXXXX") || exit 1
 REG=/vmmshim-bench-$$ # prefix of the per-run registry names
+DRY=${BENCH_DRY:-0}
 unset PYTORCH_CUDA_ALLOC_CONF
 export PYTHONUNBUFFERED=1
+
+# BENCH_ONLY -> the selected jobs, each between spaces in SEL
+SPEED_JOBS="churn many oom align torchspeed step"
+MEM_JOBS="torch graphs mixed giveback pool coloc cupy"
+SEL=" "
+for tok in $(printf '%s' "${BENCH_ONLY:-all}" | tr ',' ' '); do
+  case $tok in
+    all) SEL="$SEL$SPEED_JOBS $MEM_JOBS companion " ;;
+    speed) SEL="$SEL$SPEED_JOBS " ;;
+    mem) SEL="$SEL$MEM_JOBS " ;;
+    churn | many | oom | align | torchspeed | step | torch | graphs | mixed | giveback | pool | coloc | cupy | companion)
+      SEL="$SEL$tok " ;;
+    *)
+      echo "bench: unknown BENCH_ONLY entry '$tok' (all, speed, mem, companion, $SPEED_JOBS $MEM_JOBS)"
+      exit 2
+      ;;
+  esac
+done
+sel() {
+  case $SEL in *" $1 "*) return 0 ;; esac
+  return 1
+}
+LEGACY=0
+for j in churn many oom align torchspeed; do sel "$j" && LEGACY=1; done
+MEMSEL=""
+for j in $MEM_JOBS step; do sel "$j" && MEMSEL="$MEMSEL $j"; done
 rm -rf "$W"
 mkdir -p "$W"
 : >"$RAW"
@@ -33,22 +67,36 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "== device"
-dev=$(timeout 30 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 4 | paste -sd ';')
+echo "== device; selected:$SEL"
+if [ "$DRY" = 1 ]; then
+  dev="dry run (BENCH_DRY=1)"
+else
+  dev=$(timeout 30 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 4 | paste -sd ';')
+fi
 echo "${dev:-nvidia-smi gave no answer}"
 echo "device: ${dev:-unknown}" >>"$RAW"
 
-if [ ! -f "$B/libvmmshim.so" ] || [ ! -f "$B/libvmmshim-client.so" ]; then
+if [ "$DRY" != 1 ] && { [ ! -f "$B/libvmmshim.so" ] || [ ! -f "$B/libvmmshim-client.so" ]; }; then
   echo "bench: $B/libvmmshim.so or libvmmshim-client.so missing (build on the development machine, carry build/)"
   echo "bench: 0 passed, 1 failed"
   exit 1
 fi
 BENCH=$X/bench
-if ! gcc -O2 -std=c11 -Wall -Wextra -D_GNU_SOURCE -I"$CUDA/include" -Itools/include tests/gpu/bench.c -o "$BENCH" \
+if [ "$LEGACY" = 1 ] && [ -f "$B/libvmmshim-client.so" ] && ! gcc -O2 -std=c11 -Wall -Wextra -D_GNU_SOURCE -I"$CUDA/include" -Itools/include tests/gpu/bench.c -o "$BENCH" \
   -L"$CUDA/lib64" -lcudart -L"$B" -lvmmshim-client -Wl,-rpath,"$CUDA/lib64" -Wl,-rpath,"$B" -lm >"$W/build.log" 2>&1; then
   echo "bench: building tests/gpu/bench.c failed:"
   tail -n 15 "$W/build.log"
 fi
+BENCH_MEM=$X/bench_mem
+case $MEMSEL in
+  *mixed* | *giveback* | *pool* | *coloc*)
+    if ! gcc -O2 -std=c11 -Wall -Wextra -D_GNU_SOURCE -I"$CUDA/include" tests/gpu/bench_mem.c -o "$BENCH_MEM" \
+      -L"$CUDA/lib64" -lcudart -Wl,-rpath,"$CUDA/lib64" -lm >"$W/build-mem.log" 2>&1; then
+      echo "bench: building tests/gpu/bench_mem.c failed (its rows say not built):"
+      tail -n 15 "$W/build-mem.log"
+    fi
+    ;;
+esac
 
 # run_one ROUND SIDE JOB TIMEOUT COMMAND...: one run, its R lines into RAW, then its EXIT line.
 run_one() {
@@ -62,6 +110,11 @@ run_one() {
   fi
   [ "$left" -lt "$t" ] && t=$left
   echo "=== round $round $side $job: $*" >>"$LOG"
+  if [ "$DRY" = 1 ]; then
+    echo "$round $side $job EXIT rc=dry s=0" >>"$RAW"
+    echo "  $side $job: dry run, would run (timeout $t s): $*"
+    return
+  fi
   t0=$(date +%s.%N)
   if [ "$side" = shim ]; then
     timeout -k 5 "$t" env VMMSHIM_REGISTRY="$reg" LD_PRELOAD="$B/libvmmshim.so" "$@" >"$X/out" 2>"$X/err" </dev/null
@@ -84,7 +137,7 @@ run_one() {
 pair() {
   local round=$1 job=$2 t=$3
   shift 3
-  if [ ! -x "$1" ] && [ "$1" = "$BENCH" ]; then
+  if [ ! -x "$1" ] && [ "$1" = "$BENCH" ] && [ "$DRY" != 1 ]; then
     echo "$round native $job EXIT rc=notbuilt s=0" >>"$RAW"
     echo "$round shim $job EXIT rc=notbuilt s=0" >>"$RAW"
     return
@@ -100,6 +153,13 @@ pair() {
 
 TORCH=(python3 tests/gpu/bench_torch.py)
 last=0
+LEGACY_JOBS=""
+sel churn && LEGACY_JOBS="$LEGACY_JOBS churn"
+sel many && LEGACY_JOBS="$LEGACY_JOBS many"
+sel oom && LEGACY_JOBS="$LEGACY_JOBS oom"
+sel align && LEGACY_JOBS="$LEGACY_JOBS align"
+sel torchspeed && LEGACY_JOBS="$LEGACY_JOBS torch-default torch-async torch-expandable"
+[ "$LEGACY" = 1 ] || ROUNDS=0
 for ((r = 1; r <= ROUNDS; r++)); do
   if [ "$r" -gt 1 ] && [ $((SECONDS - START + last)) -gt "$BUDGET" ]; then
     echo "== rounds $r..$ROUNDS skipped: round $((r - 1)) took $last s, $((SECONDS - START)) of ${BUDGET} s spent"
@@ -108,21 +168,26 @@ for ((r = 1; r <= ROUNDS; r++)); do
   fi
   rs=$SECONDS
   echo "== round $r of $ROUNDS ($((SECONDS - START)) s so far)"
-  pair "$r" churn 120 "$BENCH" churn
-  pair "$r" many 150 "$BENCH" many
-  pair "$r" oom 150 "$BENCH" oom
-  [ "$r" = 1 ] && pair "$r" align 60 "$BENCH" align
-  pair "$r" torch-default 150 "${TORCH[@]}" default
-  pair "$r" torch-async 150 env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync "${TORCH[@]}" async
-  pair "$r" torch-expandable 150 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${TORCH[@]}" expandable
+  sel churn && pair "$r" churn 120 "$BENCH" churn
+  sel many && pair "$r" many 150 "$BENCH" many
+  sel oom && pair "$r" oom 150 "$BENCH" oom
+  sel align && [ "$r" = 1 ] && pair "$r" align 60 "$BENCH" align
+  if sel torchspeed; then
+    pair "$r" torch-default 150 "${TORCH[@]}" default
+    pair "$r" torch-async 150 env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync "${TORCH[@]}" async
+    pair "$r" torch-expandable 150 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${TORCH[@]}" expandable
+  fi
   last=$((SECONDS - rs))
 done
 
+legacy_rc=0
+if [ "$LEGACY" = 1 ]; then
 echo
-python3 - "$RAW" "$W/table.md" "$((SECONDS - START))" "$W" <<'EOF'
+python3 - "$RAW" "$W/table.md" "$((SECONDS - START))" "$W" "$LEGACY_JOBS" "$DRY" <<'EOF'
 import statistics, sys
 
 raw, table_path, elapsed, wdir = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+selected, dry = set(sys.argv[5].split()), sys.argv[6] == "1"
 data = {}    # case -> side -> round -> {key: value}
 status = {}  # job -> side -> round -> rc text
 device, skipped = "unknown", ""
@@ -168,6 +233,8 @@ def why_missing(job, side, rnd):
         return "skipped (budget)"
     if rc == "notbuilt":
         return "not built"
+    if rc == "dry":
+        return "dry run"
     if rc == "0":
         return "no result"
     try:
@@ -218,6 +285,8 @@ def med(vals):
 out_rows, passed, failed = [], 0, 0
 for row in ROWS:
     case, job = row["case"], row["job"]
+    if job not in selected:
+        continue
     rounds = ran_rounds(job)
     runs = {s: data.get(case, {}).get(s, {}) for s in ("native", "shim")}
     notes = []
@@ -319,6 +388,8 @@ for row in ROWS:
             crit = "report only"
     if ok is not None and (not both or broken):
         ok = False
+    if dry:  # nothing ran: the row shows what would have, and counts for nothing
+        ok, crit = None, crit + " (dry run, not counted)"
     if ok is not None:
         passed, failed = passed + bool(ok), failed + (not ok)
     verdict = crit if ok is None else f"{crit}: {'PASS' if ok else 'FAIL'}"
@@ -334,7 +405,9 @@ lines = [f"bench: {device}, {elapsed} s, {n_rounds} round(s)"
 
 # alignment: round 1 only, no ratios
 al = sorted({int(c.split("/")[2]) for c in data if c.startswith("align/")})
-if al:
+if "align" not in selected:
+    pass
+elif al:
     def a(api, sz, side, key):
         v = num(data.get(f"align/{api}/{sz}", {}).get(side, {}).get(1, {}).get(key))
         return "–" if v is None else size(v).replace(".00 ", " ")
@@ -359,3 +432,25 @@ print(text)
 open(table_path, "w").write(text + "\n")
 sys.exit(0 if failed == 0 else 1)
 EOF
+  legacy_rc=$?
+fi
+
+mem_rc=0
+if [ -n "$MEMSEL" ]; then
+  echo
+  # shellcheck disable=SC2086 # MEMSEL is a list of job names
+  BENCH_SHIM="$B/libvmmshim.so" BENCH_MEM_BIN="$BENCH_MEM" BENCH_DRY="$DRY" python3 tests/gpu/bench_mem.py $MEMSEL
+  mem_rc=$?
+fi
+if [ "$LEGACY" = 1 ] && [ -n "$MEMSEL" ]; then # the two closing lines, summed
+  p=0 f=0
+  for t in "$W/table.md" "$W/mem-table.md"; do
+    l=$(grep -E '^bench(-mem)?: [0-9]+ passed, [0-9]+ failed' "$t" 2>/dev/null | tail -n 1)
+    l=${l:-"x: 0 passed, 1 failed"} # a table that never got written counts as one failure
+    p=$((p + $(printf '%s' "$l" | sed -E 's/.*: ([0-9]+) passed.*/\1/')))
+    f=$((f + $(printf '%s' "$l" | sed -E 's/.* ([0-9]+) failed.*/\1/')))
+  done
+  echo
+  echo "bench: total $p passed, $f failed (cost table and memory table)"
+fi
+[ "$legacy_rc" = 0 ] && [ "$mem_rc" = 0 ]
