@@ -597,6 +597,7 @@ static void pools_ready_locked(device_state *d)
                          .now_ns = now_ns};
     uint64_t arena = arena_bytes(d);
     for (int k = 0; k < 2; k++) vmm__pool_init(&d->pool[k], &ops, d->granularity, arena, retain_of(d, k), S.isolate);
+    d->pool[0].exact = 1; /* cudaMalloc: natively each allocation is memory of its own, gone at its free */
     d->pool_ready = 1;
 }
 

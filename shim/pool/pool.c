@@ -445,6 +445,16 @@ static vmm__arena *arena_add(vmm__pool *p, int small, uint64_t need)
 
 static uint64_t front_gap(const vmm__block *b, uint64_t align) { return round_up(b->addr, align) - b->addr; }
 
+/* Carving [.., end) out of free block b would leave most of an empty segment free behind a live
+ * block, where no give-back can reach it until that block goes: better to give the segment back
+ * and map what the request needs. */
+static int pins_empty_tail(const vmm__pool *p, const vmm__block *b, uint64_t end)
+{
+    const vmm__seg *s = vmm__pool_seg_at(b->arena, p->granule, end - 1);
+    uint64_t tail = s->base + s->size - end;
+    return s->n_live == 0 && tail > p->granule && tail > (end - b->addr) / 8;
+}
+
 static int fits(vmm__pool *p, vmm__block *b, uint64_t need, uint64_t align, int ordered, uint64_t stream)
 {
     if (b->size < need + front_gap(b, align)) return 0;
@@ -452,6 +462,7 @@ static int fits(vmm__pool *p, vmm__block *b, uint64_t need, uint64_t align, int 
         vmm__seg *s = vmm__pool_seg_at(b->arena, p->granule, b->addr);
         if (b->size != need || s->base != b->addr || s->size != need) return 0;
     }
+    if (b->backed && p->exact && !b->arena->small && pins_empty_tail(p, b, round_up(b->addr, align) + need)) return 0;
     return !b->backed || usable(p, b, ordered, stream);
 }
 
@@ -529,7 +540,7 @@ static vmm__block *grow(vmm__pool *p, int small, uint64_t need, uint64_t align, 
     if (!p->isolate && l && l->free && l->backed && usable(p, l, ordered, stream) && round_up(l->addr, align) < lo)
         start = round_up(l->addr, align);
     uint64_t hi = round_up(start + need, p->granule);
-    uint64_t step = p->isolate ? 0 : small ? p->granule : VMM_POOL_MIN_GROWTH;
+    uint64_t step = p->isolate || (p->exact && !small) ? 0 : small ? p->granule : VMM_POOL_MIN_GROWTH;
     if (hi - lo < step) hi = lo + step;
     if (hi > u_end) hi = u_end;
     int rc = seg_add(p, a, lo, hi); /* u and l may be joined with the new space from here on */
@@ -647,6 +658,7 @@ void vmm__pool_destroy(vmm__pool *p)
     }
     vmm__pool_ops ops = p->ops;
     uint64_t g = p->granule, as = p->arena_size, retain = p->retain;
-    int iso = p->isolate;
+    int iso = p->isolate, exact = p->exact;
     vmm__pool_init(p, &ops, g, as, retain, iso);
+    p->exact = exact;
 }

@@ -96,6 +96,9 @@ typedef struct vmm__pool {
     uint64_t granule, arena_size;
     uint64_t retain;                     /* bytes of empty segments kept when memory is given back */
     int isolate;                         /* every allocation its own segments, never shared */
+    int exact;                           /* large requests grow by exactly their size, and an empty segment is
+                                            never split for a much smaller one: what a free empties goes back
+                                            whole, as native cudaFree's memory does (cudaMalloc's pool) */
     vmm__pool_bins bins[2][2];           /* [small arena][backed] */
     vmm__arena *arenas;
     vmm__seg *segs, *empty_head, *empty_tail;

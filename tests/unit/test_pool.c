@@ -216,6 +216,33 @@ static void test_give_back(void)
     vmm__pool_destroy(&p);
 }
 
+/* cudaMalloc's pool: large requests map exactly their size, and a much smaller request never
+ * splits an empty segment (the remainder would stay pinned behind it) but replaces it. */
+static void test_exact(void)
+{
+    vmm__pool p;
+    setup(&p, 8 * GiB, 0, 0);
+    p.exact = 1;
+    vmm__block *a = take(&p, 3 * MiB, 0, 0);
+    CHECK(a && p.reserved == 4 * MiB && dev.in_use == 4 * MiB, "3 MiB maps its 2 MiB-rounded 4 MiB, not a 20 MiB step (%" PRIu64 ")", p.reserved);
+    vmm__block *big = take(&p, 100 * MiB, 0, 0);
+    vmm__pool_free(&p, big, 0, NULL);
+    vmm__block *c = take(&p, 30 * MiB, 0, 0);
+    CHECK(c && p.reserved == 34 * MiB && dev.in_use == 34 * MiB,
+          "30 MiB after freeing 100 MiB holds 30 MiB, not the 100 MiB segment (%" PRIu64 " MiB)", p.reserved >> 20);
+    vmm__block *d = take(&p, 30 * MiB, 0, 0);
+    vmm__pool_free(&p, d, 0, NULL);
+    vmm__block *e = take(&p, 29 * MiB, 0, 0);
+    CHECK(e && p.reserved == 64 * MiB && p.segs_made == 4, "a near fit reuses the empty segment (%" PRIu64 " MiB, %" PRIu64 " made)",
+          p.reserved >> 20, p.segs_made);
+    vmm__pool_free(&p, a, 0, NULL);
+    vmm__pool_free(&p, c, 0, NULL);
+    vmm__pool_free(&p, e, 0, NULL);
+    vmm__pool_release(&p, 0, 0, UINT64_MAX);
+    CHECK(p.reserved == 0 && dev.in_use == 0 && consistent(&p), "all back");
+    vmm__pool_destroy(&p);
+}
+
 static void test_streams(void)
 {
     vmm__pool p;
@@ -345,6 +372,7 @@ int main(void)
     test_small_packing();
     test_merge_across_segments();
     test_give_back();
+    test_exact();
     test_streams();
     test_oom();
     test_isolate();
