@@ -208,6 +208,8 @@ def test_range_across_mappings(reg):
         edge.close()
         inside2.close()
 
+        readme_view(own)
+
         # failures: clear errors, nothing left mapped or imported
         c4 = counters()
         T.raises(vmmshim.NotFound, lambda: reg.open(own.pid, va, 4 * page), "a range past the mappings",
@@ -240,6 +242,47 @@ def test_range_across_mappings(reg):
         own.step("")
     finally:
         own.end()
+
+
+class StandInTorch:
+    """torch.from_dlpack as far as the README's example needs it: takes the capsule as a
+    consumer does and hands back its fields (and the deleter a tensor's death would call)."""
+
+    class Tensor:
+        def __init__(self, fields, delete):
+            self.fields, self.delete = fields, delete
+            self.shape = fields["shape"]
+
+    @classmethod
+    def from_dlpack(cls, obj):
+        return cls.Tensor(*consume(obj.__dlpack__()))
+
+
+def readme_view(own):
+    """The README's view example, as it stands there, over own_vmm's two mappings."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"<!-- python-view -->\n```python\n(.*?)```\n", readme, re.S)
+    if not T.check(len(blocks) == 1, f"README.md has {len(blocks)} ```python blocks after <!-- python-view -->"):
+        return
+    T.check(3 * own.page == 3072 * 1024 * 2, f"own_vmm's three pages are the example's 6 MiB ({own.page})")
+    space = {"vmmshim": vmmshim, "torch": StandInTorch, "pid": own.pid, "address": own.va}
+    try:
+        exec(compile(blocks[0], "README.md (python-view)", "exec"), space)
+    except Exception as e:
+        T.check(False, f"the README's view example raised {type(e).__name__}: {e}")
+        return
+    buf, w = space["buf"], space["w"]
+    f = w.fields
+    T.check(f["shape"] == (3072, 1024) and f["strides"] == (1024, 1) and f["dtype"] == (4, 16, 1) and
+            f["data"] == buf.ptr and f["device"] == (2, 0) and buf.size == 3 * own.page and len(buf.allocations) == 2,
+            f"the README's view example: {f}, {buf}")
+    T.check(ctypes.string_at(f["data"] + own.page - 8, 16) == own_pattern(own.page - 8, 16),
+            "the README example's tensor reads the program's bytes across its two handles")
+    buf.close()
+    T.check(buf._imp is not None, "the example's tensor holds the import")
+    w.delete()
+    gc.collect()
+    T.check(buf._imp is None, "its deleter releases it")
 
 
 # ---- views ------------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ libvmmshim-client.so; standard library only).
     with reg.open(pid, address) as buf:       # any interior address of the allocation
         data = buf.read(0, 4096)               # bytes, copied to the host
         t = torch.from_dlpack(buf)             # zero-copy 1-D uint8 tensor (also CuPy, JAX)
+    buf = reg.open(pid, address, 6 << 20)      # exactly these bytes, across allocations or mappings
+    w = torch.from_dlpack(buf.view((3072, 1024), "bfloat16"))   # typed, zero-copy
 
-A tensor taken with DLPack keeps the import alive after the buffer is closed, until the tensor
-is freed.
+A view, and a tensor taken with DLPack, keep the import alive after the buffer is closed, until
+they are freed.
 """
 import ctypes
 import operator
