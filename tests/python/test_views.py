@@ -181,29 +181,41 @@ def test_range_across_mappings(reg):
         recs = reg.allocations(own.pid)
         T.check([(a.address, a.api) for a in recs] == [(va, "cuMemMap"), (va + page, "cuMemMap")],
                 f"own_vmm's two mappings are published: {recs}")
+        keys = ("imports", "mappings_live", "reservations_live")
         c0 = counters()
-        whole = reg.open(own.pid, va, 3 * page)
+        first = reg.open(own.pid, va, page + 4096)
         c1 = counters()
-        T.check(whole.size == 3 * page and whole.address == va and len(whole.allocations) == 2,
-                f"a range over both mappings: {whole} {whole.allocations}")
-        T.check(fnv1a(whole.read()) == own.fnv, "its bytes are the program's three pages (fnv)")
-        T.check(delta(c0, c1, "imports", "mappings_live", "reservations_live") == (2, 2, 1),
-                f"two handles, each mapped once, in one reservation: "
-                f"{delta(c0, c1, 'imports', 'mappings_live', 'reservations_live')}")
+        T.check(first.size == page + 4096 and first.address == va and len(first.allocations) == 2 and
+                first.read() == own_pattern(0, page + 4096),
+                f"a range from the first mapping into the second: {first} {first.allocations}")
+        T.check(delta(c0, c1, *keys) == (2, 2, 1),
+                f"two handles, each mapped once, in one reservation: {delta(c0, c1, *keys)}")
         edge = reg.open(own.pid, va + page - 100, 200)
         c2 = counters()
-        T.check(edge.read() == own_pattern(page - 100, 200), "a range across the boundary of the two handles")
-        # vmm_import_range shares nothing between range imports (vmmshim.h): an overlapping
-        # range that crosses a handle boundary is a mapping of its own
-        T.check(delta(c1, c2, "mappings_live", "reservations_live") == (2, 1),
-                f"an overlapping range import maps its own: {delta(c1, c2, 'mappings_live', 'reservations_live')}")
-        inside = reg.open(own.pid, va + page + 10, 1000)
-        inside2 = reg.open(own.pid, va + page + 500, 1000)
+        T.check(edge.read() == own_pattern(page - 100, 200) and edge.ptr == first.ptr + page - 100 and
+                len(edge.allocations) == 2, "a range across the handles' boundary, inside the first")
+        T.check(delta(c1, c2, *keys) == (0, 0, 0),
+                f"a range inside one imported already shares its mappings: {delta(c1, c2, *keys)}")
+        # a range reaching past every range imported here: one contiguous mapping needs a
+        # reservation of its own (vmm_import_range shares nothing), so its handles are mapped again
+        whole = reg.open(own.pid, va, 3 * page)
         c3 = counters()
-        T.check(inside.read() == own_pattern(page + 10, 1000) and inside2.ptr == inside.ptr + 490,
-                "ranges inside one mapping read its bytes, at one chunk's places")
-        T.check(delta(c2, c3, "imports", "mappings_live") == (1, 1),
-                f"two ranges inside one mapping map its handle once: {delta(c2, c3, 'imports', 'mappings_live')}")
+        T.check(whole.size == 3 * page and len(whole.allocations) == 2 and fnv1a(whole.read()) == own.fnv,
+                f"a range over both mappings: the program's three pages (fnv): {whole}")
+        T.check(delta(c2, c3, *keys) == (2, 2, 1),
+                f"a range past the ones imported maps its own: {delta(c2, c3, *keys)}")
+        inside = reg.open(own.pid, va + 2 * page + 10, 1000)
+        inside2 = reg.open(own.pid, va + 2 * page + 500, 1000)
+        T.check(inside.read() == own_pattern(2 * page + 10, 1000) and inside2.ptr == inside.ptr + 490 and
+                inside.ptr == whole.ptr + 2 * page + 10 and delta(c3, counters(), *keys) == (0, 0, 0),
+                f"ranges inside one mapping, inside the whole range: its mappings: {delta(c3, counters(), *keys)}")
+        T.raises(vmmshim.InvalidArgument, lambda: edge.read(100, 101), "a read past a shared range's end", "200")
+        first.close()
+        T.check(edge.read(0, 8) == own_pattern(page - 100, 8) and delta(c0, counters(), "mappings_live")[0] == 4,
+                "closing the range a later open shares keeps its mappings for it")
+        edge.close()
+        T.check(delta(c0, counters(), "mappings_live", "reservations_live") == (2, 1),
+                "the last Buffer of a range releases it")
         whole.check()
         edge.close()
         inside2.close()

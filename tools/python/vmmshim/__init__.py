@@ -119,6 +119,8 @@ class Registry:
         handle = ctypes.c_void_p()
         _check(L.vmm_open(name.encode() if name is not None else None, ctypes.byref(handle)))
         self._handle = handle
+        self._ranges = []  # live range imports (_Range), which later opens inside them share
+        self._ranges_lock = threading.Lock()
 
     def _h(self):
         if self._handle is None:
@@ -189,28 +191,49 @@ class Registry:
             raise ValueError(f"vmmshim: open(pid, address, size) wants address >= 0 and size > 0, "
                              f"not 0x{address:x}, {size}")
         alloc = self.find(pid, address)
-        offset = address - alloc.address
-        if offset + size <= alloc.size:
-            # inside one allocation: its chunk, mapped once here however often it is opened
-            return Buffer(self._import(alloc), alloc, self, address=address, size=size, offset=offset)
         try:
             covered = self._walk(pid, address, size)
         except Error:
             covered = None  # vmm_import_range says why, in its words
+        shared = self._shared_range(pid, address, size, covered)
+        if shared is not None:
+            # inside a range imported here already, whose records are still these: its mappings
+            return Buffer(shared.imp, alloc, self, address=address, size=size, offset=address - shared.address,
+                          ranged=covered, shared=shared)
+        offset = address - alloc.address
+        if offset + size <= alloc.size:
+            # inside one allocation: its chunk, mapped once here however often it is opened
+            return Buffer(self._import(alloc), alloc, self, address=address, size=size, offset=offset)
         imp = ctypes.c_void_p()
         _check(_lib.lib().vmm_import_range(self._h(), pid, address, size, ctypes.byref(imp)))
         try:
             # the records walked before the import must be the ones it mapped: one freed and
             # replaced meanwhile would leave check() watching the wrong allocation
             after = self._walk(pid, address, size)
-            if covered is None or [(a.slot, a.generation, a.id) for a in after] != \
-                    [(a.slot, a.generation, a.id) for a in covered]:
+            if covered is None or _names(after) != _names(covered):
                 raise Stale(f"pid {pid}'s allocations in 0x{address:x}..0x{address + size:x} changed while it was "
                             f"being imported", _lib.STALE)
-            return Buffer(imp, covered[0], self, address=address, size=size, ranged=covered)
+            shared = _Range(self, imp, pid, address, size, covered)
         except BaseException:
             _lib.lib().vmm_import_release(imp)
             raise
+        with self._ranges_lock:
+            self._ranges.append(shared)
+        return Buffer(imp, alloc, self, address=address, size=size, ranged=covered, shared=shared)
+
+    def _shared_range(self, pid, address, size, covered):
+        """A live range import holding [address, address + size) of the same records, with a
+        reference taken for the caller; None when there is none."""
+        if covered is None:
+            return None
+        want = _names(covered)
+        with self._ranges_lock:
+            for r in self._ranges:
+                if r.pid == pid and r.address <= address and address + size <= r.address + r.size and \
+                        r.refs > 0 and set(want) <= set(_names(r.records)):
+                    r.refs += 1
+                    return r
+        return None
 
     def _import(self, alloc):
         imp = ctypes.c_void_p()
@@ -226,9 +249,36 @@ class Registry:
             except NotFound as e:
                 raise NotFound(f"pid {pid} has no live allocation at 0x{at:x}, inside the range 0x{address:x}.."
                                f"0x{end:x} ({e})", _lib.NOT_FOUND) from None
+            if a.address + a.extent <= at:  # a record that does not hold at: the walk would not move on
+                raise Corrupt(f"pid {pid}'s record at 0x{a.address:x} ({a.extent} bytes) was found for 0x{at:x}",
+                              _lib.CORRUPT)
             covered.append(a)
             at = a.address + a.extent
         return covered
+
+
+def _names(allocations):
+    """What tells allocation records apart, also across a free and a reuse of their place."""
+    return [(a.slot, a.generation, a.id) for a in allocations]
+
+
+class _Range:
+    """A vmm_import_range shared by the Buffers opened inside it (refs of them); released with the
+    last one."""
+
+    def __init__(self, registry, imp, pid, address, size, records):
+        self.registry, self.imp, self.pid, self.address, self.size = registry, imp, pid, address, size
+        self.records = list(records)
+        self.refs = 1
+
+    def put(self):
+        with self.registry._ranges_lock:
+            self.refs -= 1
+            last = self.refs == 0
+            if last:
+                self.registry._ranges.remove(self)
+        if last:
+            _check(_lib.lib().vmm_import_release(self.imp))
 
 
 def _index(value, what):
@@ -246,14 +296,16 @@ class Buffer:
     allocations every record the Buffer covers.  close() releases the import once no view and no
     tensor taken with DLPack uses it; any later use of the Buffer raises ValueError."""
 
-    def __init__(self, imp, allocation, registry, address=None, size=None, offset=0, ranged=None):
+    def __init__(self, imp, allocation, registry, address=None, size=None, offset=0, ranged=None, shared=None):
         L = _lib.lib()
         self._imp = imp
         self._registry = registry
-        self._offset = offset  # of the first byte in the import (a part of one allocation)
-        self._ranged = ranged is not None  # a vmm_import_range: vmm_import_check cannot check it
+        self._offset = offset  # of the first byte in the import (part of an allocation or a range)
+        self._shared = shared  # the range import (_Range) it holds a reference to, if any
+        self._ranged = ranged is not None  # records walked: check() checks them itself
         self._ptr = L.vmm_import_ptr(imp) + offset
-        self.size = L.vmm_import_size(imp) if size is None else size
+        self._import_size = L.vmm_import_size(imp)
+        self.size = self._import_size if size is None else size
         self.device = L.vmm_import_device(imp)
         self.allocation = allocation
         self.allocations = list(ranged) if ranged is not None else [allocation]
@@ -278,8 +330,8 @@ class Buffer:
             length = max(self.size - offset, 0)
         if offset < 0 or length < 0:
             raise ValueError(f"vmmshim: negative offset or length ({offset}, {length})")
-        if self._offset and offset + length > self.size:
-            # the import is the whole allocation: its own bounds would let this one pass
+        if (self._offset or self.size != self._import_size) and offset + length > self.size:
+            # the import is more than the buffer: its own bounds would let this one pass
             raise InvalidArgument(f"vmmshim: read of [{offset}, {offset + length}) past the end of the buffer's "
                                   f"{self.size} bytes", _lib.INVALID)
         out = ctypes.create_string_buffer(length)
@@ -315,7 +367,9 @@ class Buffer:
 
     def _release(self):
         imp, self._imp = self._imp, None
-        if imp:
+        if imp and self._shared is not None:
+            self._shared.put()
+        elif imp:
             _check(_lib.lib().vmm_import_release(imp))
 
     def _export_taken(self):
