@@ -150,6 +150,9 @@ def test_range_in_one_allocation(reg, own):
             T.check(delta(c1, counters(), "imports", "mappings_live") == (0, 0) and again.ptr == whole.ptr + 8192,
                     "a third overlapping open maps nothing more")
         part.check()
+        with reg.open(own.pid, address, 100) as head:
+            T.check(head.ptr == whole.ptr and head.read() == pattern(0, 0, 100), "a range at the allocation's start")
+            T.raises(vmmshim.InvalidArgument, lambda: head.read(50, 51), "a read past its end, at offset 0", "100")
     T.check(counters()["handles_live"] >= c0["handles_live"], "counters readable after close")
 
 

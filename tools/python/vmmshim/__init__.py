@@ -182,7 +182,8 @@ class Registry:
         lies under it: part of one allocation (its chunk is imported, and shared with every other
         import of it here), or several allocations back to back, such as the pages of a PyTorch
         expandable segment (vmm_import_range: one reservation with every handle mapped at its
-        place).  A Buffer either way; its allocations are the records it covers."""
+        place; a later open inside it, of the same records, shares it; one reaching past it maps
+        its own).  A Buffer either way; its allocations are the records it covers."""
         if size is None:
             alloc = self.find(pid, address)
             return Buffer(self._import(alloc), alloc, self)
