@@ -175,6 +175,15 @@ def test_range_across_pooled(reg, pooled):
         buf.check()
     T.check(delta(c0, counters(), "mappings_live", "reservations_live", "handles_live") == (0, 0, 0),
             "close() of a range import unmaps it and frees its reservation")
+    # the owner dies while a range is held: a range inside it is refused as a first open would be
+    held = reg.open(pooled.pid, start, end - start)
+    pooled.kill()
+    T.raises(vmmshim.OwnerDead, lambda: reg.open(pooled.pid, start + 10, a1 + 100 - start - 10),
+             "a range inside a held one, of a killed owner", str(pooled.pid))
+    T.check(held.read(0, 16) == pattern(0, 100, 16), "the held range reads after its owner died")
+    T.raises(vmmshim.OwnerDead, held.check, "check() of a range whose owner died", str(pooled.pid))
+    held.close()
+    T.check(delta(c0, counters(), "mappings_live", "reservations_live") == (0, 0), "and is released at close()")
 
 
 def test_range_across_mappings(reg):

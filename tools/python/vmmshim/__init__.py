@@ -225,8 +225,8 @@ class Registry:
     def _shared_range(self, pid, address, size, covered):
         """A live range import holding [address, address + size) of the same records, with a
         reference taken for the caller; None when there is none."""
-        if covered is None:
-            return None
+        if covered is None or any(a.owner_alive == OWNER_DEAD for a in covered):
+            return None  # a dead owner's range: vmm_import_range says so, as for a first open
         want = _names(covered)
         with self._ranges_lock:
             for r in self._ranges:
