@@ -9,14 +9,18 @@ libvmmshim-client.so; standard library only).
     with reg.open(pid, address) as buf:       # any interior address of the allocation
         data = buf.read(0, 4096)               # bytes, copied to the host
         t = torch.from_dlpack(buf)             # zero-copy 1-D uint8 tensor (also CuPy, JAX)
+    buf = reg.open(pid, address, 6 << 20)      # exactly these bytes, across allocations or mappings
+    w = torch.from_dlpack(buf.view((3072, 1024), "bfloat16"))   # typed, zero-copy
 
-A tensor taken with DLPack keeps the import alive after the buffer is closed, until the tensor
-is freed.
+A view, and a tensor taken with DLPack, keep the import alive after the buffer is closed, until
+they are freed.
 """
 import ctypes
+import operator
 import threading
+import weakref
 
-from . import _dlpack, _lib
+from . import _dlpack, _dtypes, _lib
 from ._errors import (BY_STATUS, Access, Busy, Corrupt, CudaError, Error, InvalidArgument, IOFailure, LibraryNotFound,
                       NotFound, OutOfMemory, OwnerDead, Stale, VersionMismatch)
 from ._lib import (ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, KIND_BROKER, KIND_FABRIC, KIND_PIDFD, OWNER_ALIVE,
@@ -24,7 +28,7 @@ from ._lib import (ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, KIND_BROKER, KIND_F
 
 __version__ = "0.1.0"
 
-__all__ = ["Registry", "Allocation", "Process", "Buffer", "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
+__all__ = ["Registry", "Allocation", "Process", "Buffer", "View", "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
            "Access", "Corrupt", "VersionMismatch", "Busy", "Stale", "OwnerDead", "CudaError", "OutOfMemory",
            "IOFailure", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN", "KIND_BROKER", "KIND_PIDFD", "KIND_FABRIC",
            "ALLOC_NOT_EXPORTABLE", "ALLOC_SHARED_CHUNK"]
@@ -115,6 +119,8 @@ class Registry:
         handle = ctypes.c_void_p()
         _check(L.vmm_open(name.encode() if name is not None else None, ctypes.byref(handle)))
         self._handle = handle
+        self._ranges = []  # live range imports (_Range), which later opens inside them share
+        self._ranges_lock = threading.Lock()
 
     def _h(self):
         if self._handle is None:
@@ -170,28 +176,141 @@ class Registry:
         _check(_lib.lib().vmm_find_proc(self._h(), pid, ctypes.byref(info)))
         return Process(info)
 
-    def open(self, pid, address):
-        """Import the live allocation of pid containing address; a Buffer of the whole allocation."""
+    def open(self, pid, address, size=None):
+        """Import pid's bytes at address: without size, the whole live allocation containing
+        address (any interior address); with size, exactly [address, address + size), whatever
+        lies under it: part of one allocation (its chunk is imported, and shared with every other
+        import of it here), or several allocations back to back, such as the pages of a PyTorch
+        expandable segment (vmm_import_range: one reservation with every handle mapped at its
+        place; a later open inside it, of the same records, shares it; one reaching past it maps
+        its own).  A Buffer either way; its allocations are the records it covers."""
+        if size is None:
+            alloc = self.find(pid, address)
+            return Buffer(self._import(alloc), alloc, self)
+        size, address = _index(size, "size"), _index(address, "address")
+        if size <= 0 or address < 0:
+            raise ValueError(f"vmmshim: open(pid, address, size) wants address >= 0 and size > 0, "
+                             f"not 0x{address:x}, {size}")
         alloc = self.find(pid, address)
+        try:
+            covered = self._walk(pid, address, size)
+        except Error:
+            covered = None  # vmm_import_range says why, in its words
+        shared = self._shared_range(pid, address, size, covered)
+        if shared is not None:
+            # inside a range imported here already, whose records are still these: its mappings
+            return Buffer(shared.imp, alloc, self, address=address, size=size, offset=address - shared.address,
+                          ranged=covered, shared=shared)
+        offset = address - alloc.address
+        if offset + size <= alloc.size:
+            # inside one allocation: its chunk, mapped once here however often it is opened
+            return Buffer(self._import(alloc), alloc, self, address=address, size=size, offset=offset)
+        imp = ctypes.c_void_p()
+        _check(_lib.lib().vmm_import_range(self._h(), pid, address, size, ctypes.byref(imp)))
+        try:
+            # the records walked before the import must be the ones it mapped: one freed and
+            # replaced meanwhile would leave check() watching the wrong allocation
+            after = self._walk(pid, address, size)
+            if covered is None or _names(after) != _names(covered):
+                raise Stale(f"pid {pid}'s allocations in 0x{address:x}..0x{address + size:x} changed while it was "
+                            f"being imported", _lib.STALE)
+            shared = _Range(self, imp, pid, address, size, covered)
+        except BaseException:
+            _lib.lib().vmm_import_release(imp)
+            raise
+        with self._ranges_lock:
+            self._ranges.append(shared)
+        return Buffer(imp, alloc, self, address=address, size=size, ranged=covered, shared=shared)
+
+    def _shared_range(self, pid, address, size, covered):
+        """A live range import holding [address, address + size) of the same records, with a
+        reference taken for the caller; None when there is none."""
+        if covered is None or any(a.owner_alive == OWNER_DEAD for a in covered):
+            return None  # a dead owner's range: vmm_import_range says so, as for a first open
+        want = _names(covered)
+        with self._ranges_lock:
+            for r in self._ranges:
+                if r.pid == pid and r.address <= address and address + size <= r.address + r.size and \
+                        r.refs > 0 and set(want) <= set(_names(r.records)):
+                    r.refs += 1
+                    return r
+        return None
+
+    def _import(self, alloc):
         imp = ctypes.c_void_p()
         _check(_lib.lib().vmm_import(self._h(), ctypes.byref(alloc._info), ctypes.byref(imp)))
-        return Buffer(imp, alloc, self)
+        return imp
+
+    def _walk(self, pid, address, size):
+        """The live records covering [address, address + size), in order (registry reads only)."""
+        covered, at, end = [], address, address + size
+        while at < end:
+            try:
+                a = self.find(pid, at)
+            except NotFound as e:
+                raise NotFound(f"pid {pid} has no live allocation at 0x{at:x}, inside the range 0x{address:x}.."
+                               f"0x{end:x} ({e})", _lib.NOT_FOUND) from None
+            if a.address + a.extent <= at:  # a record that does not hold at: the walk would not move on
+                raise Corrupt(f"pid {pid}'s record at 0x{a.address:x} ({a.extent} bytes) was found for 0x{at:x}",
+                              _lib.CORRUPT)
+            covered.append(a)
+            at = a.address + a.extent
+        return covered
+
+
+def _names(allocations):
+    """What tells allocation records apart, also across a free and a reuse of their place."""
+    return [(a.slot, a.generation, a.id) for a in allocations]
+
+
+class _Range:
+    """A vmm_import_range shared by the Buffers opened inside it (refs of them); released with the
+    last one."""
+
+    def __init__(self, registry, imp, pid, address, size, records):
+        self.registry, self.imp, self.pid, self.address, self.size = registry, imp, pid, address, size
+        self.records = list(records)
+        self.refs = 1
+
+    def put(self):
+        with self.registry._ranges_lock:
+            self.refs -= 1
+            last = self.refs == 0
+            if last:
+                self.registry._ranges.remove(self)
+        if last:
+            _check(_lib.lib().vmm_import_release(self.imp))
+
+
+def _index(value, what):
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"vmmshim: {what} must be an integer, not {type(value).__name__}") from None
 
 
 class Buffer:
-    """An imported allocation.  ptr is its device pointer here, size its requested size, device the
-    CUDA device it is mapped for here; address is the owner's pointer to it.  close() releases the
-    import once no tensor taken with DLPack uses it; any later use raises ValueError."""
+    """Imported bytes of another process.  ptr is their device pointer here, size their length,
+    device the CUDA device they are mapped for here; address is the owner's pointer to the first
+    byte.  Opened without a size, a Buffer is one whole allocation (size its requested size);
+    with one, exactly the bytes asked for.  allocation is the record holding the first byte,
+    allocations every record the Buffer covers.  close() releases the import once no view and no
+    tensor taken with DLPack uses it; any later use of the Buffer raises ValueError."""
 
-    def __init__(self, imp, allocation, registry):
+    def __init__(self, imp, allocation, registry, address=None, size=None, offset=0, ranged=None, shared=None):
         L = _lib.lib()
         self._imp = imp
         self._registry = registry
-        self._ptr = L.vmm_import_ptr(imp)
-        self.size = L.vmm_import_size(imp)
+        self._offset = offset  # of the first byte in the import (part of an allocation or a range)
+        self._shared = shared  # the range import (_Range) it holds a reference to, if any
+        self._ranged = ranged is not None  # records walked: check() checks them itself
+        self._ptr = L.vmm_import_ptr(imp) + offset
+        self._import_size = L.vmm_import_size(imp)
+        self.size = self._import_size if size is None else size
         self.device = L.vmm_import_device(imp)
         self.allocation = allocation
-        self.address = allocation.address
+        self.allocations = list(ranged) if ranged is not None else [allocation]
+        self.address = allocation.address if address is None else address
         self._closed = False
         self._exports = 0
         self._lock = threading.Lock()
@@ -212,15 +331,31 @@ class Buffer:
             length = max(self.size - offset, 0)
         if offset < 0 or length < 0:
             raise ValueError(f"vmmshim: negative offset or length ({offset}, {length})")
+        if (self._offset or self.size != self._import_size) and offset + length > self.size:
+            # the import is more than the buffer: its own bounds would let this one pass
+            raise InvalidArgument(f"vmmshim: read of [{offset}, {offset + length}) past the end of the buffer's "
+                                  f"{self.size} bytes", _lib.INVALID)
         out = ctypes.create_string_buffer(length)
-        _check(_lib.lib().vmm_import_read(self._imp, offset, out, length))
+        _check(_lib.lib().vmm_import_read(self._imp, self._offset + offset, out, length))
         return out.raw
 
     def check(self):
-        """Raises Stale once the owner freed the allocation (or reused its place), OwnerDead once it
-        exited; the imported memory stays valid either way, until close()."""
+        """Raises Stale once the owner freed an allocation the buffer covers (or reused its place),
+        OwnerDead once it exited; the imported memory stays valid either way, until close()."""
         self._open()
-        _check(_lib.lib().vmm_import_check(self._registry._h(), self._imp))
+        if not self._ranged:
+            _check(_lib.lib().vmm_import_check(self._registry._h(), self._imp))
+            return
+        for a in self.allocations:
+            try:
+                now = self._registry.find(a.pid, a.address)
+            except NotFound:
+                now = None
+            if now is not None and now.owner_alive == OWNER_DEAD:
+                raise OwnerDead(f"pid {a.pid} (the owner of 0x{a.address:x}) has exited", _lib.OWNER_DEAD)
+            if now is None or (now.slot, now.generation, now.id) != (a.slot, a.generation, a.id):
+                raise Stale(f"pid {a.pid}'s allocation at 0x{a.address:x} was freed since it was imported",
+                            _lib.STALE)
 
     def close(self):
         with self._lock:
@@ -233,8 +368,14 @@ class Buffer:
 
     def _release(self):
         imp, self._imp = self._imp, None
-        if imp:
+        if imp and self._shared is not None:
+            self._shared.put()
+        elif imp:
             _check(_lib.lib().vmm_import_release(imp))
+
+    def _export_taken(self):
+        with self._lock:
+            self._exports += 1
 
     def _export_freed(self):
         with self._lock:
@@ -250,7 +391,7 @@ class Buffer:
         self.close()
 
     def __del__(self):
-        # Exported tensors hold a reference, so this runs only once none is left.
+        # Views and exported tensors hold a reference, so this runs only once none is left.
         if getattr(self, "_imp", None):
             self._closed = True
             self._release()
@@ -264,18 +405,120 @@ class Buffer:
         were written by another process and the import is complete, so no stream has work to wait
         for.  An unversioned capsule is returned whatever max_version asks (DLPack allows it)."""
         self._open()
+        return self._capsule(self._ptr, (self.size,), (1,), _dtypes.DTYPES["uint8"], dl_device, copy)
+
+    def _capsule(self, ptr, shape, strides, dtype, dl_device, copy):
         if copy:
             raise BufferError("vmmshim: an imported buffer is exported without copying (copy=True)")
-        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
-            raise BufferError(f"vmmshim: the buffer lives on {self.__dlpack_device__()}, not {tuple(dl_device)}")
-        with self._lock:
-            self._exports += 1
+        here = (_dlpack.KDL_CUDA, self.device)
+        if dl_device is not None and tuple(dl_device) != here:
+            raise BufferError(f"vmmshim: the buffer lives on {here}, not {tuple(dl_device)}")
+        self._export_taken()
         try:
-            return _dlpack.capsule(self, self._ptr, self.size, self.device)
+            return _dlpack.capsule(self, ptr, self.size, self.device, shape, strides, dtype.dlpack)
         except BaseException:
             self._export_freed()
             raise
 
+    def view(self, shape, dtype, offset=0, strides=None):
+        """A zero-copy typed view of the bytes from offset: shape (a tuple, or an int for 1-D),
+        dtype (a name such as "bfloat16", a torch or NumPy dtype), strides in elements as DLPack
+        counts them (None: row-major, contiguous).  torch.from_dlpack, cupy.from_dlpack and
+        jax.dlpack.from_dlpack take it, CuPy and Numba through __cuda_array_interface__ too.
+        ValueError when the view would reach past the buffer's end, for a negative offset, an
+        offset not aligned for the dtype, or strides that are negative or do not fit the shape.
+        The view (and every tensor taken from it) keeps the import alive, after close() and after
+        the Buffer object is dropped too."""
+        self._open()
+        return View(self, shape, dtype, offset, strides)
+
     def __repr__(self):
         state = "closed" if self._closed else f"at 0x{self._ptr:x} on device {self.device}"
         return f"<vmmshim.Buffer {self.size} bytes of pid {self.allocation.pid} 0x{self.address:x}, {state}>"
+
+
+class View:
+    """A typed window on a Buffer (Buffer.view): shape and strides (in elements), dtype (its
+    name; dlpack_dtype the (code, bits, lanes) exported), offset (bytes from the buffer's start),
+    ptr (the first element's device pointer), nbytes (the bytes it spans), device."""
+
+    def __init__(self, buffer, shape, dtype, offset, strides):
+        dt = _dtypes.resolve(dtype)
+        if isinstance(shape, (list, tuple)):
+            shape = tuple(_index(n, "a shape entry") for n in shape)
+        else:
+            shape = (_index(shape, "shape"),)
+        offset = _index(offset, "offset")
+        if any(n < 0 for n in shape):
+            raise ValueError(f"vmmshim: negative extent in shape {shape}")
+        if offset < 0:
+            raise ValueError(f"vmmshim: negative offset {offset}")
+        if offset % dt.itemsize or (buffer._ptr + offset) % dt.itemsize:
+            raise ValueError(f"vmmshim: offset {offset} (device address 0x{buffer._ptr + offset:x}) is not aligned "
+                             f"for {dt.name} ({dt.itemsize} bytes)")
+        if strides is None:
+            strides, step = [], 1
+            for n in reversed(shape):
+                strides.insert(0, step)
+                step *= max(n, 1)
+            strides = tuple(strides)
+        else:
+            if not isinstance(strides, (list, tuple)):
+                raise ValueError(f"vmmshim: strides must be a tuple of {len(shape)} integers, not {strides!r}")
+            strides = tuple(_index(s, "a stride") for s in strides)
+            if len(strides) != len(shape):
+                raise ValueError(f"vmmshim: {len(strides)} strides for {len(shape)} dimensions (shape {shape})")
+            if any(s < 0 for s in strides):
+                raise ValueError(f"vmmshim: negative strides {strides} (PyTorch and JAX take none)")
+        if 0 in shape:
+            nbytes = 0
+        else:
+            nbytes = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * dt.itemsize
+        if offset + nbytes > buffer.size:
+            raise ValueError(f"vmmshim: a {dt.name} view of shape {shape}, strides {strides} at offset {offset} spans "
+                             f"bytes [{offset}, {offset + nbytes}), past the end of the buffer's {buffer.size}")
+        self.shape, self.strides, self.offset, self.nbytes = shape, strides, offset, nbytes
+        self._dtype = dt
+        self.dtype = dt.name
+        self.dlpack_dtype = dt.dlpack
+        self.device = buffer.device
+        self.ptr = buffer._ptr + offset
+        self.buffer = buffer
+        buffer._export_taken()
+        # the import stays until this view is gone (the buffer object with it: the callback holds it)
+        self._finalizer = weakref.finalize(self, buffer._export_freed)
+
+    def __dlpack_device__(self):
+        return (_dlpack.KDL_CUDA, self.device)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        """A "dltensor" capsule of the view, zero-copy: data is ptr, byte_offset 0, strides always
+        given.  No stream has work to wait for (as Buffer.__dlpack__)."""
+        return self.buffer._capsule(self.ptr, self.shape, self.strides, self._dtype, dl_device, copy)
+
+    @property
+    def __cuda_array_interface__(self):
+        """Version 3: strides in bytes, None when row-major contiguous; stream None (nothing to wait
+        for); data (0, False) for an empty view.  Only for dtypes NumPy names (not bfloat16 and the
+        float8 types: consumers take those through DLPack), else AttributeError."""
+        if self._dtype.typestr is None:
+            raise AttributeError(f"vmmshim: __cuda_array_interface__ has no typestr for {self.dtype}; "
+                                 f"use DLPack (torch.from_dlpack, cupy.from_dlpack) for it")
+        contiguous, step = True, 1
+        for n, s in zip(reversed(self.shape), reversed(self.strides)):
+            if n > 1 and s != step:
+                contiguous = False
+            step *= n
+        return {
+            "version": 3,
+            "shape": self.shape,
+            "typestr": self._dtype.typestr,
+            "data": (self.ptr if self.nbytes else 0, False),
+            "strides": None if contiguous else tuple(s * self._dtype.itemsize for s in self.strides),
+            "descr": [("", self._dtype.typestr)],
+            "stream": None,
+        }
+
+    def __repr__(self):
+        return (f"<vmmshim.View {self.dtype}{list(self.shape)} strides {list(self.strides)} at offset {self.offset} "
+                f"of {self.buffer!r}>")

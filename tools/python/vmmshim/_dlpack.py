@@ -1,4 +1,5 @@
-"""DLPack export in pure ctypes (dlpack.h v0.8, the unversioned "dltensor" capsule).
+"""DLPack export in pure ctypes (dlpack.h v0.8, the unversioned "dltensor" capsule; dtype codes as
+dlpack.h 1.1 numbers them, float8 included).
 
 A capsule owns one DLManagedTensor until a consumer renames it "used_dltensor"; from then on the
 consumer owns it and calls its deleter when the tensor dies.  Until that deleter runs (or the
@@ -39,10 +40,21 @@ class DLManagedTensor(ctypes.Structure):
     _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", DELETER)]
 
 
-class _Export(ctypes.Structure):
-    # The managed tensor first, so that its address is the export's; shape and strides live
-    # with it for as long as the consumer holds the tensor.
-    _fields_ = [("managed", DLManagedTensor), ("shape", ctypes.c_int64 * 1), ("strides", ctypes.c_int64 * 1)]
+_export_types = {}
+
+
+def _export_type(ndim):
+    """A structure with the managed tensor first, so that its address is the export's, and room
+    for ndim shape and stride entries, which live with it for as long as the consumer holds the
+    tensor (ndim 0: arrays of one entry, never read, so that the pointers are not NULL)."""
+    cls = _export_types.get(ndim)
+    if cls is None:
+        n = max(ndim, 1)
+        cls = type(f"_Export{ndim}", (ctypes.Structure,),
+                   {"_fields_": [("managed", DLManagedTensor), ("shape", ctypes.c_int64 * n),
+                                 ("strides", ctypes.c_int64 * n)]})
+        _export_types[ndim] = cls
+    return cls
 
 
 NAME = b"dltensor"  # referenced by every capsule: it must outlive them, so it is module-level
@@ -82,17 +94,24 @@ _capsule_new = _api.PyCapsule_New
 _capsule_new.restype, _capsule_new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, CAPSULE_DESTRUCTOR]
 
 
-def capsule(owner, ptr, size, device):
-    """A "dltensor" capsule of a 1-D uint8 tensor of size bytes at device pointer ptr on CUDA
-    device `device`; owner._export_freed() is called once the tensor is deleted."""
-    exp = _Export()
-    exp.shape[0] = size
-    exp.strides[0] = 1
+def capsule(owner, ptr, size, device, shape=None, strides=None, dtype=(KDL_UINT, 8, 1)):
+    """A "dltensor" capsule of a tensor at device pointer ptr on CUDA device `device`: by default
+    1-D uint8 of size bytes, else of shape and strides (in elements, always given: DLPack >= 1.2
+    wants them non-NULL) and dtype (code, bits, lanes).  ptr is the first element's address and
+    byte_offset 0, as PyTorch and CuPy export views (dlpack.h notes that producers do not keep
+    data 256-byte aligned, and consumers add byte_offset anyway).  owner._export_freed() is called
+    once the tensor is deleted."""
+    if shape is None:
+        shape, strides = (size,), (1,)
+    exp = _export_type(len(shape))()
+    for i, (n, s) in enumerate(zip(shape, strides)):
+        exp.shape[i] = n
+        exp.strides[i] = s
     t = exp.managed.dl_tensor
     t.data = ptr
     t.device = DLDevice(KDL_CUDA, device)
-    t.ndim = 1
-    t.dtype = DLDataType(KDL_UINT, 8, 1)
+    t.ndim = len(shape)
+    t.dtype = DLDataType(*dtype)
     t.shape = ctypes.cast(exp.shape, ctypes.POINTER(ctypes.c_int64))
     t.strides = ctypes.cast(exp.strides, ctypes.POINTER(ctypes.c_int64))
     t.byte_offset = 0
