@@ -98,8 +98,8 @@ def test_list(reg, own):
             a.owner_alive == vmmshim.OWNER_ALIVE and a.owner == "alive" and a.exportable and
             a.handle_kinds & vmmshim.KIND_BROKER and a.generation > 0 and a.created_ns > 0 and a.stream == 0,
             f"the first record: {vars(a)}")
-    # 3 MiB cudaMalloc: 2 MiB-rounded in a shared 20 MiB chunk; the small one shares a 2 MiB chunk
-    T.check(a.mapped_size == 20 * MiB and a.extent == 4 * MiB and a.chunk_id > 0 and a.chunk_offset < a.mapped_size,
+    # 3 MiB cudaMalloc: 2 MiB-rounded in a segment of its own size; the small one shares a 2 MiB one
+    T.check(a.mapped_size == 4 * MiB and a.extent == 4 * MiB and a.chunk_id > 0 and a.chunk_offset == 0,
             f"the 3 MiB record's chunk: {a.mapped_size} {a.extent} {a.chunk_id} {a.chunk_offset}")
     T.check(allocs[1].shared_chunk and allocs[1].flags & vmmshim.ALLOC_SHARED_CHUNK and allocs[1].mapped_size == 2 * MiB,
             f"the small record shares a chunk: {vars(allocs[1])}")

@@ -429,7 +429,7 @@ static void inspect_published(int pid, unsigned long long a, unsigned long long 
     if (!reg) return;
     vmm_alloc_info ia, ib;
     CHECK(vmm_find(reg, (uint32_t)pid, a + 4096, &ia) == VMM_OK, "cuMemAlloc'd memory not published: %s", vmm_last_error());
-    CHECK(ia.address == a && ia.api == VMM_FROM_CU_MEM_ALLOC && ia.requested_size == 3u << 20 && ia.mapped_size == 20u << 20 && ia.extent == 4u << 20 &&
+    CHECK(ia.address == a && ia.api == VMM_FROM_CU_MEM_ALLOC && ia.requested_size == 3u << 20 && ia.mapped_size == 4u << 20 && ia.extent == 4u << 20 &&
               (ia.handle_kinds & VMM_KIND_BROKER),
           "cuMemAlloc record: address ok %d api %u requested %llu mapped %llu kinds %u", ia.address == a, ia.api,
           (unsigned long long)ia.requested_size, (unsigned long long)ia.mapped_size, ia.handle_kinds);
