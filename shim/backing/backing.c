@@ -86,6 +86,9 @@ typedef struct captured_free {
     vmm__block *b;
     device_state *d;
     const uint32_t *mark;
+    /* in_flight: its marker is being captured (outside the lock); a device reset meanwhile only
+     * unlinks it and sets dropped, and the free that made it frees it */
+    int in_flight, dropped;
     struct captured_free *next;
 } captured_free;
 
@@ -1045,7 +1048,7 @@ static int captured_reap_locked(void)
     int capturing = __atomic_load_n(&captures, __ATOMIC_ACQUIRE) > 0;
     for (captured_free **pp = &S.captured; *pp;) {
         captured_free *cf = *pp;
-        if (__atomic_load_n(cf->mark, __ATOMIC_ACQUIRE) != 1) {
+        if (cf->in_flight || __atomic_load_n(cf->mark, __ATOMIC_ACQUIRE) != 1) {
             pp = &cf->next;
             continue;
         }
@@ -1156,7 +1159,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
             captured_free *cf = calloc(1, sizeof *cf);
             CUdeviceptr slot = cf ? mark_take_locked(d, &mark) : 0;
             if (slot) {
-                *cf = (captured_free){.b = b, .d = d, .mark = mark, .next = S.captured};
+                *cf = (captured_free){.b = b, .d = d, .mark = mark, .in_flight = 1, .next = S.captured};
                 S.captured = cf;
             }
             pthread_mutex_unlock(&S.lock);
@@ -1166,18 +1169,22 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
                 rc = cu.MemsetD32Async(slot, 1, 1, stream);
                 vmm__leave();
             }
-            pthread_mutex_lock(&S.lock);
-            int listed = 0;
-            for (captured_free **pp = &S.captured; slot && *pp; pp = &(*pp)->next)
-                if (*pp == cf) {
-                    listed = 1;
-                    if (rc != CUDA_SUCCESS) *pp = cf->next;
-                    break;
-                }
-            if (listed && rc == CUDA_SUCCESS) purge_kick_locked(); /* the give-back thread watches the marker */
-            pthread_mutex_unlock(&S.lock);
-            if (!listed || rc != CUDA_SUCCESS) free(cf); /* unlisted: a device reset dropped it (and its block) */
-            if (rc != CUDA_SUCCESS) /* nothing tells when the graph frees it: never reuse it */
+            int dropped = 0;
+            if (slot) {
+                pthread_mutex_lock(&S.lock);
+                cf->in_flight = 0;
+                dropped = cf->dropped; /* a device reset took the block: nothing is left to free */
+                if (!dropped && rc != CUDA_SUCCESS)
+                    for (captured_free **pp = &S.captured; *pp; pp = &(*pp)->next)
+                        if (*pp == cf) {
+                            *pp = cf->next;
+                            break;
+                        }
+                if (!dropped && rc == CUDA_SUCCESS) purge_kick_locked(); /* the give-back thread watches the marker */
+                pthread_mutex_unlock(&S.lock);
+            }
+            if (dropped || rc != CUDA_SUCCESS) free(cf);
+            if (!dropped && rc != CUDA_SUCCESS) /* nothing tells when the graph frees it: never reuse it */
                 vmm__log(VMM__LOG_WARNING, "stream-ordered free of shim memory during graph capture: no marker could be "
                          "captured (CUDA error %d); its block is retired", (int)rc);
             return VMM__DONE;
@@ -1476,7 +1483,8 @@ void vmm__device_reset(int dev)
         captured_free *cf = *pp;
         if (cf->d == d) {
             *pp = cf->next;
-            free(cf);
+            if (cf->in_flight) cf->dropped = 1;
+            else free(cf);
         } else {
             pp = &cf->next;
         }
