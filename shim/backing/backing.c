@@ -1549,7 +1549,9 @@ void vmm__pool_set_release_threshold(int dev, uint64_t bytes)
     pthread_mutex_lock(&S.lock);
     d->release_threshold = bytes;
     if (d->pool_ready) d->pool[1].retain = retain_of(d, 1);
-    purge_kick_locked(); /* a lower threshold may put memory past it */
+    /* a lower threshold may put memory past it: gone at the next synchronization, as natively */
+    __atomic_store_n(&S.sync_due, 1, __ATOMIC_RELAXED);
+    purge_kick_locked();
     pthread_mutex_unlock(&S.lock);
 }
 

@@ -10,6 +10,8 @@
  *                                 pool's reserved bytes, and bytes held beyond the cudaMalloc block
  *   trace_live_peak / trace_phys_peak   a transformer-like trace (varying sequence lengths,
  *                                 stream-ordered, release threshold UINT64_MAX as PyTorch sets it)
+ *   trace_held / lowered_left     what that pool keeps once all is freed, and what stays after the
+ *                                 threshold is lowered to 0 and the stream synchronized
  * Only meaningful over tests/fakecuda (the counters are its own). */
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -135,8 +137,11 @@ static void trace(cudaStream_t s)
     for (int l = 0; l < LAYERS; l++) must(cudaFreeAsync(weights[l], s), "weights free");
     must(cudaStreamSynchronize(s), "cudaStreamSynchronize");
     printf("trace_live_peak %llu\ntrace_phys_peak %llu\n", live_peak, phys_peak);
-    keep = 0;
+    printf("trace_held %llu\n", phys() - base); /* threshold UINT64_MAX: the pool keeps it */
+    keep = 0; /* natively the next synchronization releases what lies beyond the lower threshold */
     must(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "ReleaseThreshold");
+    must(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    printf("lowered_left %lld\n", (long long)(phys() - base)); /* below 0: memory held before the trace went too */
     must(cudaMemPoolTrimTo(pool, 0), "cudaMemPoolTrimTo");
 }
 

@@ -74,6 +74,9 @@ int main(void)
     CHECK(live > 500 * MiB && live == value(&native, "trace_live_peak") && phys <= 1.10 * live,
           "varying-size trace: physical peak %.1f MiB over a live peak of %.1f MiB (%.3fx; at most 1.10x)", phys / MiB,
           live / MiB, phys / live);
+    CHECK(value(&shimmed, "trace_held") > 0 && value(&shimmed, "lowered_left") <= 0,
+          "threshold UINT64_MAX keeps %.0f bytes; lowered to 0, a synchronization leaves %.0f",
+          value(&shimmed, "trace_held"), value(&shimmed, "lowered_left"));
     CHECK(value(&shimmed, "end_left") == 0, "at the end %.0f bytes stay", value(&shimmed, "end_left"));
     printf("stat: varying-size trace: live peak %.1f MiB, physical peak natively %.1f MiB, under the shim %.1f MiB "
            "(%.3fx); give-back %.0f ms after cudaFree (delay 200 ms)\n",
