@@ -83,12 +83,18 @@ typedef struct vmm_alloc_info {
     uint64_t chunk_offset;    /* address - the chunk's base in the owner */
     uint64_t extent;          /* bytes of the chunk it occupies (>= requested_size) */
     uint32_t flags;           /* VMM_ALLOC_* */
+    /* Handles its chunk is made of: 1, or with VMM_ALLOC_MULTI_HANDLE several, mapped back to
+     * back in the owner (its pool maps many handles into one range, and an allocation may span
+     * some).  chunk_id then names the first, mapped_size is their sum, and chunk_offset counts
+     * from the first one's base.  vmm_import maps them all; vmm_import_fd cannot hand them out. */
+    uint32_t n_handles;
 } vmm_alloc_info;
 
 /* vmm_alloc_info.flags */
 enum {
     VMM_ALLOC_NOT_EXPORTABLE = 1u << 0, /* made by the real allocator (device full, stream capture) */
-    VMM_ALLOC_SHARED_CHUNK = 1u << 1    /* its chunk may hold other allocations of the same owner */
+    VMM_ALLOC_SHARED_CHUNK = 1u << 1,   /* its chunk may hold other allocations of the same owner */
+    VMM_ALLOC_MULTI_HANDLE = 1u << 2    /* its chunk is n_handles handles back to back (broker only) */
 };
 
 typedef struct vmm_proc_info {
