@@ -12,7 +12,7 @@
  * An allocation of more than 64 handles needs several broker replies.  The broker's wire format
  * is spoken raw too: a v1 request for a multi-handle record is refused with -EPROTONOSUPPORT, a
  * v2 one past the last handle gets -ERANGE, a stale generation -ESTALE; and vmm_import refuses a
- * stale generation and an allocation freed meanwhile. */
+ * stale generation and an allocation freed meanwhile.  `vmmctl show` prints the handle count. */
 #include "../fakecuda/fakecuda.h"
 #include "broker/protocol.h"
 #include "check.h"
@@ -408,6 +408,14 @@ int main(void)
             st = vmm_import_fd(reg, &a, &fd);
             CHECK(st == VMM_ERR_INVALID && fd < 0 && strstr(vmm_last_error(), "handles"),
                   "vmm_import_fd of a multi-handle record: %d: %s", (int)st, vmm_last_error());
+            char vmmctl[600], pid[16], at[32], out[4096], err[1024], want[64];
+            snprintf(vmmctl, sizeof vmmctl, "%s/vmmctl", g_build);
+            snprintf(pid, sizeof pid, "%d", (int)g_pid);
+            snprintf(at, sizeof at, "0x%llx", (unsigned long long)addr);
+            snprintf(want, sizeof want, "\nhandles      %u, back to back", a.n_handles);
+            char *argv[] = {vmmctl, "show", pid, at, NULL};
+            int rc = spawn_capture(argv, NULL, out, sizeof out, err, sizeof err, 30);
+            CHECK(rc == 0 && strstr(out, want), "vmmctl show: rc %d:\n%s%s", rc, out, err);
             raw_protocol(reg, &a);
             stale_cases(reg, &a, idx);
         }

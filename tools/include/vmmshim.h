@@ -173,7 +173,10 @@ vmm_status vmm_gc(vmm_registry *reg, vmm_gc_report *out);
  * from the record's).
  *
  * What is mapped is the allocation's whole chunk (mapped_size bytes); the pointer handed back is
- * the chunk's base + chunk_offset.  Imported chunks are shared within this process and kept: while
+ * the chunk's base + chunk_offset.  A VMM_ALLOC_MULTI_HANDLE record's chunk is n_handles handles:
+ * each comes from the owner's broker (several in a reply), and they are mapped back to back in
+ * one reservation, with one cuMemSetAccess; such a mapping is shared only by imports of that
+ * same allocation.  Imported chunks are shared within this process and kept: while
  * a chunk is mapped here, importing an allocation of it (the same one again, or another) asks
  * neither the owner's broker nor the driver to import or map anything -- it re-reads the
  * allocation's record (still live, same generation, same chunk) and the owner's liveness, and
@@ -204,7 +207,8 @@ uint64_t vmm_import_size(const vmm_imported *imp);
 vmm_status vmm_import_release(vmm_imported *imp);
 /* Just the fd of the allocation's chunk (a POSIX file descriptor, close-on-exec), for companions
  * that import it themselves: map alloc->mapped_size bytes and add alloc->chunk_offset.  Each call
- * asks the owner again; the caller closes the fd. */
+ * asks the owner again; the caller closes the fd.  VMM_ERR_INVALID for a VMM_ALLOC_MULTI_HANDLE
+ * record: one fd cannot carry its handles. */
 vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd);
 
 /* Map the owner's bytes [address, address+length) of process `pid` here as one contiguous range,
