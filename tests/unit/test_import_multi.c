@@ -12,7 +12,8 @@
  * An allocation of more than 64 handles needs several broker replies.  The broker's wire format
  * is spoken raw too: a v1 request for a multi-handle record is refused with -EPROTONOSUPPORT, a
  * v2 one past the last handle gets -ERANGE, a stale generation -ESTALE; and vmm_import refuses a
- * stale generation and an allocation freed meanwhile.  `vmmctl show` prints the handle count. */
+ * stale generation and an allocation freed meanwhile.  A range over two allocations whose chunks
+ * overlap in a segment maps each handle once.  `vmmctl show` prints the handle count. */
 #include "../fakecuda/fakecuda.h"
 #include "broker/protocol.h"
 #include "check.h"
@@ -268,6 +269,45 @@ static void range_whole(vmm_registry *reg, const vmm_alloc_info *a, uint64_t see
           c1.reservations_live, c1.handles_live);
 }
 
+/* Two allocations across three segments, X over the first and half the second, Y over the rest:
+ * their chunks (named by their first handles) overlap in the middle segment.  One range import
+ * over both maps each of the three handles once, and reads both right. */
+static void overlapping_range(vmm_registry *reg)
+{
+    int first = -1;
+    uint64_t unused, x = 0, y = 0;
+    for (int i = 0; i < 3; i++) {
+        int k = owner_alloc(SEG, &unused);
+        if (i == 0) first = k;
+        CHECK(k >= 0, "overlap: segment %d", i);
+    }
+    for (int i = 0; i < 3; i++) CHECK(owner_cmd(NULL, "f %d", first + i), "overlap: free %d", i);
+    int xi = owner_alloc(SEG * 3 / 2, &x), yi = owner_alloc(SEG * 3 / 2, &y);
+    CHECK(xi >= 0 && yi >= 0 && owner_cmd(NULL, "w %d 21", xi) && owner_cmd(NULL, "w %d 22", yi),
+          "overlap: the owner could not make X and Y");
+    vmm_alloc_info ax, ay;
+    if (xi < 0 || yi < 0 || vmm_find(reg, (uint32_t)g_pid, x, &ax) != VMM_OK ||
+        vmm_find(reg, (uint32_t)g_pid, y, &ay) != VMM_OK)
+        return;
+    CHECK(y == x + ax.extent && ax.n_handles >= 2 && ay.n_handles >= 2 && ay.chunk_offset > 0 &&
+              ax.chunk_id != ay.chunk_id,
+          "overlap: X at 0x%llx (%u handles), Y at 0x%llx (%u handles, offset %llu): not the layout this case needs",
+          (unsigned long long)x, ax.n_handles, (unsigned long long)y, ay.n_handles,
+          (unsigned long long)ay.chunk_offset);
+    struct fakecuda_counters c0 = counters();
+    vmm_imported *imp = NULL;
+    vmm_status st = vmm_import_range(reg, (uint32_t)g_pid, x, ax.requested_size + ay.requested_size, &imp);
+    CHECK(st == VMM_OK, "overlap: vmm_import_range: %s", vmm_last_error());
+    if (st != VMM_OK) return;
+    CHECK(counters().mappings_live - c0.mappings_live == 3, "overlap: %llu mappings for 3 segments",
+          counters().mappings_live - c0.mappings_live);
+    long long bx = first_wrong(vmm_import_ptr(imp), ax.requested_size, 21);
+    long long by = first_wrong(vmm_import_ptr(imp) + (y - x), ay.requested_size, 22);
+    CHECK(bx < 0 && by < 0, "overlap: X's word %lld, Y's word %lld read wrong", bx, by);
+    CHECK(vmm_import_release(imp) == VMM_OK, "overlap: release: %s", vmm_last_error());
+    CHECK(counters().mappings_live == c0.mappings_live, "overlap: mappings left after release");
+}
+
 /* The wire format, spoken raw. */
 static void raw_protocol(vmm_registry *reg, const vmm_alloc_info *a)
 {
@@ -419,6 +459,8 @@ int main(void)
             raw_protocol(reg, &a);
             stale_cases(reg, &a, idx);
         }
+
+        overlapping_range(reg);
 
         uint64_t big = 0;
         int bi = owner_span(MANY, 11, &big);

@@ -1587,7 +1587,10 @@ static vmm_status range_layout(range_plan *p)
             last->last = i;
             continue;
         }
-        if (last && (last->to != last->size || from != 0)) {
+        /* a MULTI-HANDLE record's chunk may overlap its neighbour's: judged handle by handle once
+         * their sizes are known (range_place) */
+        bool multi = (p->rec[last ? last->last : i].flags | a->flags) & VMM_ALLOC_MULTI_HANDLE;
+        if (last && !multi && (last->to != last->size || from != 0)) {
             const vmm_alloc_info *b = &p->rec[last->last];
             return set_err(VMM_ERR_INVALID,
                            "at 0x%llx pid %u's bytes pass from offset %llu of chunk %llu (%llu bytes) to offset %llu "
@@ -1678,41 +1681,107 @@ static vmm_status range_unmap(range_map *m)
 }
 
 /* Reserve the range's address space and map every piece at its place, read-write for dev. */
-static vmm_status range_map_all(const range_plan *p, CUcontext ctx, CUdevice dev, range_map **out)
+/* One handle at its place in the owner: what a range maps. */
+typedef struct placed {
+    uint64_t at, size; /* the owner's address of the handle's first byte, its bytes */
+    CUmemGenericAllocationHandle handle;
+} placed;
+
+/* Where each fetched handle lies in the owner, keeping those the range touches, in address
+ * order.  A MULTI-HANDLE record's chunk names only its first handle, so the chunks of two
+ * records may overlap (an allocation across segments 1 and 2 beside one across 2 and 3): a
+ * handle at a place one is kept at already is that same segment (both records were live at
+ * once), mapped once.  The kept handles must lie back to back over the whole range. */
+static vmm_status range_place(const range_plan *p, placed **out, size_t *n_out)
 {
-    size_t n_maps = 0;
+    size_t cap = 0;
     for (size_t k = 0; k < p->n_pc; k++) {
         const multi_parts *mp = &p->pc[p->pc[k].handle_of].parts;
-        n_maps += mp->n ? mp->n : 1;
+        cap += mp->n ? mp->n : 1;
     }
-    range_map *m = malloc(sizeof *m + n_maps * sizeof m->map[0]);
-    if (!m) return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+    placed *v = calloc(cap, sizeof *v);
+    if (!v) return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+    size_t n = 0;
+    uint64_t have = 0; /* the owner's bytes up to here are placed */
+    vmm_status st = VMM_OK;
+    for (size_t k = 0; k < p->n_pc && st == VMM_OK; k++) {
+        const piece *c = &p->pc[k];
+        const multi_parts *mp = &p->pc[c->handle_of].parts;
+        const vmm_alloc_info *a = &p->rec[c->first];
+        uint64_t at = a->address - a->chunk_offset;
+        for (uint32_t i = 0; i < (mp->n ? mp->n : 1) && st == VMM_OK; i++) {
+            uint64_t size = mp->n ? mp->size[i] : c->size;
+            placed h = {at, size, mp->n ? mp->h[i] : c->handle};
+            at += size;
+            if (h.at + h.size <= p->address || h.at >= p->end) continue;
+            if (n && h.at < have) {
+                bool same = false;
+                for (size_t j = 0; j < n && !same; j++) same = v[j].at == h.at && v[j].size == h.size;
+                if (!same)
+                    st = set_err(VMM_ERR_STALE,
+                                 "pid %u's handle of %llu bytes at 0x%llx overlaps another one that does not start "
+                                 "there: its segments changed while the range was imported",
+                                 p->pid, (unsigned long long)h.size, (unsigned long long)h.at);
+                continue;
+            }
+            if ((n && h.at != have) || (!n && h.at > p->address)) {
+                st = set_err(VMM_ERR_INVALID,
+                             "at 0x%llx pid %u's handles do not lie back to back (the next one starts at 0x%llx), so "
+                             "the range cannot be mapped as one",
+                             (unsigned long long)(n ? have : p->address), p->pid, (unsigned long long)h.at);
+                break;
+            }
+            v[n++] = h;
+            have = h.at + h.size;
+        }
+    }
+    if (st == VMM_OK && (!n || have < p->end))
+        st = set_err(VMM_ERR_INVALID, "pid %u's handles cover the range 0x%llx..0x%llx only up to 0x%llx", p->pid,
+                     (unsigned long long)p->address, (unsigned long long)p->end, (unsigned long long)have);
+    if (st != VMM_OK) {
+        free(v);
+        return st;
+    }
+    *out = v;
+    *n_out = n;
+    return VMM_OK;
+}
+
+/* Reserve the range's address space and map every placed handle at its place, read-write for
+ * dev.  *ptr: where the range's first byte is. */
+static vmm_status range_map_all(const range_plan *p, CUcontext ctx, CUdevice dev, range_map **out, uint64_t *ptr)
+{
+    placed *v = NULL;
+    size_t n = 0;
+    vmm_status st = range_place(p, &v, &n);
+    if (st != VMM_OK) return st;
+    range_map *m = malloc(sizeof *m + n * sizeof m->map[0]);
+    if (!m) {
+        free(v);
+        return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+    }
     memset(m, 0, sizeof *m);
     m->ctx = ctx;
-    size_t total = 0;
-    for (size_t k = 0; k < p->n_pc; k++) total += (size_t)p->pc[k].size;
+    size_t total = (size_t)(v[n - 1].at + v[n - 1].size - v[0].at);
     CUresult r = cu.MemAddressReserve(&m->base, total, 0, 0, 0);
     if (r != CUDA_SUCCESS) {
         free(m);
+        free(v);
         return cu_fail("cuMemAddressReserve", r);
     }
     m->size = total;
-    size_t at = 0;
-    for (size_t k = 0; k < p->n_pc; k++) {
-        const piece *c = &p->pc[k];
-        const multi_parts *mp = &p->pc[c->handle_of].parts;
-        /* a MULTI-HANDLE record's chunk is its handles back to back: one mapping each */
-        for (uint32_t i = 0; i < (mp->n ? mp->n : 1); i++) {
-            size_t len = (size_t)(mp->n ? mp->size[i] : c->size);
-            if ((r = cu.MemMap(m->base + at, len, 0, mp->n ? mp->h[i] : c->handle, 0)) != CUDA_SUCCESS) {
-                (void)range_unmap(m);
-                return cu_fail("cuMemMap", r);
-            }
-            m->map[m->n].at = at;
-            m->map[m->n++].len = len;
-            at += len;
+    for (size_t k = 0; k < n; k++) {
+        size_t at = (size_t)(v[k].at - v[0].at), len = (size_t)v[k].size;
+        if ((r = cu.MemMap(m->base + at, len, 0, v[k].handle, 0)) != CUDA_SUCCESS) {
+            (void)range_unmap(m);
+            free(v);
+            return cu_fail("cuMemMap", r);
         }
+        m->map[m->n].at = at;
+        m->map[m->n++].len = len;
     }
+    *ptr = (uint64_t)m->base + (p->address - v[0].at);
+    free(v);
     CUmemAccessDesc acc;
     access_for(&acc, dev);
     if ((r = cu.MemSetAccess(m->base, m->size, &acc, 1)) != CUDA_SUCCESS) {
@@ -1744,11 +1813,12 @@ VMM_PUBLIC vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t
     bool fetching = st == VMM_OK;
     if (fetching) st = range_fetch(reg, &p);
     range_map *m = NULL;
-    if (st == VMM_OK) st = range_map_all(&p, ctx, dev, &m);
+    uint64_t ptr = 0;
+    if (st == VMM_OK) st = range_map_all(&p, ctx, dev, &m, &ptr);
     if (fetching) range_release_handles(&p);
     if (st == VMM_OK) {
         imp->range = m;
-        imp->ptr = (uint64_t)m->base + p.pc[0].from;
+        imp->ptr = ptr;
         imp->requested_size = length;
         imp->device = (int)dev;
         *out = imp;
