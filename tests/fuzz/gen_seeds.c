@@ -261,7 +261,7 @@ static void options_seeds(void)
                                "strict = no\nVMMSHIM_VERBOSE = 1\nlog_level = DEBUG\n"
                                "log_file = \"/tmp/vmmshim fuzz.log\"\nenable = on\n"
                                "registry = /vmmshim-fuzz\nregistry_group = 1000\n"
-                               "registry_capacity = 4096\ncache_size = 512 MiB # trailing comment\n"
+                               "registry_capacity = 4096\ncache_size = 512 MiB # trailing comment\ngive_back_ms = 50\n"
                                "isolate = false\nadopt = yes\nexport = pidfd\nbroker_dir = '/tmp/b#1'\n"
                                "broker_group = video\nfabric = off\ntag = run-42\nframes = 8\n"
                                "config = /etc/ignored.conf\nno_such_option = 1\nnot a line\n";
@@ -272,7 +272,7 @@ static void options_seeds(void)
 
     b.n = 0;
     add_u8(&b, 2); /* the same file under VMMSHIM_STRICT=1, with bad values */
-    static const char bad[] = "cache_size = 2P\nframes = 9\nlog_level = loud\ntag = "
+    static const char bad[] = "cache_size = 2P\ngive_back_ms = 60001\nframes = 9\nlog_level = loud\ntag = "
                               "a-tag-that-is-longer-than-thirty-one-bytes\nregistry = no-slash\n";
     add(&b, bad, sizeof bad - 1);
     put("options", "strict-bad-values", b.p, b.n);
@@ -280,7 +280,7 @@ static void options_seeds(void)
     /* Environment values, one per option in table order from STRICT (CONFIG's is skipped). */
     static const char *const env[VMM__OPT_COUNT] = {
         "0", "1", "info", "/tmp/vmmshim.log", "", "TRUE", "/vmmshim-env", "wheel", "1024",
-        "1T", "500", "1", "0", "broker", "/run/vmmshim", "video", "auto", "tag", "0", "1"};
+        "1T", "250", "1", "0", "broker", "/run/vmmshim", "video", "auto", "tag", "0", "1"};
     b.n = 0;
     add_u8(&b, 1);
     for (int i = 0; i < VMM__OPT_COUNT; i++) add(&b, env[i], strlen(env[i]) + (i + 1 < VMM__OPT_COUNT));
