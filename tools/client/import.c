@@ -4,7 +4,9 @@
  * carries the fd with SCM_RIGHTS; wire format in shim/broker/protocol.h) or straight out of the
  * owner's fd table (VMM_KIND_PIDFD: pidfd_getfd, which needs ptrace permission over the owner).
  * Either way the fd is the allocation's chunk: it is mapped whole, once per process, and shared
- * by every import of an allocation in it (see "Imported chunks").  A range import (vmm_import_range,
+ * by every import of an allocation in it (see "Imported chunks").  A MULTI-HANDLE record's chunk
+ * is several handles, whose fds only the broker hands out (protocol v2, several a reply): they
+ * are mapped back to back in one reservation ("multi_fetch", "map_multi").  A range import (vmm_import_range,
  * "Ranges across allocations") maps several records' whole chunks back to back, as in the owner, into
  * one reservation of its own instead, and shares nothing.  The CUDA driver is dlopen'ed
  * on first use; this library links none.  Rules as in client.c: never print, never exit, every
