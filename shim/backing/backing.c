@@ -818,27 +818,12 @@ static int broker_export_many(uint64_t slot, uint64_t generation, const uint8_t 
     return rc;
 }
 
-/* The broker's one-handle protocol: an allocation of one segment. */
-static int broker_export(uint64_t slot, uint64_t generation, const uint8_t id[16], int *fd, uint64_t *mapped,
-                         uint32_t *device)
-{
-    uint64_t size = 0;
-    uint32_t n_here, n_total;
-    int rc = broker_export_many(slot, generation, id, 0, 1, fd, &size, &n_here, &n_total, device);
-    if (rc == 0 && n_total != 1) {
-        close(*fd);
-        return -EPROTONOSUPPORT;
-    }
-    if (rc == 0) *mapped = size;
-    return rc;
-}
-
 static void start_broker(void)
 {
     if (__atomic_load_n(&S.broker_started, __ATOMIC_ACQUIRE)) return;
     pthread_mutex_lock(&S.lock);
     if (!S.broker_started) {
-        int rc = vmm__broker_start(broker_export, S.broker_path, sizeof S.broker_path);
+        int rc = vmm__broker_start(broker_export_many, S.broker_path, sizeof S.broker_path);
         if (rc == 0) vmm__reg_set_broker(&S.reg, S.broker_path);
         else vmm__log(VMM__LOG_WARNING, "broker did not start (%s); companions can import only via pidfd", strerror(-rc));
         __atomic_store_n(&S.broker_started, rc == 0 ? 1 : -1, __ATOMIC_RELEASE);

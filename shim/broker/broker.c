@@ -1,6 +1,7 @@
 /* The owner-side fd broker.  A detached thread, started on the first successful allocation,
  * listens on "<dir>/<pid>.sock" (SOCK_SEQPACKET) and answers each request (broker/protocol.h)
- * with a freshly exported fd of the named allocation, passed with SCM_RIGHTS.  Peers are
+ * with freshly exported fds of the named allocation's handles (one, or a run of them: an
+ * allocation may span several), passed with SCM_RIGHTS.  Peers are
  * judged by SO_PEERCRED: the same uid as this process, or a member of VMMSHIM_BROKER_GROUP.
  * See README.md in this directory for the design and its threats. */
 #include "broker/broker.h"
@@ -282,6 +283,34 @@ static bool peer_in_group(int fd, pid_t pid, gid_t gid)
     }
 }
 
+/* One datagram, with fds (n of them, perhaps 0) by SCM_RIGHTS. */
+static void send_datagram(int fd, const void *msg, size_t len, const int *fds, uint32_t n)
+{
+    struct iovec iov = {.iov_base = (void *)msg, .iov_len = len};
+    union {
+        struct cmsghdr align;
+        char buf[CMSG_SPACE(VMM_BROKER_MAX_FDS * sizeof(int))];
+    } ctl;
+    memset(&ctl, 0, sizeof ctl);
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    if (n > 0 && n <= VMM_BROKER_MAX_FDS) {
+        mh.msg_control = ctl.buf;
+        mh.msg_controllen = CMSG_SPACE(n * sizeof(int));
+        struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(n * sizeof(int));
+        memcpy(CMSG_DATA(c), fds, n * sizeof(int));
+    }
+    /* One small datagram into an empty queue: never blocks; a vanished peer is just skipped. */
+    ssize_t r;
+    do r = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (r < 0 && errno == EINTR);
+}
+
 static void send_reply(int fd, int32_t status, uint64_t mapped_size, uint32_t device, int pass_fd, uint32_t export_ns)
 {
     vmm_broker_reply rep;
@@ -291,29 +320,7 @@ static void send_reply(int fd, int32_t status, uint64_t mapped_size, uint32_t de
     rep.mapped_size = mapped_size;
     rep.device = device;
     rep.export_ns = export_ns;
-    struct iovec iov = {.iov_base = &rep, .iov_len = sizeof rep};
-    union {
-        struct cmsghdr align;
-        char buf[CMSG_SPACE(sizeof(int))];
-    } ctl;
-    memset(&ctl, 0, sizeof ctl);
-    struct msghdr mh;
-    memset(&mh, 0, sizeof mh);
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    if (pass_fd >= 0) {
-        mh.msg_control = ctl.buf;
-        mh.msg_controllen = sizeof ctl.buf;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
-    }
-    /* One small datagram into an empty queue: never blocks; a vanished peer is just skipped. */
-    ssize_t n;
-    do n = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    while (n < 0 && errno == EINTR);
+    send_datagram(fd, &rep, sizeof rep, &pass_fd, pass_fd >= 0 ? 1 : 0);
 }
 
 /* A connection stays open for as many requests as its peer makes: a companion keeps one per
@@ -341,12 +348,91 @@ static bool peer_allowed(const broker_cfg *cfg, int fd)
     return ok;
 }
 
+static uint32_t saturate_ns(const struct timespec *t0, const struct timespec *t1)
+{
+    int64_t ns = (int64_t)(t1->tv_sec - t0->tv_sec) * 1000000000 + (t1->tv_nsec - t0->tv_nsec);
+    return ns < 0 ? 0 : ns > UINT32_MAX ? UINT32_MAX : (uint32_t)ns;
+}
+
+/* Ask the backing for handles [first, first + max) and hold it to its contract: on success
+ * 1 <= *n_here <= max valid fds within *n_total, else none (any it passed are closed here). */
+static int export_checked(const broker_cfg *cfg, const uint8_t *id, uint64_t slot, uint64_t generation,
+                          uint32_t first, uint32_t max, int *fds, uint64_t *sizes, uint32_t *n_here,
+                          uint32_t *n_total, uint32_t *device, uint32_t *ns)
+{
+    *n_here = *n_total = 0;
+    *device = 0;
+    for (uint32_t i = 0; i < max; i++) {
+        fds[i] = -1;
+        sizes[i] = 0;
+    }
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int rc = cfg->export_fn(slot, generation, id, first, max, fds, sizes, n_here, n_total, device);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    *ns = saturate_ns(&t0, &t1);
+    if (rc > 0) rc = -rc;
+    uint32_t got = *n_here <= max ? *n_here : max;
+    if (rc == 0 && (got == 0 || *n_here > max || *n_total < got || first > *n_total - got)) rc = -EIO;
+    for (uint32_t i = 0; rc == 0 && i < got; i++)
+        if (fds[i] < 0) rc = -EIO;
+    if (rc != 0) {
+        for (uint32_t i = 0; i < got; i++)
+            if (fds[i] >= 0) close(fds[i]);
+        *n_here = 0;
+    }
+    return rc;
+}
+
+/* v1: the allocation's one handle, or -EPROTONOSUPPORT when it has several. */
+static void serve_v1(const broker_cfg *cfg, int sock, const vmm_broker_request *q)
+{
+    int fd = -1;
+    uint64_t size = 0;
+    uint32_t n_here, n_total, device, ns;
+    int rc = export_checked(cfg, q->alloc_id, q->slot, q->generation, 0, 1, &fd, &size, &n_here, &n_total, &device,
+                            &ns);
+    if (rc == 0 && n_total != 1) {
+        close(fd);
+        rc = -EPROTONOSUPPORT; /* a part of it would map as if it were the whole */
+    }
+    if (rc != 0) {
+        send_reply(sock, rc, 0, 0, -1, 0);
+        return;
+    }
+    send_reply(sock, 0, size, device, fd, ns);
+    close(fd); /* the peer holds its own reference now (or never will) */
+}
+
+static void serve_v2(const broker_cfg *cfg, int sock, const vmm_broker_request2 *q)
+{
+    vmm_broker_reply2 rep;
+    memset(&rep, 0, sizeof rep);
+    rep.magic = VMM_BROKER_MAGIC;
+    int fds[VMM_BROKER_MAX_FDS];
+    uint32_t max = q->max < VMM_BROKER_MAX_FDS ? q->max : VMM_BROKER_MAX_FDS;
+    int rc = -EINVAL;
+    if (max > 0)
+        rc = export_checked(cfg, q->alloc_id, q->slot, q->generation, q->first, max, fds, rep.sizes, &rep.n_here,
+                            &rep.n_total, &rep.device, &rep.export_ns);
+    if (rc != 0) {
+        memset(&rep, 0, sizeof rep);
+        rep.magic = VMM_BROKER_MAGIC;
+        rep.status = rc;
+        send_datagram(sock, &rep, sizeof rep, NULL, 0);
+        return;
+    }
+    send_datagram(sock, &rep, sizeof rep, fds, rep.n_here);
+    for (uint32_t i = 0; i < rep.n_here; i++) close(fds[i]);
+}
+
 /* Answer one request.  False when the connection is done with (closed, broken, or refused). */
 static bool serve_request(const broker_cfg *cfg, broker_conn *c)
 {
     union {
         vmm_broker_request req;
-        uint8_t raw[sizeof(vmm_broker_request) + 64];
+        vmm_broker_request2 req2;
+        uint8_t raw[sizeof(vmm_broker_request2) + 64];
     } in;
     memset(&in, 0, sizeof in);
     /* MSG_TRUNC: the datagram's real length, so an oversized one is caught; any fds a peer
@@ -360,29 +446,19 @@ static bool serve_request(const broker_cfg *cfg, broker_conn *c)
         send_reply(c->fd, -EACCES, 0, 0, -1, 0);
         return false;
     }
-    if ((size_t)n != sizeof(vmm_broker_request) || in.req.magic != VMM_BROKER_MAGIC ||
-        in.req.version != VMM_BROKER_VERSION) {
-        send_reply(c->fd, -EPROTO, 0, 0, -1, 0);
-        return false;
-    }
-    int xfd = -1;
-    uint64_t mapped = 0;
-    uint32_t device = 0;
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    int rc = cfg->export_fn(in.req.slot, in.req.generation, in.req.alloc_id, &xfd, &mapped, &device);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    if (rc > 0) rc = -rc;
-    if (rc == 0 && xfd < 0) rc = -EIO;
-    if (rc != 0) {
-        if (xfd >= 0) close(xfd);
-        send_reply(c->fd, rc, 0, 0, -1, 0);
+    /* magic and version lie at the same offsets in both requests */
+    if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION &&
+        (size_t)n == sizeof(vmm_broker_request)) {
+        serve_v1(cfg, c->fd, &in.req);
         return true; /* a stale allocation is the peer's news, not the connection's fault */
     }
-    int64_t ns = (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
-    send_reply(c->fd, 0, mapped, device, xfd, ns < 0 ? 0 : ns > UINT32_MAX ? UINT32_MAX : (uint32_t)ns);
-    close(xfd); /* the peer holds its own reference now (or never will) */
-    return true;
+    if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION2 &&
+        (size_t)n == sizeof(vmm_broker_request2)) {
+        serve_v2(cfg, c->fd, &in.req2);
+        return true;
+    }
+    send_reply(c->fd, -EPROTO, 0, 0, -1, 0);
+    return false;
 }
 
 static void conn_close(broker_conn *c, int slot)

@@ -4,11 +4,16 @@
 #define VMM_BROKER_H
 #include <stdint.h>
 
-/* Supplied by the shim's backing: export a fresh fd for the live allocation (slot, generation)
- * whose id matches.  Returns 0 with *fd set, -ESTALE when the generation moved on, -ENOENT when
- * the slot is not a live allocation of this process, or another -errno. */
-typedef int (*vmm__broker_export_fn)(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], int *fd,
-                                     uint64_t *mapped_size, uint32_t *device);
+/* Supplied by the shim's backing: fresh fds for handles [first, first + max) of the live
+ * allocation (slot, generation) whose id matches, in address order (an allocation may span
+ * several handles mapped back to back).  Returns 0 with *n_here (1 .. max) fds in fds[], each
+ * handle's size in sizes[], *n_total the handles the allocation has and *device its device; the
+ * broker closes the fds.  Else -ESTALE when the generation moved on, -ENOENT when the slot is
+ * not a live allocation of this process, -ERANGE when first >= *n_total, or another -errno; on
+ * failure the broker closes fds[0 .. *n_here) (the shim's backing leaves *n_here 0). */
+typedef int (*vmm__broker_export_fn)(uint64_t slot, uint64_t generation, const uint8_t id[16], uint32_t first,
+                                     uint32_t max, int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total,
+                                     uint32_t *device);
 
 /* Start the broker thread once (idempotent, thread-safe).  Writes the socket path into path
  * (for the registry).  Returns 0 or -errno; never blocks the caller for long. */

@@ -1,19 +1,43 @@
-/* Broker wire format: on a SOCK_SEQPACKET connection, each request gets one reply (+ an SCM_RIGHTS
- * fd when status is 0); a peer may send any number of requests, one at a time, on one connection.
+/* Broker wire format: on a SOCK_SEQPACKET connection, each request gets one reply (+ SCM_RIGHTS
+ * fds when status is 0); a peer may send any number of requests, one at a time, on one connection.
  * The broker closes a connection idle for 60 s, or the longest idle one when it has 64 open: a
  * peer reconnects when its next request finds the connection closed.  Little-endian fixed-width
- * fields; a reader in any language can speak it. */
+ * fields; a reader in any language can speak it.
+ *
+ * Two request versions, told apart by `version` and the datagram's exact length:
+ *
+ *   v1 (vmm_broker_request, 40 bytes): one handle.  The reply is a vmm_broker_reply (24 bytes)
+ *   with one fd.  An allocation made of several handles (registry MULTI-HANDLE records) cannot be
+ *   served this way: its v1 request gets -EPROTONOSUPPORT, never a part of it.
+ *
+ *   v2 (vmm_broker_request2, 48 bytes): handles [first, first + max) of the allocation, in
+ *   address order.  The reply is a vmm_broker_reply2 (536 bytes) whose n_here fds (1 <= n_here <=
+ *   min(max, VMM_BROKER_MAX_FDS)) come in one SCM_RIGHTS message, in order, with sizes[i] the
+ *   size of the handle of fd i (entries from n_here on are 0).  n_total is how many handles the
+ *   allocation has; a peer wanting more asks again from first + n_here.  Each request is checked
+ *   anew (slot, generation, id), so an allocation freed between two requests gets -ESTALE or
+ *   -ENOENT, never handles of another.  first >= n_total gets -ERANGE, max 0 gets -EINVAL.
+ *   A one-handle allocation answers v2 too (n_total 1).
+ *
+ * An error reply to a v2 request is a vmm_broker_reply2 as well, except for requests the broker
+ * cannot read (wrong length, magic or version: -EPROTO) and refused peers (-EACCES): those get a
+ * vmm_broker_reply, whatever was sent, since the broker cannot tell what its peer speaks.  magic
+ * and status sit at the same offsets in both, so a peer reads them first.  A broker that predates
+ * v2 answers a v2 request with -EPROTO. */
 #ifndef VMM_BROKER_PROTOCOL_H
 #define VMM_BROKER_PROTOCOL_H
 #include <stddef.h>
 #include <stdint.h>
 
 #define VMM_BROKER_MAGIC 0x424d4d56u /* "VMMB" */
-#define VMM_BROKER_VERSION 1u
+#define VMM_BROKER_VERSION 1u        /* vmm_broker_request: one handle */
+#define VMM_BROKER_VERSION2 2u       /* vmm_broker_request2: a run of handles */
+/* fds in one v2 reply: 64 ints of SCM_RIGHTS stay far under the kernel's 253 per message */
+#define VMM_BROKER_MAX_FDS 64u
 
 typedef struct vmm_broker_request {
     uint32_t magic;
-    uint32_t version;
+    uint32_t version;     /* VMM_BROKER_VERSION */
     uint64_t slot;
     uint64_t generation;
     uint8_t alloc_id[16];
@@ -27,6 +51,26 @@ typedef struct vmm_broker_reply {
     uint32_t export_ns;   /* how long the owner took to export the fd (saturating): for profiles */
 } vmm_broker_reply; /* 24 */
 
+typedef struct vmm_broker_request2 {
+    uint32_t magic;
+    uint32_t version;     /* VMM_BROKER_VERSION2 */
+    uint64_t slot;
+    uint64_t generation;
+    uint8_t alloc_id[16];
+    uint32_t first;       /* the first handle wanted, 0-based in address order */
+    uint32_t max;         /* the most handles wanted in this reply (>= 1; more than 64 reads as 64) */
+} vmm_broker_request2; /* 48 */
+
+typedef struct vmm_broker_reply2 {
+    uint32_t magic;
+    int32_t status;       /* as vmm_broker_reply's, and -ERANGE, -EINVAL, -EPROTONOSUPPORT (v1 only) */
+    uint32_t device;
+    uint32_t export_ns;   /* the owner's time exporting this reply's fds (saturating) */
+    uint32_t n_total;     /* handles the allocation has */
+    uint32_t n_here;      /* fds passed with this reply: handles first .. first + n_here - 1 */
+    uint64_t sizes[VMM_BROKER_MAX_FDS]; /* bytes of each handle passed; the rest 0 */
+} vmm_broker_reply2; /* 536 */
+
 _Static_assert(sizeof(vmm_broker_request) == 40, "request size");
 _Static_assert(offsetof(vmm_broker_request, slot) == 8, "request.slot");
 _Static_assert(offsetof(vmm_broker_request, generation) == 16, "request.generation");
@@ -36,4 +80,19 @@ _Static_assert(offsetof(vmm_broker_reply, status) == 4, "reply.status");
 _Static_assert(offsetof(vmm_broker_reply, mapped_size) == 8, "reply.mapped_size");
 _Static_assert(offsetof(vmm_broker_reply, device) == 16, "reply.device");
 _Static_assert(offsetof(vmm_broker_reply, export_ns) == 20, "reply.export_ns");
+
+_Static_assert(sizeof(vmm_broker_request2) == 48, "request2 size");
+_Static_assert(offsetof(vmm_broker_request2, version) == 4, "request2.version");
+_Static_assert(offsetof(vmm_broker_request2, slot) == 8, "request2.slot");
+_Static_assert(offsetof(vmm_broker_request2, generation) == 16, "request2.generation");
+_Static_assert(offsetof(vmm_broker_request2, alloc_id) == 24, "request2.alloc_id");
+_Static_assert(offsetof(vmm_broker_request2, first) == 40, "request2.first");
+_Static_assert(offsetof(vmm_broker_request2, max) == 44, "request2.max");
+_Static_assert(sizeof(vmm_broker_reply2) == 24 + 8 * VMM_BROKER_MAX_FDS, "reply2 size");
+_Static_assert(offsetof(vmm_broker_reply2, status) == 4, "reply2.status");
+_Static_assert(offsetof(vmm_broker_reply2, device) == 8, "reply2.device");
+_Static_assert(offsetof(vmm_broker_reply2, export_ns) == 12, "reply2.export_ns");
+_Static_assert(offsetof(vmm_broker_reply2, n_total) == 16, "reply2.n_total");
+_Static_assert(offsetof(vmm_broker_reply2, n_here) == 20, "reply2.n_here");
+_Static_assert(offsetof(vmm_broker_reply2, sizes) == 24, "reply2.sizes");
 #endif

@@ -1330,6 +1330,7 @@ static int fully_mapped(uintptr_t p, size_t size)
 FC_API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
 {
     FC_ENTER("cuMemSetAccess");
+    CNT_ADD(calls_cuMemSetAccess, 1);
     uintptr_t p = (uintptr_t)ptr;
     if (!p || !size || !desc || !count || p % FC_GRAN || size % FC_GRAN) return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < count; i++) {

@@ -5,12 +5,14 @@
  * Input: byte 0 bit 0 says whether the peer passed the credentials check; then datagrams, each
  * a length byte and that many bytes (a short last one is sent as it is).  All are queued before
  * the broker reads, like a peer that pipelines, then the peer shuts its side.  Each request the
- * broker reads must get exactly one reply: a sound one its export function's answer (an fd passed
- * only with status 0), anything else -EPROTO or, for a refused peer, -EACCES, after which the
- * broker drops the connection.  The export function checks it is handed the request's very
- * fields and answers by the slot's low bits: an fd, -ESTALE, -ENOENT, a positive errno (the broker
- * negates it), success with no fd (the broker must not pass one), or an fd with an error (the
- * broker must close it); every fd it is given is closed once the request is served. */
+ * broker reads must get exactly one reply of its version's form: a sound one its export
+ * function's answer (fds passed only with status 0, as many as n_here, sizes as exported),
+ * anything else -EPROTO or, for a refused peer, -EACCES, after which the broker drops the
+ * connection.  The export function checks it is handed the request's very fields and answers by
+ * the slot: bits 3..9 give the allocation 1..128 handles, bits 0..2 an fd run, -ESTALE, -ENOENT,
+ * a positive errno (the broker negates it), success with no fd (the broker must say -EIO), fds
+ * with an error (the broker must close them), or a count larger than asked for (-EIO, fds
+ * closed); every fd it hands over is closed once the request is served. */
 #include "../../shim/broker/broker.c"
 
 #include <stdint.h>
@@ -23,56 +25,126 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 #define MAX_DATAGRAMS 64
 
-static vmm_broker_request g_sent;   /* the request now being served, as the peer sent it */
-static bool g_sent_sound;           /* ... and whether the broker should pass it on */
-static int g_exports;               /* export calls made for the request now being served */
-static int g_memfd = -1;            /* what a successful export hands out (a duplicate of it) */
-static int g_given = -1;            /* the fd the export gave the broker for the request */
+/* A request as the peer sent it: v1's fields, and v2's first and max (v1: 0 and 1). */
+typedef struct sent {
+    int version; /* 1 or 2: read by the broker; 0: not a request it reads */
+    uint64_t slot, generation;
+    uint8_t id[16];
+    uint32_t first, max;
+} sent;
 
-static int fake_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], int *fd, uint64_t *mapped_size,
-                       uint32_t *device)
+static sent g_sent;               /* the request now being served */
+static bool g_sent_sound;         /* ... and whether the broker should pass it on */
+static int g_exports;             /* export calls made for the request now being served */
+static int g_memfd = -1;          /* what a successful export hands out (duplicates of it) */
+static int g_given[VMM_BROKER_MAX_FDS + 1]; /* the fds the export gave the broker for the request */
+static int g_n_given;
+
+static uint32_t handles_of(uint64_t slot) { return 1 + (uint32_t)((slot >> 3) & 127); }
+static uint64_t size_of(uint32_t i) { return (uint64_t)(i + 1) << 21; }
+
+static int give(int *fds, uint64_t *sizes, uint32_t first, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        fds[i] = g_given[g_n_given++] = dup(g_memfd);
+        if (fds[i] < 0) return -EMFILE;
+        sizes[i] = size_of(first + i);
+    }
+    return 0;
+}
+
+static int fake_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
+                       int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
     g_exports++;
     if (!g_sent_sound || slot != g_sent.slot || generation != g_sent.generation ||
-        memcmp(alloc_id, g_sent.alloc_id, sizeof g_sent.alloc_id) != 0)
+        memcmp(alloc_id, g_sent.id, sizeof g_sent.id) != 0 || first != g_sent.first || max == 0 ||
+        max != (g_sent.max < VMM_BROKER_MAX_FDS ? g_sent.max : VMM_BROKER_MAX_FDS))
         abort(); /* the broker passed on something the peer did not send */
-    *mapped_size = 2u << 20;
+    uint32_t n = handles_of(slot);
     *device = (uint32_t)(generation & 7);
     switch (slot & 7) {
     case 1: return -ESTALE;
     case 2: return -ENOENT;
     case 3: return EIO;
+    default: break;
+    }
+    *n_total = n;
+    if (first >= n) return -ERANGE;
+    uint32_t k = n - first < max ? n - first : max;
+    switch (slot & 7) {
     case 4: return 0; /* success without an fd */
-    case 5: *fd = g_given = dup(g_memfd); return -EBUSY;
-    default: *fd = g_given = dup(g_memfd); return g_given < 0 ? -EMFILE : 0;
+    case 5: *n_here = k; return give(fds, sizes, first, k) ? -EMFILE : -EBUSY;
+    case 7: *n_here = k + 1; return give(fds, sizes, first, k); /* claims one more than it gave */
+    default: *n_here = k; return give(fds, sizes, first, k);
     }
 }
 
-/* The expected status of a served request. */
-static int32_t expected_status(bool allowed, const uint8_t *dg, size_t len)
+/* What the peer sent, as the broker should read it. */
+static sent parse(const uint8_t *dg, size_t len)
 {
+    sent q;
+    memset(&q, 0, sizeof q);
+    vmm_broker_request2 r;
+    memset(&r, 0, sizeof r);
+    memcpy(&r, dg, len < sizeof r ? len : sizeof r);
+    if (r.magic != VMM_BROKER_MAGIC) return q;
+    if (r.version == VMM_BROKER_VERSION && len == sizeof(vmm_broker_request)) {
+        q.version = 1;
+        q.max = 1;
+    } else if (r.version == VMM_BROKER_VERSION2 && len == sizeof(vmm_broker_request2)) {
+        q.version = 2;
+        q.first = r.first;
+        q.max = r.max;
+    } else {
+        return q;
+    }
+    q.slot = r.slot;
+    q.generation = r.generation;
+    memcpy(q.id, r.alloc_id, sizeof q.id);
+    return q;
+}
+
+/* The expected status of a served request, and the fds its reply carries. */
+static int32_t expected_status(bool allowed, const sent *q, uint32_t *n_fds)
+{
+    *n_fds = 0;
     if (!allowed) return -EACCES;
-    vmm_broker_request q;
-    if (len != sizeof q) return -EPROTO;
-    memcpy(&q, dg, sizeof q);
-    if (q.magic != VMM_BROKER_MAGIC || q.version != VMM_BROKER_VERSION) return -EPROTO;
-    switch (q.slot & 7) {
+    if (!q->version) return -EPROTO;
+    if (q->max == 0) return -EINVAL;
+    uint32_t n = handles_of(q->slot), max = q->max < VMM_BROKER_MAX_FDS ? q->max : VMM_BROKER_MAX_FDS;
+    switch (q->slot & 7) {
     case 1: return -ESTALE;
     case 2: return -ENOENT;
     case 3: return -EIO;
+    default: break;
+    }
+    if (q->first >= n) return -ERANGE;
+    switch (q->slot & 7) {
     case 4: return -EIO;
     case 5: return -EBUSY;
-    default: return 0;
+    case 7: return -EIO;
+    default: break;
     }
+    if (q->version == 1 && n != 1) return -EPROTONOSUPPORT;
+    *n_fds = n - q->first < max ? n - q->first : max;
+    return 0;
 }
 
-/* Read the one reply the broker owes: status checked, any fd closed. */
-static void take_reply(int fd, int32_t want)
+/* Did the broker call the export function for this request? */
+static bool exports(bool allowed, const sent *q) { return allowed && q->version && q->max != 0; }
+
+/* Read the one reply the broker owes: form, status, sizes checked, any fds closed. */
+static void take_reply(int fd, const sent *q, int32_t want, uint32_t n_fds)
 {
-    vmm_broker_reply rep;
+    union {
+        vmm_broker_reply r1;
+        vmm_broker_reply2 r2;
+        uint8_t raw[sizeof(vmm_broker_reply2) + 8];
+    } rep;
     union {
         struct cmsghdr align;
-        char buf[CMSG_SPACE(4 * sizeof(int))];
+        char buf[CMSG_SPACE((VMM_BROKER_MAX_FDS + 4) * sizeof(int))];
     } ctl;
     struct iovec iov = {.iov_base = &rep, .iov_len = sizeof rep};
     struct msghdr mh;
@@ -82,8 +154,10 @@ static void take_reply(int fd, int32_t want)
     mh.msg_control = ctl.buf;
     mh.msg_controllen = sizeof ctl.buf;
     ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (n != (ssize_t)sizeof rep || rep.magic != VMM_BROKER_MAGIC || rep.status != want) abort();
-    int fds = 0;
+    bool v2 = q->version == 2 && want != -EPROTO && want != -EACCES;
+    size_t form = v2 ? sizeof rep.r2 : sizeof rep.r1;
+    if (n != (ssize_t)form || rep.r1.magic != VMM_BROKER_MAGIC || rep.r1.status != want) abort();
+    uint32_t fds = 0;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
         if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
         size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
@@ -94,8 +168,16 @@ static void take_reply(int fd, int32_t want)
             fds++;
         }
     }
-    if (fds != (want == 0) || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) abort();
-    if (want == 0 && rep.mapped_size != (2u << 20)) abort();
+    if (fds != n_fds || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) abort();
+    if (!v2) {
+        if (want == 0 && rep.r1.mapped_size != size_of(0)) abort();
+        return;
+    }
+    if (want == 0 && (rep.r2.n_here != n_fds || rep.r2.n_total != handles_of(q->slot) ||
+                      rep.r2.device != (uint32_t)(q->generation & 7)))
+        abort();
+    for (uint32_t i = 0; i < VMM_BROKER_MAX_FDS; i++)
+        if (rep.r2.sizes[i] != (i < n_fds ? size_of(q->first + i) : 0)) abort();
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -129,24 +211,25 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t served = 0;
     for (;; served++) {
         g_exports = 0;
-        g_given = -1;
+        g_n_given = 0;
         if (served < n) {
-            int32_t st = expected_status(allowed, dg[served], len[served]);
-            g_sent_sound = st != -EPROTO && st != -EACCES;
-            memset(&g_sent, 0, sizeof g_sent);
-            memcpy(&g_sent, dg[served], len[served] < sizeof g_sent ? len[served] : sizeof g_sent);
+            g_sent = parse(dg[served], len[served]);
+            g_sent_sound = exports(allowed, &g_sent);
         } else {
+            memset(&g_sent, 0, sizeof g_sent);
             g_sent_sound = false;
         }
         bool keep = serve_request(&cfg, &c);
-        if (g_given >= 0 && fcntl(g_given, F_GETFD) != -1) abort(); /* the broker kept its copy */
+        for (int i = 0; i < g_n_given; i++)
+            if (g_given[i] >= 0 && fcntl(g_given[i], F_GETFD) != -1) abort(); /* the broker kept its copy */
         if (served == n || len[served] == 0) {
             if (keep) abort(); /* end of stream: the connection is done with */
             break;
         }
-        int32_t want = expected_status(allowed, dg[served], len[served]);
-        if (g_exports != (want != -EPROTO && want != -EACCES)) abort();
-        take_reply(sv[1], want);
+        uint32_t n_fds;
+        int32_t want = expected_status(allowed, &g_sent, &n_fds);
+        if (g_exports != (int)exports(allowed, &g_sent)) abort();
+        take_reply(sv[1], &g_sent, want, n_fds);
         if (keep != (want != -EPROTO && want != -EACCES)) abort();
         if (!keep) break;
     }

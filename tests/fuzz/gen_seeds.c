@@ -175,6 +175,21 @@ static void add_request(buf *b, uint64_t slot, uint32_t version)
     add(b, &q, sizeof q);
 }
 
+static void add_request2(buf *b, uint64_t slot, uint32_t first, uint32_t max)
+{
+    vmm_broker_request2 q;
+    memset(&q, 0, sizeof q);
+    q.magic = VMM_BROKER_MAGIC;
+    q.version = VMM_BROKER_VERSION2;
+    q.slot = slot;
+    q.generation = 2 * slot + 1;
+    for (int i = 0; i < 16; i++) q.alloc_id[i] = (uint8_t)(slot + (uint64_t)i);
+    q.first = first;
+    q.max = max;
+    add_u8(b, sizeof q);
+    add(b, &q, sizeof q);
+}
+
 static void broker_seeds(void)
 {
     buf b = {0};
@@ -200,6 +215,28 @@ static void broker_seeds(void)
     add_u8(&b, 0);
     add_u8(&b, 0);
     put("broker", "oversized", b.p, b.n);
+
+    /* v2 on a kept connection: a one-handle allocation, one of 3 handles asked for all at once and
+     * then one by one, one of 100 (two replies: 64, then the rest), first past the end, max 0,
+     * every answer the export gives, then a v1 request for a multi-handle allocation */
+    b.n = 0;
+    add_u8(&b, 1);
+    add_request2(&b, 0, 0, 1);
+    add_request2(&b, 2u << 3, 0, 64);
+    for (uint32_t i = 0; i < 3; i++) add_request2(&b, 2u << 3, i, 1);
+    add_request2(&b, 99u << 3, 0, 1000);
+    add_request2(&b, 99u << 3, 64, 64);
+    add_request2(&b, 2u << 3, 3, 4);
+    add_request2(&b, 0, 0, 0);
+    for (uint64_t s = 1; s < 8; s++) add_request2(&b, (4u << 3) | s, 1, 2);
+    add_request(&b, 2u << 3, VMM_BROKER_VERSION);
+    put("broker", "v2-runs", b.p, b.n);
+
+    b.n = 0; /* a v2 request one byte short, which ends the connection */
+    add_u8(&b, 1);
+    add_request2(&b, 8, 0, 8);
+    b.p[1] = sizeof(vmm_broker_request2) - 1;
+    put("broker", "v2-short", b.p, b.n);
     free(b.p);
 }
 

@@ -298,8 +298,8 @@ static uint8_t o_id[16];
 static int o_pidfd_fd = -1;
 static owner_info o_info;
 
-static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], int *fd, uint64_t *mapped_size,
-                        uint32_t *device)
+static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
+                        int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
     pthread_mutex_lock(&o_lock);
     int rc = 0;
@@ -310,10 +310,13 @@ static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_
     CUmemGenericAllocationHandle h = o_handle;
     pthread_mutex_unlock(&o_lock);
     if (rc) return rc;
+    *n_total = 1;
+    if (first != 0 || max == 0) return -ERANGE;
     int f = -1;
     if (drv.MemExportToShareableHandle(&f, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS) return -EIO;
-    *fd = f;
-    *mapped_size = ALLOC_SIZE;
+    fds[0] = f;
+    sizes[0] = ALLOC_SIZE;
+    *n_here = 1;
     *device = 0;
     return 0;
 }
@@ -676,10 +679,11 @@ static int companion_run(const char *const *args, const creds *cr, const char *c
 /* ------------------------------------------------------------------------------------------ */
 /* Cases                                                                                       */
 
-static int dummy_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], int *fd, uint64_t *mapped_size,
-                        uint32_t *device)
+static int dummy_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
+                        int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
-    (void)slot, (void)generation, (void)alloc_id, (void)fd, (void)mapped_size, (void)device;
+    (void)slot, (void)generation, (void)alloc_id, (void)first, (void)max, (void)fds, (void)sizes, (void)n_here,
+        (void)n_total, (void)device;
     return -ENOENT;
 }
 

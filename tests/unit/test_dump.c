@@ -283,8 +283,8 @@ static bool fo_live[2], fo_hold;
 static int fo_first;
 static int fo_evt = -1, fo_go = -1; /* broker thread -> test, test -> broker thread */
 
-static int fo_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], int *fd, uint64_t *mapped_size,
-                     uint32_t *device)
+static int fo_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
+                     int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
     pthread_mutex_lock(&fo_lock);
     int i = slot == fo_slot[0] && fo_live[0] ? 0 : slot == fo_slot[1] && fo_live[1] ? 1 : -1;
@@ -301,8 +301,11 @@ static int fo_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[
     CUmemGenericAllocationHandle h = i >= 0 ? fo_handle[i] : 0;
     pthread_mutex_unlock(&fo_lock);
     if (rc) return rc;
-    if (drv.MemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS) return -EIO;
-    *mapped_size = CHUNK;
+    *n_total = 1; /* one handle per record here */
+    if (first != 0 || max == 0) return -ERANGE;
+    if (drv.MemExportToShareableHandle(&fds[0], h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS) return -EIO;
+    sizes[0] = CHUNK;
+    *n_here = 1;
     *device = 0;
     return 0;
 }

@@ -90,8 +90,8 @@ static uint32_t o_slot[N_REC];
 static uint64_t o_requests; /* broker requests served (any outcome) */
 static int o_lie;           /* 1: the broker misstates the chunk size */
 
-static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], int *fd, uint64_t *mapped_size,
-                        uint32_t *device)
+static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
+                        int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
     pthread_mutex_lock(&o_lock);
     o_requests++;
@@ -105,8 +105,11 @@ static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_
     int lie = o_lie;
     pthread_mutex_unlock(&o_lock);
     if (rc) return rc;
-    if (drv.MemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS) return -EIO;
-    *mapped_size = lie ? 2 * CHUNK : CHUNK;
+    *n_total = 1; /* one handle per record here */
+    if (first != 0 || max == 0) return -ERANGE;
+    if (drv.MemExportToShareableHandle(&fds[0], h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS) return -EIO;
+    sizes[0] = lie ? 2 * CHUNK : CHUNK;
+    *n_here = 1;
     *device = 0;
     return 0;
 }

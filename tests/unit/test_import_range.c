@@ -119,8 +119,8 @@ static uint8_t o_id[N_REC][16];
 static uint64_t o_requests; /* broker requests served (any outcome) */
 static int o_refuse = -1;   /* a record the broker answers as freed while the registry still shows it */
 
-static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], int *fd, uint64_t *mapped_size,
-                        uint32_t *device)
+static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
+                        int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
     pthread_mutex_lock(&o_lock);
     o_requests++;
@@ -133,9 +133,12 @@ static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_
     CUmemGenericAllocationHandle handle = o_handle[h];
     pthread_mutex_unlock(&o_lock);
     if (rc) return rc;
-    if (drv.MemExportToShareableHandle(fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS)
+    *n_total = 1; /* one handle per record here */
+    if (first != 0 || max == 0) return -ERANGE;
+    if (drv.MemExportToShareableHandle(&fds[0], handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS)
         return -EIO;
-    *mapped_size = HANDLE[h].size;
+    sizes[0] = HANDLE[h].size;
+    *n_here = 1;
     *device = 0;
     return 0;
 }

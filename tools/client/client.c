@@ -38,7 +38,8 @@ _Static_assert(SAME(VMM_FROM_UNKNOWN, VMM_API_UNKNOWN) && SAME(VMM_FROM_CUDA_MAL
                    SAME(VMM_FROM_CU_MEM_ALLOC_PITCH, VMM_API_CU_MEM_ALLOC_PITCH) &&
                    SAME(VMM_FROM_CU_MEM_MAP, VMM_API_CU_MEM_MAP) && SAME(VMM_FROM_TEST, VMM_API_TEST),
                "vmm_alloc_info.api mirrors vmm_reg_alloc.api");
-_Static_assert(SAME(VMM_ALLOC_NOT_EXPORTABLE, VMM_REG_F_NOT_EXPORTABLE) && SAME(VMM_ALLOC_SHARED_CHUNK, VMM_REG_F_SHARED_CHUNK),
+_Static_assert(SAME(VMM_ALLOC_NOT_EXPORTABLE, VMM_REG_F_NOT_EXPORTABLE) && SAME(VMM_ALLOC_SHARED_CHUNK, VMM_REG_F_SHARED_CHUNK) &&
+                   SAME(VMM_ALLOC_MULTI_HANDLE, VMM_REG_F_MULTI_HANDLE),
                "alloc flags match the registry's");
 _Static_assert(SAME(VMM_KIND_BROKER, VMM_HANDLE_BROKER) && SAME(VMM_KIND_PIDFD, VMM_HANDLE_PIDFD) &&
                    SAME(VMM_KIND_FABRIC, VMM_HANDLE_FABRIC),
@@ -305,7 +306,9 @@ static void alloc_info_from(vmm_alloc_info *o, uint64_t slot, const vmm_reg_allo
     o->chunk_id = a->chunk_id;
     o->chunk_offset = a->chunk_offset;
     o->extent = a->extent;
-    o->flags = a->flags & (VMM_REG_F_NOT_EXPORTABLE | VMM_REG_F_SHARED_CHUNK);
+    o->flags = a->flags & (VMM_REG_F_NOT_EXPORTABLE | VMM_REG_F_SHARED_CHUNK | VMM_REG_F_MULTI_HANDLE);
+    /* a record of an older layout has zeros at n_handles: one handle */
+    o->n_handles = (a->flags & VMM_REG_F_MULTI_HANDLE) && a->n_handles > 1 ? a->n_handles : 1;
     o->tag[sizeof o->tag - 1] = 0;
 }
 

@@ -4,7 +4,9 @@
  * carries the fd with SCM_RIGHTS; wire format in shim/broker/protocol.h) or straight out of the
  * owner's fd table (VMM_KIND_PIDFD: pidfd_getfd, which needs ptrace permission over the owner).
  * Either way the fd is the allocation's chunk: it is mapped whole, once per process, and shared
- * by every import of an allocation in it (see "Imported chunks").  A range import (vmm_import_range,
+ * by every import of an allocation in it (see "Imported chunks").  A MULTI-HANDLE record's chunk
+ * is several handles, whose fds only the broker hands out (protocol v2, several a reply): they
+ * are mapped back to back in one reservation ("multi_fetch", "map_multi").  A range import (vmm_import_range,
  * "Ranges across allocations") maps several records' whole chunks back to back, as in the owner, into
  * one reservation of its own instead, and shares nothing.  The CUDA driver is dlopen'ed
  * on first use; this library links none.  Rules as in client.c: never print, never exit, every
@@ -130,6 +132,10 @@ static vmm_status cu_fail(const char *what, CUresult r)
     if (!cu.GetErrorName || cu.GetErrorName(r, &name) != CUDA_SUCCESS || !name) name = "CUDA_ERROR_UNKNOWN";
     return set_err(VMM_ERR_CUDA, "%s failed: %s (%d)", what, name, (int)r);
 }
+
+/* A driver call that undoes (gives memory back, restores a context), made once more if it fails:
+ * nothing else would ever undo it, and a failure may be passing.  The second result stands. */
+#define TWICE(call) ((call) == CUDA_SUCCESS ? CUDA_SUCCESS : (call))
 
 /* ------------------------------------------------------------------------------------------ */
 /* Owner identity                                                                              */
@@ -361,26 +367,24 @@ static int broker_connect(const char *path)
     return -ETIMEDOUT;
 }
 
-/* Receive the reply and at most one fd (any extra fds are closed).  Returns 0 or -errno. */
-static int broker_recv(int s, vmm_broker_reply *rep, int *fd)
+/* Receive one datagram (its length in *len) and at most max_fds fds (any extra are closed).
+ * Returns 0 or -errno; on failure no fd is left open. */
+static int broker_recv_raw(int s, void *buf, size_t cap, size_t *len, int *fds, uint32_t max_fds, uint32_t *n_fds)
 {
-    *fd = -1;
+    *n_fds = 0;
+    *len = 0;
     struct pollfd p = {.fd = s, .events = POLLIN};
     int pr;
     do pr = poll(&p, 1, REPLY_TIMEOUT_MS);
     while (pr < 0 && errno == EINTR);
     if (pr < 0) return -errno;
     if (pr == 0) return -ETIMEDOUT;
-    union {
-        vmm_broker_reply rep;
-        uint8_t raw[sizeof(vmm_broker_reply) + 32];
-    } in;
-    memset(&in, 0, sizeof in);
+    /* room for a few more than the protocol allows, so that extras are seen and closed */
     union {
         struct cmsghdr align;
-        char buf[CMSG_SPACE(4 * sizeof(int))];
+        char buf[CMSG_SPACE((VMM_BROKER_MAX_FDS + 4) * sizeof(int))];
     } ctl;
-    struct iovec iov = {.iov_base = in.raw, .iov_len = sizeof in.raw};
+    struct iovec iov = {.iov_base = buf, .iov_len = cap};
     struct msghdr mh;
     memset(&mh, 0, sizeof mh);
     mh.msg_iov = &iov;
@@ -397,18 +401,39 @@ static int broker_recv(int s, vmm_broker_reply *rep, int *fd)
         for (size_t i = 0; i < k; i++) {
             int f;
             memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
-            if (*fd < 0)
-                *fd = f;
+            if (*n_fds < max_fds)
+                fds[(*n_fds)++] = f;
             else
                 close(f);
         }
     }
-    if (n == 0) {
-        if (*fd >= 0) close(*fd);
-        *fd = -1;
-        return -ECONNRESET; /* closed without a word */
+    int rc = 0;
+    if (n == 0)
+        rc = -ECONNRESET; /* closed without a word */
+    else if ((size_t)n > cap || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)))
+        rc = -EPROTO;
+    if (rc) {
+        while (*n_fds) close(fds[--*n_fds]);
+        return rc;
     }
-    if ((size_t)n != sizeof(vmm_broker_reply) || in.rep.magic != VMM_BROKER_MAGIC) {
+    *len = (size_t)n;
+    return 0;
+}
+
+/* Receive a v1 reply and at most one fd.  Returns 0 or -errno. */
+static int broker_recv(int s, vmm_broker_reply *rep, int *fd)
+{
+    *fd = -1;
+    union {
+        vmm_broker_reply rep;
+        uint8_t raw[sizeof(vmm_broker_reply) + 32];
+    } in;
+    memset(&in, 0, sizeof in);
+    size_t n;
+    uint32_t got;
+    int rc = broker_recv_raw(s, in.raw, sizeof in.raw, &n, fd, 1, &got);
+    if (rc) return rc;
+    if (n != sizeof(vmm_broker_reply) || in.rep.magic != VMM_BROKER_MAGIC) {
         if (*fd >= 0) close(*fd);
         *fd = -1;
         return -EPROTO;
@@ -467,7 +492,38 @@ static vmm_status broker_open(vmm_registry *reg, const vmm_alloc_info *a, int *s
 
 /* One request and its reply on the owner's kept connection (o->io held).  The broker closes
  * idle connections, and drops the longest idle one when it has too many: a kept connection that
- * turns out closed is opened again once.  0 with *rep, or -errno. */
+ * turns out closed is opened again once.  0, or -errno. */
+static int broker_roundtrip(vmm_registry *reg, const vmm_alloc_info *a, owner_ref *o, const void *req, size_t req_len,
+                            int (*recv_fn)(int, void *), void *recv_ctx, vmm_status *open_st)
+{
+    *open_st = VMM_OK;
+    for (int attempt = 0;; attempt++) {
+        bool fresh = o->sock < 0;
+        if (fresh && (*open_st = broker_open(reg, a, &o->sock)) != VMM_OK) return -ENOTCONN;
+        uint64_t t0 = now_ns();
+        ssize_t n;
+        do n = send(o->sock, req, req_len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        while (n < 0 && errno == EINTR);
+        int rc = n == (ssize_t)req_len ? recv_fn(o->sock, recv_ctx) : -(n < 0 ? errno : EIO);
+        tm.request_ns += now_ns() - t0;
+        if (rc == 0) return 0;
+        close(o->sock);
+        o->sock = -1;
+        if (fresh || attempt > 0 || !(rc == -EPIPE || rc == -ECONNRESET || rc == -ENOTCONN)) return rc;
+    }
+}
+
+typedef struct v1_recv {
+    vmm_broker_reply *rep;
+    int *fd;
+} v1_recv;
+
+static int recv_v1(int s, void *ctx)
+{
+    v1_recv *r = ctx;
+    return broker_recv(s, r->rep, r->fd);
+}
+
 static int broker_exchange(vmm_registry *reg, const vmm_alloc_info *a, owner_ref *o, vmm_broker_reply *rep, int *fd,
                            vmm_status *open_st)
 {
@@ -478,20 +534,43 @@ static int broker_exchange(vmm_registry *reg, const vmm_alloc_info *a, owner_ref
     req.slot = a->slot;
     req.generation = a->generation;
     memcpy(req.alloc_id, a->alloc_id, sizeof req.alloc_id);
-    *open_st = VMM_OK;
-    for (int attempt = 0;; attempt++) {
-        bool fresh = o->sock < 0;
-        if (fresh && (*open_st = broker_open(reg, a, &o->sock)) != VMM_OK) return -ENOTCONN;
-        uint64_t t0 = now_ns();
-        ssize_t n;
-        do n = send(o->sock, &req, sizeof req, MSG_NOSIGNAL | MSG_DONTWAIT);
-        while (n < 0 && errno == EINTR);
-        int rc = n == (ssize_t)sizeof req ? broker_recv(o->sock, rep, fd) : -(n < 0 ? errno : EIO);
-        tm.request_ns = now_ns() - t0;
-        if (rc == 0) return 0;
-        close(o->sock);
-        o->sock = -1;
-        if (fresh || attempt > 0 || !(rc == -EPIPE || rc == -ECONNRESET || rc == -ENOTCONN)) return rc;
+    v1_recv r = {rep, fd};
+    return broker_roundtrip(reg, a, o, &req, sizeof req, recv_v1, &r, open_st);
+}
+
+/* A failed exchange (no reply) as the caller's status. */
+static vmm_status exchange_failed(const vmm_alloc_info *a, int rc)
+{
+    if ((rc == -ECONNRESET || rc == -EPIPE) && owner_liveness(a) == VMM__DEAD) return owner_dead(a);
+    if (rc == -ETIMEDOUT)
+        return set_err(VMM_ERR_IO, "owner pid %u's broker did not reply within %d s", a->pid, REPLY_TIMEOUT_MS / 1000);
+    if (rc == -EPROTO) return set_err(VMM_ERR_IO, "owner pid %u's broker sent a malformed reply", a->pid);
+    if (rc == -ECONNRESET)
+        return set_err(VMM_ERR_IO, "owner pid %u's broker closed the connection without replying", a->pid);
+    return set_err(VMM_ERR_IO, "owner pid %u's broker: %s", a->pid, strerror(-rc));
+}
+
+/* A reply's non-zero status as the caller's status. */
+static vmm_status reply_failed(const vmm_alloc_info *a, int32_t status)
+{
+    switch (status) {
+    case -ESTALE:
+        return set_err(VMM_ERR_STALE, "allocation was freed (generation %llu is gone)",
+                       (unsigned long long)a->generation);
+    case -ENOENT:
+        return set_err(VMM_ERR_STALE, "allocation was freed (slot %llu is no longer live in pid %u)",
+                       (unsigned long long)a->slot, a->pid);
+    case -EACCES:
+        return set_err(VMM_ERR_ACCESS, "owner's broker refused this uid (%u); the owner's VMMSHIM_BROKER_GROUP "
+                                       "decides who else may import",
+                       (unsigned)geteuid());
+    case -EPROTO: return set_err(VMM_ERR_IO, "owner pid %u's broker rejected the request (protocol mismatch)", a->pid);
+    case -EPROTONOSUPPORT:
+        return set_err(VMM_ERR_IO, "owner pid %u's broker: the allocation spans several handles, which a one-handle "
+                                   "(v1) request cannot fetch", a->pid);
+    default:
+        return set_err(VMM_ERR_IO, "owner pid %u's broker could not export the allocation: %s", a->pid,
+                       status < 0 && status > -4096 ? strerror(-status) : "unknown status");
     }
 }
 
@@ -508,34 +587,9 @@ static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *
     pthread_mutex_unlock(&o->io);
     owner_put(o);
     if (st != VMM_OK) return st; /* could not connect: its reason */
-    if (rc) {
-        if ((rc == -ECONNRESET || rc == -EPIPE) && owner_liveness(a) == VMM__DEAD) return owner_dead(a);
-        if (rc == -ETIMEDOUT)
-            return set_err(VMM_ERR_IO, "owner pid %u's broker did not reply within %d s", a->pid,
-                           REPLY_TIMEOUT_MS / 1000);
-        if (rc == -EPROTO) return set_err(VMM_ERR_IO, "owner pid %u's broker sent a malformed reply", a->pid);
-        if (rc == -ECONNRESET)
-            return set_err(VMM_ERR_IO, "owner pid %u's broker closed the connection without replying", a->pid);
-        return set_err(VMM_ERR_IO, "owner pid %u's broker: %s", a->pid, strerror(-rc));
-    }
+    if (rc) return exchange_failed(a, rc);
     tm.export_ns = rep.export_ns;
-    switch (rep.status) {
-    case 0: break;
-    case -ESTALE:
-        return set_err(VMM_ERR_STALE, "allocation was freed (generation %llu is gone)",
-                       (unsigned long long)a->generation);
-    case -ENOENT:
-        return set_err(VMM_ERR_STALE, "allocation was freed (slot %llu is no longer live in pid %u)",
-                       (unsigned long long)a->slot, a->pid);
-    case -EACCES:
-        return set_err(VMM_ERR_ACCESS, "owner's broker refused this uid (%u); the owner's VMMSHIM_BROKER_GROUP "
-                                       "decides who else may import",
-                       (unsigned)geteuid());
-    case -EPROTO: return set_err(VMM_ERR_IO, "owner pid %u's broker rejected the request (protocol mismatch)", a->pid);
-    default:
-        return set_err(VMM_ERR_IO, "owner pid %u's broker could not export the allocation: %s", a->pid,
-                       rep.status < 0 && rep.status > -4096 ? strerror(-rep.status) : "unknown status");
-    }
+    if (rep.status != 0) return reply_failed(a, rep.status);
     if (fd < 0) return set_err(VMM_ERR_IO, "owner pid %u's broker replied without an fd", a->pid);
     /* The fd is the allocation's chunk; an importer maps the size the record gives.  (0: an owner
      * that does not say.) */
@@ -546,6 +600,137 @@ static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *
     }
     *fd_out = fd;
     return VMM_OK;
+}
+
+/* A multi-handle allocation's handles, imported here, in address order. */
+typedef struct multi_parts {
+    uint32_t n;
+    CUmemGenericAllocationHandle *h;
+    uint64_t *size;
+} multi_parts;
+
+static void parts_release(multi_parts *p, uint32_t n_imported)
+{
+    for (uint32_t i = 0; i < n_imported; i++) (void)TWICE(cu.MemRelease(p->h[i]));
+    free(p->h);
+    free(p->size);
+    p->h = NULL;
+    p->size = NULL;
+}
+
+typedef struct v2_recv {
+    vmm_broker_reply2 *rep;
+    size_t len;
+    int *fds;
+    uint32_t n_fds;
+} v2_recv;
+
+static int recv_v2(int s, void *ctx)
+{
+    v2_recv *r = ctx;
+    union {
+        vmm_broker_reply2 rep;
+        uint8_t raw[sizeof(vmm_broker_reply2) + 32];
+    } in;
+    memset(&in, 0, sizeof in);
+    int rc = broker_recv_raw(s, in.raw, sizeof in.raw, &r->len, r->fds, VMM_BROKER_MAX_FDS, &r->n_fds);
+    if (rc) return rc;
+    /* a request the broker could not read gets the v1 form (protocol.h); magic and status sit
+     * at the same offsets in both */
+    bool ok = in.rep.magic == VMM_BROKER_MAGIC &&
+              (r->len == sizeof(vmm_broker_reply2) || (r->len == sizeof(vmm_broker_reply) && in.rep.status != 0));
+    if (!ok || in.rep.status != 0) {
+        while (r->n_fds) close(r->fds[--r->n_fds]);
+        if (!ok) return -EPROTO;
+    }
+    *r->rep = in.rep;
+    return 0;
+}
+
+/* Every handle of a MULTI-HANDLE allocation from its owner's broker (protocol v2: up to 64 a
+ * reply, asking again from where the last reply ended), each imported.  The broker checks the
+ * allocation anew on each request, so one freed midway fails as stale, never mixes handles. */
+static vmm_status multi_fetch(vmm_registry *reg, const vmm_alloc_info *a, multi_parts *p)
+{
+    memset(p, 0, sizeof *p);
+    p->n = a->n_handles;
+    p->h = calloc(p->n, sizeof *p->h);
+    p->size = calloc(p->n, sizeof *p->size);
+    if (!p->h || !p->size) {
+        parts_release(p, 0);
+        return set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
+    }
+    tm.route = VMM_KIND_BROKER;
+    owner_ref *o;
+    vmm_status st = owner_get(a, &o);
+    if (st != VMM_OK) {
+        parts_release(p, 0);
+        return st;
+    }
+    uint32_t have = 0;
+    uint64_t bytes = 0;
+    while (st == VMM_OK && have < p->n) {
+        vmm_broker_request2 req;
+        memset(&req, 0, sizeof req);
+        req.magic = VMM_BROKER_MAGIC;
+        req.version = VMM_BROKER_VERSION2;
+        req.slot = a->slot;
+        req.generation = a->generation;
+        memcpy(req.alloc_id, a->alloc_id, sizeof req.alloc_id);
+        req.first = have;
+        req.max = VMM_BROKER_MAX_FDS;
+        vmm_broker_reply2 rep;
+        int fds[VMM_BROKER_MAX_FDS];
+        v2_recv r = {.rep = &rep, .fds = fds};
+        pthread_mutex_lock(&o->io);
+        int rc = broker_roundtrip(reg, a, o, &req, sizeof req, recv_v2, &r, &st);
+        pthread_mutex_unlock(&o->io);
+        if (st != VMM_OK) break; /* could not connect: its reason */
+        if (rc) {
+            st = exchange_failed(a, rc);
+            break;
+        }
+        if (rep.status == -EPROTO)
+            st = set_err(VMM_ERR_IO, "owner pid %u's broker does not speak protocol v2, which a multi-handle "
+                                     "allocation (%u handles) needs; its shim is older than this library",
+                         a->pid, p->n);
+        else if (rep.status == -ERANGE)
+            st = set_err(VMM_ERR_STALE, "owner pid %u's allocation no longer has the %u handles its record says "
+                                        "(no handle %u)", a->pid, p->n, have);
+        else if (rep.status != 0)
+            st = reply_failed(a, rep.status);
+        else if (rep.n_total != p->n)
+            st = set_err(VMM_ERR_IO, "owner pid %u's broker says the allocation has %u handles; the record says %u",
+                         a->pid, rep.n_total, p->n);
+        else if (rep.n_here == 0 || rep.n_here != r.n_fds || rep.n_here > p->n - have)
+            st = set_err(VMM_ERR_IO, "owner pid %u's broker sent %u fds for %u handles from handle %u of %u", a->pid,
+                         r.n_fds, rep.n_here, have, p->n);
+        tm.export_ns += rep.export_ns;
+        for (uint32_t i = 0; i < r.n_fds; i++) {
+            if (st == VMM_OK && (rep.sizes[i] == 0 || rep.sizes[i] > a->mapped_size - bytes))
+                st = set_err(VMM_ERR_IO, "owner pid %u's broker sent handles of more bytes than the record's %llu",
+                             a->pid, (unsigned long long)a->mapped_size);
+            if (st == VMM_OK) {
+                uint64_t t0 = now_ns();
+                CUresult cr = cu.MemImportFromShareableHandle(&p->h[have], (void *)(uintptr_t)fds[i],
+                                                              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+                tm.import_ns += now_ns() - t0;
+                if (cr != CUDA_SUCCESS) {
+                    st = cu_fail("cuMemImportFromShareableHandle", cr);
+                } else {
+                    p->size[have++] = rep.sizes[i];
+                    bytes += rep.sizes[i];
+                }
+            }
+            close(fds[i]); /* the driver keeps its own reference */
+        }
+    }
+    owner_put(o);
+    if (st == VMM_OK && bytes != a->mapped_size)
+        st = set_err(VMM_ERR_IO, "owner pid %u's broker sent %u handles of %llu bytes; the record says %llu", a->pid,
+                     p->n, (unsigned long long)bytes, (unsigned long long)a->mapped_size);
+    if (st != VMM_OK) parts_release(p, have);
+    return st;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -628,7 +813,12 @@ typedef struct chunk {
     vmm_registry *reg;  /* read the witness through it; NULL once closed (unmapped when unheld) */
     CUdeviceptr base;
     size_t size;
-    CUmemGenericAllocationHandle handle;
+    CUmemGenericAllocationHandle handle; /* when n_parts is 0 */
+    /* A MULTI-HANDLE allocation: n_parts handles mapped back to back, part_len[i] bytes each.
+     * Their handles are released once mapped (the mappings keep the memory alive), so only the
+     * lengths are kept, to unmap one mapping at a time. */
+    uint32_t n_parts;
+    uint64_t *part_len;
     CUcontext ctx;      /* current when it was mapped: released from it */
     uint64_t devices;   /* bit d: device d was granted access (devices 0..63) */
     unsigned long refs; /* vmm_imported handles on it; 0: idle */
@@ -651,7 +841,12 @@ static chunk_key key_of(const vmm_alloc_info *a)
     k.start_time = a->owner_start_time;
     k.pidns = a->owner_pidns;
     k.mapped_size = a->mapped_size;
-    if (a->chunk_id) {
+    /* A MULTI-HANDLE record's chunk_id names only its first handle: while the allocation lives,
+     * the handles after it are its own, but once it is freed the owner may give them back and map
+     * others of the same sizes there, so another allocation with the same first handle and size
+     * may span other handles.  Its mapping serves that one allocation: keyed by slot and
+     * generation. */
+    if (a->chunk_id && !(a->flags & VMM_ALLOC_MULTI_HANDLE)) {
         k.id = a->chunk_id;
     } else {
         k.by_slot = 1;
@@ -714,10 +909,6 @@ static bool ctx_enter(CUcontext ctx, CUcontext *prev)
     return cu.CtxGetCurrent(prev) == CUDA_SUCCESS && *prev != ctx && cu.CtxSetCurrent(ctx) == CUDA_SUCCESS;
 }
 
-/* A driver call that undoes (gives memory back, restores a context), made once more if it fails:
- * nothing else would ever undo it, and a failure may be passing.  The second result stands. */
-#define TWICE(call) ((call) == CUDA_SUCCESS ? CUDA_SUCCESS : (call))
-
 /* Give back the pieces of a mapping, as far as they exist: the mapping, the handle, the address
  * range (not freed under a mapping the driver kept).  The first failure's status. */
 static vmm_status undo(CUdeviceptr base, size_t size, CUmemGenericAllocationHandle handle, bool mapped, bool reserved)
@@ -735,13 +926,32 @@ static vmm_status undo(CUdeviceptr base, size_t size, CUmemGenericAllocationHand
 }
 
 /* Unmap, release and free the address range of a mapping no reference points to any more. */
-static vmm_status unmap_chunk(CUdeviceptr base, size_t size, CUmemGenericAllocationHandle handle, CUcontext ctx)
+static vmm_status unmap_chunk(const chunk *c)
 {
     CUcontext cur;
-    bool switched = ctx_enter(ctx, &cur);
-    vmm_status st = undo(base, size, handle, true, true);
+    bool switched = ctx_enter(c->ctx, &cur);
+    vmm_status st = VMM_OK;
+    if (!c->n_parts) {
+        st = undo(c->base, c->size, c->handle, true, true);
+    } else {
+        /* one call per mapping, as a range import's; the range is not freed under a mapping the
+         * driver kept */
+        CUresult r;
+        uint64_t at = 0;
+        for (uint32_t i = 0; i < c->n_parts; at += c->part_len[i++])
+            if ((r = TWICE(cu.MemUnmap(c->base + at, c->part_len[i]))) != CUDA_SUCCESS && st == VMM_OK)
+                st = cu_fail("cuMemUnmap", r);
+        if (st == VMM_OK && (r = TWICE(cu.MemAddressFree(c->base, c->size))) != CUDA_SUCCESS)
+            st = cu_fail("cuMemAddressFree", r);
+    }
     if (switched) (void)TWICE(cu.CtxSetCurrent(cur)); /* else the thread stays in ctx */
     return st;
+}
+
+static void chunk_free(chunk *c)
+{
+    free(c->part_len);
+    free(c);
 }
 
 /* Unmap a list of unlinked chunks (chained through next); the first failure's status. */
@@ -751,9 +961,9 @@ static vmm_status unmap_list(chunk *list)
     while (list) {
         chunk *c = list;
         list = c->next;
-        vmm_status s1 = unmap_chunk(c->base, c->size, c->handle, c->ctx);
+        vmm_status s1 = unmap_chunk(c);
         if (st == VMM_OK) st = s1;
-        free(c);
+        chunk_free(c);
     }
     return st;
 }
@@ -972,6 +1182,9 @@ struct vmm_imported {
 static vmm_status fetch_fd(vmm_registry *reg, const vmm_alloc_info *a, int *fd)
 {
     *fd = -1;
+    if (a->flags & VMM_ALLOC_MULTI_HANDLE)
+        return set_err(VMM_ERR_INVALID, "the allocation spans %u handles (a multi-handle record); one fd cannot carry "
+                                        "it: use vmm_import", a->n_handles);
     if (a->handle_kinds & VMM_KIND_BROKER) {
         tm.route = VMM_KIND_BROKER;
         vmm_status st = broker_fetch(reg, a, fd);
@@ -1076,6 +1289,59 @@ undo:
     return cu_fail(what, r);
 }
 
+/* Map a MULTI-HANDLE allocation's handles (consumed: released either way) back to back in one
+ * reservation, read-write for dev, with one cuMemSetAccess over the whole. */
+static vmm_status map_multi(multi_parts *p, size_t size, CUdevice dev, chunk *c)
+{
+    c->part_len = malloc(p->n * sizeof *c->part_len);
+    if (!c->part_len) {
+        parts_release(p, p->n);
+        return set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
+    }
+    CUresult r;
+    const char *what = "cuMemAddressReserve";
+    uint64_t t0 = now_ns();
+    r = cu.MemAddressReserve(&c->base, size, 0, 0, 0);
+    uint64_t t1 = now_ns();
+    tm.reserve_ns = t1 - t0;
+    c->size = size;
+    c->n_parts = 0;
+    if (r == CUDA_SUCCESS) {
+        uint64_t at = 0;
+        for (uint32_t i = 0; i < p->n && r == CUDA_SUCCESS; at += p->size[i++]) {
+            what = "cuMemMap";
+            if ((r = cu.MemMap(c->base + at, p->size[i], 0, p->h[i], 0)) == CUDA_SUCCESS)
+                c->part_len[c->n_parts++] = p->size[i];
+        }
+    }
+    uint64_t t2 = now_ns();
+    tm.map_ns = t2 - t1;
+    if (r == CUDA_SUCCESS) {
+        what = "cuMemSetAccess";
+        CUmemAccessDesc acc;
+        access_for(&acc, dev);
+        r = cu.MemSetAccess(c->base, size, &acc, 1);
+        tm.access_ns = now_ns() - t2;
+    }
+    parts_release(p, p->n); /* mapped, they keep their memory; unmapped, it goes */
+    if (r != CUDA_SUCCESS) {
+        vmm_status st = cu_fail(what, r);
+        if (c->base) {
+            uint64_t at = 0;
+            bool kept = false;
+            for (uint32_t i = 0; i < c->n_parts; at += c->part_len[i++])
+                kept |= TWICE(cu.MemUnmap(c->base + at, c->part_len[i])) != CUDA_SUCCESS;
+            if (!kept) (void)TWICE(cu.MemAddressFree(c->base, size));
+        }
+        free(c->part_len);
+        c->part_len = NULL;
+        c->n_parts = 0;
+        return st;
+    }
+    c->devices = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+    return VMM_OK;
+}
+
 static vmm_status import_chunk(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported *imp)
 {
     CUcontext ctx;
@@ -1107,11 +1373,17 @@ static vmm_status import_chunk(vmm_registry *reg, const vmm_alloc_info *alloc, v
         CUmemGenericAllocationHandle handle = 0;
         chunk *fresh = calloc(1, sizeof *fresh);
         if (!fresh) st = set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
-        if (st == VMM_OK) st = fetch_handle(reg, alloc, &handle);
-        if (st == VMM_OK) st = map_chunk(handle, (size_t)alloc->mapped_size, dev, fresh);
+        if (alloc->flags & VMM_ALLOC_MULTI_HANDLE) {
+            multi_parts parts;
+            if (st == VMM_OK) st = multi_fetch(reg, alloc, &parts);
+            if (st == VMM_OK) st = map_multi(&parts, (size_t)alloc->mapped_size, dev, fresh);
+        } else {
+            if (st == VMM_OK) st = fetch_handle(reg, alloc, &handle);
+            if (st == VMM_OK) st = map_chunk(handle, (size_t)alloc->mapped_size, dev, fresh);
+        }
         if (st != VMM_OK) {
             owner_put(o);
-            free(fresh);
+            if (fresh) chunk_free(fresh);
             return st;
         }
         fresh->key = k;
@@ -1131,8 +1403,8 @@ static vmm_status import_chunk(vmm_registry *reg, const vmm_alloc_info *alloc, v
         pthread_mutex_unlock(&chunks_lock);
         owner_put(o);
         if (c != fresh) { /* another thread mapped it meanwhile: use that mapping, drop ours */
-            (void)unmap_chunk(fresh->base, fresh->size, fresh->handle, fresh->ctx);
-            free(fresh);
+            (void)unmap_chunk(fresh);
+            chunk_free(fresh);
             if ((st = grant_device(c, dev)) != VMM_OK) {
                 (void)chunk_unref(c);
                 return st;
@@ -1158,7 +1430,13 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
     uint64_t span = alloc->extent > alloc->requested_size ? alloc->extent : alloc->requested_size;
     NEED(alloc->chunk_offset < alloc->mapped_size && span <= alloc->mapped_size - alloc->chunk_offset,
          "the allocation does not lie inside its chunk (chunk_offset, extent, mapped_size)");
-    if (!(alloc->handle_kinds & (VMM_KIND_BROKER | VMM_KIND_PIDFD))) {
+    if (alloc->flags & VMM_ALLOC_MULTI_HANDLE) {
+        NEED(alloc->n_handles >= 2, "a multi-handle record with fewer than 2 handles (n_handles)");
+        if (!(alloc->handle_kinds & VMM_KIND_BROKER))
+            return set_err(VMM_ERR_ACCESS, "the allocation spans %u handles, which only its owner's broker hands out, "
+                                           "and the record offers no broker",
+                           alloc->n_handles);
+    } else if (!(alloc->handle_kinds & (VMM_KIND_BROKER | VMM_KIND_PIDFD))) {
         int unused;
         return fetch_fd(reg, alloc, &unused); /* its reason */
     }
@@ -1220,6 +1498,7 @@ typedef struct piece {
     uint64_t from, to, size;
     size_t handle_of;    /* the piece whose fetched handle it maps: itself, or an earlier one */
     CUmemGenericAllocationHandle handle;
+    multi_parts parts;   /* a MULTI-HANDLE record's handles instead (parts.n 0: one handle) */
 } piece;
 
 typedef struct range_plan {
@@ -1244,7 +1523,8 @@ static void *grow(void *arr, size_t *cap, size_t n, size_t elem)
 /* Pooled records name their chunk; a record without a chunk id is a chunk of its own. */
 static bool same_chunk(const vmm_alloc_info *x, const vmm_alloc_info *y)
 {
-    return x->chunk_id && x->chunk_id == y->chunk_id && x->mapped_size == y->mapped_size;
+    return x->chunk_id && x->chunk_id == y->chunk_id && x->mapped_size == y->mapped_size &&
+           (x->flags & VMM_ALLOC_MULTI_HANDLE) == (y->flags & VMM_ALLOC_MULTI_HANDLE) && x->n_handles == y->n_handles;
 }
 
 /* The live records covering the range, each starting where the one before ends.  Registry reads
@@ -1309,7 +1589,10 @@ static vmm_status range_layout(range_plan *p)
             last->last = i;
             continue;
         }
-        if (last && (last->to != last->size || from != 0)) {
+        /* a MULTI-HANDLE record's chunk may overlap its neighbour's: judged handle by handle once
+         * their sizes are known (range_place) */
+        bool multi = (p->rec[last ? last->last : i].flags | a->flags) & VMM_ALLOC_MULTI_HANDLE;
+        if (last && !multi && (last->to != last->size || from != 0)) {
             const vmm_alloc_info *b = &p->rec[last->last];
             return set_err(VMM_ERR_INVALID,
                            "at 0x%llx pid %u's bytes pass from offset %llu of chunk %llu (%llu bytes) to offset %llu "
@@ -1349,7 +1632,7 @@ static vmm_status range_fetch(vmm_registry *reg, range_plan *p)
             continue;
         }
         const vmm_alloc_info *a = &p->rec[c->first];
-        vmm_status st = fetch_handle(reg, a, &c->handle);
+        vmm_status st = a->flags & VMM_ALLOC_MULTI_HANDLE ? multi_fetch(reg, a, &c->parts) : fetch_handle(reg, a, &c->handle);
         if (st != VMM_OK) {
             c->handle_of = SIZE_MAX; /* nothing to release */
             p->n_pc = k + 1;         /* the pieces after it have no handle either */
@@ -1372,7 +1655,12 @@ static vmm_status range_fetch(vmm_registry *reg, range_plan *p)
 static void range_release_handles(range_plan *p)
 {
     for (size_t k = 0; k < p->n_pc; k++)
-        if (p->pc[k].handle_of == k) (void)TWICE(cu.MemRelease(p->pc[k].handle));
+        if (p->pc[k].handle_of == k) {
+            if (p->pc[k].parts.n)
+                parts_release(&p->pc[k].parts, p->pc[k].parts.n);
+            else
+                (void)TWICE(cu.MemRelease(p->pc[k].handle));
+        }
 }
 
 /* Unmap what was mapped (all of it, or what a failed import got to), free the reservation. */
@@ -1395,32 +1683,107 @@ static vmm_status range_unmap(range_map *m)
 }
 
 /* Reserve the range's address space and map every piece at its place, read-write for dev. */
-static vmm_status range_map_all(const range_plan *p, CUcontext ctx, CUdevice dev, range_map **out)
+/* One handle at its place in the owner: what a range maps. */
+typedef struct placed {
+    uint64_t at, size; /* the owner's address of the handle's first byte, its bytes */
+    CUmemGenericAllocationHandle handle;
+} placed;
+
+/* Where each fetched handle lies in the owner, keeping those the range touches, in address
+ * order.  A MULTI-HANDLE record's chunk names only its first handle, so the chunks of two
+ * records may overlap (an allocation across segments 1 and 2 beside one across 2 and 3): a
+ * handle at a place one is kept at already is that same segment (both records were live at
+ * once), mapped once.  The kept handles must lie back to back over the whole range. */
+static vmm_status range_place(const range_plan *p, placed **out, size_t *n_out)
 {
-    range_map *m = malloc(sizeof *m + p->n_pc * sizeof m->map[0]);
-    if (!m) return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+    size_t cap = 0;
+    for (size_t k = 0; k < p->n_pc; k++) {
+        const multi_parts *mp = &p->pc[p->pc[k].handle_of].parts;
+        cap += mp->n ? mp->n : 1;
+    }
+    placed *v = calloc(cap, sizeof *v);
+    if (!v) return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+    size_t n = 0;
+    uint64_t have = 0; /* the owner's bytes up to here are placed */
+    vmm_status st = VMM_OK;
+    for (size_t k = 0; k < p->n_pc && st == VMM_OK; k++) {
+        const piece *c = &p->pc[k];
+        const multi_parts *mp = &p->pc[c->handle_of].parts;
+        const vmm_alloc_info *a = &p->rec[c->first];
+        uint64_t at = a->address - a->chunk_offset;
+        for (uint32_t i = 0; i < (mp->n ? mp->n : 1) && st == VMM_OK; i++) {
+            uint64_t size = mp->n ? mp->size[i] : c->size;
+            placed h = {at, size, mp->n ? mp->h[i] : c->handle};
+            at += size;
+            if (h.at + h.size <= p->address || h.at >= p->end) continue;
+            if (n && h.at < have) {
+                bool same = false;
+                for (size_t j = 0; j < n && !same; j++) same = v[j].at == h.at && v[j].size == h.size;
+                if (!same)
+                    st = set_err(VMM_ERR_STALE,
+                                 "pid %u's handle of %llu bytes at 0x%llx overlaps another one that does not start "
+                                 "there: its segments changed while the range was imported",
+                                 p->pid, (unsigned long long)h.size, (unsigned long long)h.at);
+                continue;
+            }
+            if ((n && h.at != have) || (!n && h.at > p->address)) {
+                st = set_err(VMM_ERR_INVALID,
+                             "at 0x%llx pid %u's handles do not lie back to back (the next one starts at 0x%llx), so "
+                             "the range cannot be mapped as one",
+                             (unsigned long long)(n ? have : p->address), p->pid, (unsigned long long)h.at);
+                break;
+            }
+            v[n++] = h;
+            have = h.at + h.size;
+        }
+    }
+    if (st == VMM_OK && (!n || have < p->end))
+        st = set_err(VMM_ERR_INVALID, "pid %u's handles cover the range 0x%llx..0x%llx only up to 0x%llx", p->pid,
+                     (unsigned long long)p->address, (unsigned long long)p->end, (unsigned long long)have);
+    if (st != VMM_OK) {
+        free(v);
+        return st;
+    }
+    *out = v;
+    *n_out = n;
+    return VMM_OK;
+}
+
+/* Reserve the range's address space and map every placed handle at its place, read-write for
+ * dev.  *ptr: where the range's first byte is. */
+static vmm_status range_map_all(const range_plan *p, CUcontext ctx, CUdevice dev, range_map **out, uint64_t *ptr)
+{
+    placed *v = NULL;
+    size_t n = 0;
+    vmm_status st = range_place(p, &v, &n);
+    if (st != VMM_OK) return st;
+    range_map *m = malloc(sizeof *m + n * sizeof m->map[0]);
+    if (!m) {
+        free(v);
+        return set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
+    }
     memset(m, 0, sizeof *m);
     m->ctx = ctx;
-    size_t total = 0;
-    for (size_t k = 0; k < p->n_pc; k++) total += (size_t)p->pc[k].size;
+    size_t total = (size_t)(v[n - 1].at + v[n - 1].size - v[0].at);
     CUresult r = cu.MemAddressReserve(&m->base, total, 0, 0, 0);
     if (r != CUDA_SUCCESS) {
         free(m);
+        free(v);
         return cu_fail("cuMemAddressReserve", r);
     }
     m->size = total;
-    size_t at = 0;
-    for (size_t k = 0; k < p->n_pc; k++) {
-        const piece *c = &p->pc[k];
-        size_t len = (size_t)c->size;
-        if ((r = cu.MemMap(m->base + at, len, 0, c->handle, 0)) != CUDA_SUCCESS) {
+    for (size_t k = 0; k < n; k++) {
+        size_t at = (size_t)(v[k].at - v[0].at), len = (size_t)v[k].size;
+        if ((r = cu.MemMap(m->base + at, len, 0, v[k].handle, 0)) != CUDA_SUCCESS) {
             (void)range_unmap(m);
+            free(v);
             return cu_fail("cuMemMap", r);
         }
         m->map[m->n].at = at;
         m->map[m->n++].len = len;
-        at += len;
     }
+    *ptr = (uint64_t)m->base + (p->address - v[0].at);
+    free(v);
     CUmemAccessDesc acc;
     access_for(&acc, dev);
     if ((r = cu.MemSetAccess(m->base, m->size, &acc, 1)) != CUDA_SUCCESS) {
@@ -1452,11 +1815,12 @@ VMM_PUBLIC vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t
     bool fetching = st == VMM_OK;
     if (fetching) st = range_fetch(reg, &p);
     range_map *m = NULL;
-    if (st == VMM_OK) st = range_map_all(&p, ctx, dev, &m);
+    uint64_t ptr = 0;
+    if (st == VMM_OK) st = range_map_all(&p, ctx, dev, &m, &ptr);
     if (fetching) range_release_handles(&p);
     if (st == VMM_OK) {
         imp->range = m;
-        imp->ptr = (uint64_t)m->base + p.pc[0].from;
+        imp->ptr = ptr;
         imp->requested_size = length;
         imp->device = (int)dev;
         *out = imp;

@@ -83,12 +83,18 @@ typedef struct vmm_alloc_info {
     uint64_t chunk_offset;    /* address - the chunk's base in the owner */
     uint64_t extent;          /* bytes of the chunk it occupies (>= requested_size) */
     uint32_t flags;           /* VMM_ALLOC_* */
+    /* Handles its chunk is made of: 1, or with VMM_ALLOC_MULTI_HANDLE several, mapped back to
+     * back in the owner (its pool maps many handles into one range, and an allocation may span
+     * some).  chunk_id then names the first, mapped_size is their sum, and chunk_offset counts
+     * from the first one's base.  vmm_import maps them all; vmm_import_fd cannot hand them out. */
+    uint32_t n_handles;
 } vmm_alloc_info;
 
 /* vmm_alloc_info.flags */
 enum {
     VMM_ALLOC_NOT_EXPORTABLE = 1u << 0, /* made by the real allocator (device full, stream capture) */
-    VMM_ALLOC_SHARED_CHUNK = 1u << 1    /* its chunk may hold other allocations of the same owner */
+    VMM_ALLOC_SHARED_CHUNK = 1u << 1,   /* its chunk may hold other allocations of the same owner */
+    VMM_ALLOC_MULTI_HANDLE = 1u << 2    /* its chunk is n_handles handles back to back (broker only) */
 };
 
 typedef struct vmm_proc_info {
@@ -167,7 +173,10 @@ vmm_status vmm_gc(vmm_registry *reg, vmm_gc_report *out);
  * from the record's).
  *
  * What is mapped is the allocation's whole chunk (mapped_size bytes); the pointer handed back is
- * the chunk's base + chunk_offset.  Imported chunks are shared within this process and kept: while
+ * the chunk's base + chunk_offset.  A VMM_ALLOC_MULTI_HANDLE record's chunk is n_handles handles:
+ * each comes from the owner's broker (several in a reply), and they are mapped back to back in
+ * one reservation, with one cuMemSetAccess; such a mapping is shared only by imports of that
+ * same allocation.  Imported chunks are shared within this process and kept: while
  * a chunk is mapped here, importing an allocation of it (the same one again, or another) asks
  * neither the owner's broker nor the driver to import or map anything -- it re-reads the
  * allocation's record (still live, same generation, same chunk) and the owner's liveness, and
@@ -198,7 +207,8 @@ uint64_t vmm_import_size(const vmm_imported *imp);
 vmm_status vmm_import_release(vmm_imported *imp);
 /* Just the fd of the allocation's chunk (a POSIX file descriptor, close-on-exec), for companions
  * that import it themselves: map alloc->mapped_size bytes and add alloc->chunk_offset.  Each call
- * asks the owner again; the caller closes the fd. */
+ * asks the owner again; the caller closes the fd.  VMM_ERR_INVALID for a VMM_ALLOC_MULTI_HANDLE
+ * record: one fd cannot carry its handles. */
 vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd);
 
 /* Map the owner's bytes [address, address+length) of process `pid` here as one contiguous range,

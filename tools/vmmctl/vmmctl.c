@@ -317,14 +317,14 @@ static int list_row(void *ctx, const vmm_alloc_info *a)
                "\"owner_start_time\": %llu, \"owner_pidns\": %llu, \"device\": %u, \"device_uuid\": \"%s\", "
                "\"address\": %llu, \"address_hex\": \"0x%llx\", \"requested_size\": %llu, \"mapped_size\": %llu, "
                "\"chunk_id\": %llu, \"chunk_offset\": %llu, \"extent\": %llu, \"shared_chunk\": %s, "
-               "\"stream\": %llu, \"created_ns\": %llu, \"age_s\": %llu, \"api\": \"%s\", \"handle_kinds\": [",
+               "\"n_handles\": %u, \"stream\": %llu, \"created_ns\": %llu, \"age_s\": %llu, \"api\": \"%s\", \"handle_kinds\": [",
                c->n ? "," : "", id, (unsigned long long)a->slot, (unsigned long long)a->generation, a->pid,
                vmm__ctl_owner_name(a->owner_alive, true), (unsigned long long)a->owner_start_time,
                (unsigned long long)a->owner_pidns, a->device, uuid, (unsigned long long)a->address,
                (unsigned long long)a->address, (unsigned long long)a->requested_size,
                (unsigned long long)a->mapped_size, (unsigned long long)a->chunk_id,
                (unsigned long long)a->chunk_offset, (unsigned long long)held_bytes(a),
-               a->flags & VMM_ALLOC_SHARED_CHUNK ? "true" : "false", (unsigned long long)a->stream,
+               a->flags & VMM_ALLOC_SHARED_CHUNK ? "true" : "false", a->n_handles, (unsigned long long)a->stream,
                (unsigned long long)a->created_ns,
                (unsigned long long)age_s(a->created_ns, c->now), vmm__ctl_api_name(a->api));
         const char *sep = "";
@@ -697,6 +697,11 @@ static int cmd_show(int argc, char **argv)
     } else {
         printf("chunk        its own, chunk size %s\n", vmm__ctl_human(a.mapped_size, &h1));
     }
+    if (a.flags & VMM_ALLOC_MULTI_HANDLE)
+        printf("handles      %u, back to back from the chunk's base (chunk id names the first); the owner's broker "
+               "hands them out (protocol v2)\n", a.n_handles);
+    else
+        printf("handles      1\n");
     printf("made by      %s", vmm__ctl_api_name(a.api));
     if (a.stream) printf(" on stream 0x%llx", (unsigned long long)a.stream);
     printf("\nexport       %s", kinds_text(a.handle_kinds, kinds, sizeof kinds));

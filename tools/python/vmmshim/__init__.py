@@ -23,15 +23,15 @@ import weakref
 from . import _dlpack, _dtypes, _lib
 from ._errors import (BY_STATUS, Access, Busy, Corrupt, CudaError, Error, InvalidArgument, IOFailure, LibraryNotFound,
                       NotFound, OutOfMemory, OwnerDead, Stale, VersionMismatch)
-from ._lib import (ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, KIND_BROKER, KIND_FABRIC, KIND_PIDFD, OWNER_ALIVE,
-                   OWNER_DEAD, OWNER_UNKNOWN)
+from ._lib import (ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, KIND_BROKER, KIND_FABRIC, KIND_PIDFD,
+                   OWNER_ALIVE, OWNER_DEAD, OWNER_UNKNOWN)
 
 __version__ = "0.1.0"
 
 __all__ = ["Registry", "Allocation", "Process", "Buffer", "View", "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
            "Access", "Corrupt", "VersionMismatch", "Busy", "Stale", "OwnerDead", "CudaError", "OutOfMemory",
            "IOFailure", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN", "KIND_BROKER", "KIND_PIDFD", "KIND_FABRIC",
-           "ALLOC_NOT_EXPORTABLE", "ALLOC_SHARED_CHUNK"]
+           "ALLOC_NOT_EXPORTABLE", "ALLOC_SHARED_CHUNK", "ALLOC_MULTI_HANDLE"]
 
 _OWNER_NAMES = {OWNER_DEAD: "dead", OWNER_ALIVE: "alive"}
 
@@ -78,6 +78,8 @@ class Allocation:
         self.extent = info.extent
         self.flags = info.flags
         self.shared_chunk = bool(info.flags & ALLOC_SHARED_CHUNK)
+        self.n_handles = info.n_handles  # > 1: its chunk is that many handles back to back
+        self.multi_handle = bool(info.flags & ALLOC_MULTI_HANDLE)
         self.exportable = bool(info.handle_kinds & (KIND_BROKER | KIND_PIDFD)) and not info.flags & ALLOC_NOT_EXPORTABLE
 
     def __repr__(self):

@@ -74,7 +74,7 @@ def _json_row(a, now):
             f'"device": {a.device}, "device_uuid": "{a.device_uuid}", "address": {a.address}, '
             f'"address_hex": "0x{a.address:x}", "requested_size": {a.size}, "mapped_size": {a.mapped_size}, '
             f'"chunk_id": {a.chunk_id}, "chunk_offset": {a.chunk_offset}, "extent": {_held(a)}, '
-            f'"shared_chunk": {"true" if a.shared_chunk else "false"}, "stream": {a.stream}, '
+            f'"shared_chunk": {"true" if a.shared_chunk else "false"}, "n_handles": {a.n_handles}, "stream": {a.stream}, '
             f'"created_ns": {a.created_ns}, "age_s": {age}, "api": "{a.api}", "handle_kinds": [{kinds}], '
             f'"exported_fd": {a.exported_fd}, "frames": [{frames}], "tag": {_json_str(a._info.tag)}}}')
 

@@ -16,7 +16,7 @@ OK, INVALID, NOT_FOUND, ACCESS, CORRUPT, VERSION, BUSY, STALE, OWNER_DEAD, CUDA,
 
 OWNER_DEAD, OWNER_ALIVE, OWNER_UNKNOWN = 0, 1, 2
 KIND_BROKER, KIND_PIDFD, KIND_FABRIC = 1, 2, 4
-ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK = 1, 2
+ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, ALLOC_MULTI_HANDLE = 1, 2, 4
 
 # vmm_alloc_info.api, named as vmmctl names them
 API_NAMES = {1: "cudaMalloc", 2: "cudaMallocAsync", 3: "cuMemAlloc", 4: "cuMemAllocAsync",
@@ -50,6 +50,7 @@ class AllocInfo(ctypes.Structure):
         ("chunk_offset", c_u64),
         ("extent", c_u64),
         ("flags", c_u32),
+        ("n_handles", c_u32),
     ]
 
 

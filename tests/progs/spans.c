@@ -1,0 +1,56 @@
+/* An owner driven line by line on stdin, for companion tests of allocations that span several
+ * of the allocator's segments (tests/unit/test_import_multi.c):
+ *   "a <bytes>"      cudaMalloc; answers "ok <index> 0x<address>"
+ *   "w <index> <seed>" fills the buffer with 64-bit words seed * 0x9e3779b97f4a7c15 + word index
+ *                      (cudaMemcpy); answers "ok"
+ *   "f <index>"      cudaFree; answers "ok"
+ *   "q"              exits
+ * A failure answers "error <what>". */
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_BUFS 256
+
+int main(void)
+{
+    static void *buf[MAX_BUFS];
+    static size_t size[MAX_BUFS];
+    int n = 0;
+    char line[128];
+    while (fgets(line, sizeof line, stdin)) {
+        unsigned long long a = 0, b = 0;
+        cudaError_t e = cudaSuccess;
+        if (line[0] == 'q') break;
+        if (line[0] == 'a' && sscanf(line + 1, "%llu", &a) == 1 && n < MAX_BUFS) {
+            size[n] = (size_t)a;
+            e = cudaMalloc(&buf[n], size[n]);
+            if (e == cudaSuccess) {
+                printf("ok %d 0x%llx\n", n, (unsigned long long)(uintptr_t)buf[n]);
+                n++;
+            }
+        } else if (line[0] == 'w' && sscanf(line + 1, "%llu %llu", &a, &b) == 2 && a < (unsigned long long)n) {
+            size_t words = size[a] / 8;
+            uint64_t *h = malloc(words * 8);
+            if (!h) {
+                printf("error malloc\n");
+                fflush(stdout);
+                continue;
+            }
+            for (size_t k = 0; k < words; k++) h[k] = b * 0x9e3779b97f4a7c15ull + k;
+            e = cudaMemcpy(buf[a], h, words * 8, cudaMemcpyHostToDevice);
+            free(h);
+            if (e == cudaSuccess) printf("ok\n");
+        } else if (line[0] == 'f' && sscanf(line + 1, "%llu", &a) == 1 && a < (unsigned long long)n) {
+            e = cudaFree(buf[a]);
+            if (e == cudaSuccess) printf("ok\n");
+        } else {
+            printf("error bad command\n");
+        }
+        if (e != cudaSuccess) printf("error %s\n", cudaGetErrorName(e));
+        fflush(stdout);
+    }
+    return 0;
+}
