@@ -296,7 +296,9 @@ static void after_fork_child(void)
         inherited.dev[i].events = S.dev[i].events;
     }
     S.by_addr = S.by_slot = NULL; /* parent's segments leak in the child by design */
-    pthread_cond_destroy(&S.purge_wake);
+    /* Never pthread_cond_destroy: it waits for the parent's give-back thread, which waited on it
+     * at the fork and does not exist here, forever. */
+    memset(&S.purge_wake, 0, sizeof S.purge_wake);
     purge_cond_init();
     S.purge_state = 0; /* the parent's give-back thread is not here */
     S.notes = NULL;
