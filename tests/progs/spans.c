@@ -1,6 +1,8 @@
 /* An owner driven line by line on stdin, for companion tests of allocations that span several
  * of the allocator's segments (tests/unit/test_import_multi.c):
  *   "a <bytes>"      cudaMalloc; answers "ok <index> 0x<address>"
+ *   "A <bytes>"      cudaMallocAsync on the default stream (the stream-ordered pool packs, where
+ *                    cudaMalloc's maps each large request alone); answers the same
  *   "w <index> <seed>" fills the buffer with 64-bit words seed * 0x9e3779b97f4a7c15 + word index
  *                      (cudaMemcpy); answers "ok"
  *   "f <index>"      cudaFree; answers "ok"
@@ -24,9 +26,9 @@ int main(void)
         unsigned long long a = 0, b = 0;
         cudaError_t e = cudaSuccess;
         if (line[0] == 'q') break;
-        if (line[0] == 'a' && sscanf(line + 1, "%llu", &a) == 1 && n < MAX_BUFS) {
+        if ((line[0] == 'a' || line[0] == 'A') && sscanf(line + 1, "%llu", &a) == 1 && n < MAX_BUFS) {
             size[n] = (size_t)a;
-            e = cudaMalloc(&buf[n], size[n]);
+            e = line[0] == 'a' ? cudaMalloc(&buf[n], size[n]) : cudaMallocAsync(&buf[n], size[n], 0);
             if (e == cudaSuccess) {
                 printf("ok %d 0x%llx\n", n, (unsigned long long)(uintptr_t)buf[n]);
                 n++;
