@@ -32,10 +32,6 @@
 
 #define MAX_DEVICES 64
 #define NO_SLOT UINT32_MAX
-/* Marker slots per slab of pinned host memory (4 KiB): see captured_free. */
-#define MARK_SLOTS 1024u
-/* While a captured free waits, the give-back thread looks at its marker at least this often. */
-#define CAPTURED_POLL_NS 50000000u
 
 /* A segment as the mechanism knows it (the pool's vmm__seg has its place and size). */
 typedef struct vseg {
@@ -70,27 +66,7 @@ typedef struct device_state {
     uint64_t release_threshold; /* the default pool's, as the program set it */
     CUevent *events;            /* pool of timing-free events */
     size_t n_events, cap_events;
-    /* The slab marker slots are handed out from (captured_free): pinned, device-mapped host memory
-     * of the device's primary context, never freed, since a graph holding a slot may be launched
-     * (and write it) at any later time.  Each slot is handed out once. */
-    uint32_t *mark_host;
-    CUdeviceptr mark_dev;
-    unsigned mark_next;
 } device_state;
-
-/* A stream-ordered free of shim memory captured into a graph: natively a node of the graph, the
- * memory freed when a launch reaches it.  A 4-byte memset of its marker slot was captured right
- * after the work before the free, so a slot reading 1 (a plain load, no CUDA call) says a launch
- * got past the free: the block then becomes an ordinary free that every stream may reuse. */
-typedef struct captured_free {
-    vmm__block *b;
-    device_state *d;
-    const uint32_t *mark;
-    /* in_flight: its marker is being captured (outside the lock); a device reset meanwhile only
-     * unlinks it and sets dropped, and the free that made it frees it */
-    int in_flight, dropped;
-    struct captured_free *next;
-} captured_free;
 
 /* Driver entry points, resolved once. */
 static struct {
@@ -121,10 +97,6 @@ static struct {
     CUresult (*EventDestroy)(CUevent);
     CUresult (*StreamSynchronize)(CUstream);
     CUresult (*StreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
-    /* for captured frees only: a driver lacking them keeps those blocks retired */
-    CUresult (*MemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
-    CUresult (*MemHostAlloc)(void **, size_t, unsigned int);
-    CUresult (*MemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned int);
 } cu;
 
 static struct {
@@ -139,7 +111,6 @@ static struct {
     int broker_started;
     vmm__block *by_addr, *by_slot; /* live allocations */
     vmm__block *deferred;          /* freed while a stream captured, not yet synchronized (via fnext) */
-    captured_free *captured;       /* stream-ordered frees captured into graphs, not yet reached */
     note *notes;                   /* by address */
     uint64_t next_chunk_id;
     uint64_t cache_limit;          /* bytes of empty synchronous memory kept past the give-back delay */
@@ -193,9 +164,6 @@ static int load_driver(char *why, size_t len)
         snprintf(why, len, "libcuda.so.1 lacks the VMM entry points");
         return -1;
     }
-    LOAD(MemsetD32Async, cuMemsetD32Async);
-    LOAD(MemHostAlloc, cuMemHostAlloc);
-    LOAD(MemHostGetDevicePointer, cuMemHostGetDevicePointer);
     return 0;
 }
 
@@ -273,7 +241,6 @@ static void coverage_after_fork(void)
 static volatile struct {
     vmm__block *by_addr, *by_slot;
     note *notes;
-    captured_free *captured;
     struct {
         vmm__pool pool[2];
         CUevent *events;
@@ -290,7 +257,6 @@ static void after_fork_child(void)
     inherited.by_addr = S.by_addr;
     inherited.by_slot = S.by_slot;
     inherited.notes = S.notes;
-    inherited.captured = S.captured;
     for (int i = 0; i < MAX_DEVICES; i++) {
         memcpy((void *)inherited.dev[i].pool, S.dev[i].pool, sizeof S.dev[i].pool);
         inherited.dev[i].events = S.dev[i].events;
@@ -303,7 +269,6 @@ static void after_fork_child(void)
     S.purge_state = 0; /* the parent's give-back thread is not here */
     S.notes = NULL;
     S.deferred = NULL;
-    S.captured = NULL;
     __atomic_store_n(&captures, 0, __ATOMIC_RELAXED); /* the parent's capturing threads are not here */
     memset(S.dev, 0, sizeof S.dev);
     if (S.registry_ok) vmm__reg_forget_after_fork(&S.reg);
@@ -640,8 +605,6 @@ static void pools_ready_locked(device_state *d)
 
 /* ---- giving memory back after the idle delay ---- */
 
-static int captured_reap_locked(void);
-
 /* The budget of each pool: what cudaMalloc freed may stay empty up to VMMSHIM_CACHE_SIZE bytes;
  * the default pool keeps up to its release threshold reserved, as natively. */
 static void release_locked(vmm__pool *p, int stream_ordered, uint64_t until)
@@ -660,12 +623,7 @@ static int settled(const vmm__pool *p, int stream_ordered)
 static uint64_t purge_pass_locked(uint64_t now)
 {
     uint64_t next = UINT64_MAX, delay = S.give_back_ns;
-    /* a graph may be launched at any time: its captured frees are looked at again soon */
-    uint64_t poll = captured_reap_locked() ? now + CAPTURED_POLL_NS : UINT64_MAX;
-    if (__atomic_load_n(&captures, __ATOMIC_ACQUIRE) > 0) { /* after the capture */
-        next = now + (delay ? delay : 1000000u);
-        return next < poll ? next : poll;
-    }
+    if (__atomic_load_n(&captures, __ATOMIC_ACQUIRE) > 0) return now + (delay ? delay : 1000000u); /* after the capture */
     for (int i = 0; i < MAX_DEVICES; i++) {
         device_state *d = &S.dev[i];
         for (int k = 0; k < 2 && d->pool_ready; k++) {
@@ -677,7 +635,7 @@ static uint64_t purge_pass_locked(uint64_t now)
     }
     /* a segment a free in flight still touches is looked at again a little later, never spun on */
     if (next != UINT64_MAX && next < now + 5000000u) next = now + 5000000u;
-    return next < poll ? next : poll;
+    return next;
 }
 
 static void *purge_main(void *arg)
@@ -937,7 +895,6 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
 
     pthread_mutex_lock(&S.lock);
     pools_ready_locked(d);
-    if (S.captured) captured_reap_locked(); /* what a launched graph freed, before the pool grows */
     int err;
     vmm__block *b = alloc_locked(d, size, stream_ordered, (uint64_t)(uintptr_t)stream, &err);
     if (!b) {
@@ -1026,91 +983,6 @@ static void pool_free_list_locked(vmm__block *list)
     }
 }
 
-/* Under S.lock: the captured frees a launch got past go back to their pools.  While a stream
- * captures, nothing is given back to the driver here (a driver call from any thread could break a
- * capture in global mode): the next synchronization or pass does it.  Returns whether frees are
- * still waiting. */
-static int captured_reap_locked(void)
-{
-    int capturing = __atomic_load_n(&captures, __ATOMIC_ACQUIRE) > 0;
-    for (captured_free **pp = &S.captured; *pp;) {
-        captured_free *cf = *pp;
-        if (cf->in_flight || __atomic_load_n(cf->mark, __ATOMIC_ACQUIRE) != 1) {
-            pp = &cf->next;
-            continue;
-        }
-        *pp = cf->next;
-        vmm__pool *pool = cf->b->arena->pool;
-        int ordered = pool == &cf->d->pool[1];
-        if (vmm__pool_free(pool, cf->b, 0, NULL)) {
-            if (!capturing) emptied_locked(pool, ordered);
-            else {
-                __atomic_store_n(&S.sync_due, 1, __ATOMIC_RELAXED);
-                purge_kick_locked();
-            }
-        }
-        free(cf);
-    }
-    return S.captured != NULL;
-}
-
-/* Under S.lock: the next marker slot of d, or 0 when its slab is spent or was never made. */
-static CUdeviceptr mark_take_locked(device_state *d, const uint32_t **host)
-{
-    if (!d->mark_host || d->mark_next >= MARK_SLOTS) return 0;
-    *host = &d->mark_host[d->mark_next];
-    return d->mark_dev + 4u * d->mark_next++;
-}
-
-/* A stream of the calling thread's context is about to begin capturing.  Marker slots must exist
- * before: allocating pinned memory is not allowed during a capture in global mode (from any
- * thread), so a slab is made now, while no stream captures, when the device's is missing or
- * running low.  In the device's primary context, which lives as long as the shim's memory does
- * (a context the program destroys would take the slab with it). */
-void vmm__capture_prepare(void)
-{
-    if (!S.ready || !cu.MemHostAlloc || !cu.MemHostGetDevicePointer || !cu.MemsetD32Async ||
-        __atomic_load_n(&captures, __ATOMIC_ACQUIRE) > 0)
-        return;
-    CUcontext prev = NULL, prim;
-    CUdevice dev = -1;
-    if (cu.CtxGetCurrent(&prev) != CUDA_SUCCESS || !prev || cu.CtxGetDevice(&dev) != CUDA_SUCCESS || dev < 0 ||
-        dev >= MAX_DEVICES)
-        return;
-    device_state *d = &S.dev[dev];
-    pthread_mutex_lock(&S.lock);
-    int low = !d->pool_ready ? 0 : !d->mark_host || d->mark_next > MARK_SLOTS - MARK_SLOTS / 4;
-    pthread_mutex_unlock(&S.lock);
-    if (!low) return; /* no shim memory on the device yet, or slots enough */
-    if (!(prim = __atomic_load_n(&d->primary, __ATOMIC_ACQUIRE))) {
-        CUcontext none = NULL;
-        if (cu.DevicePrimaryCtxRetain(&prim, dev) != CUDA_SUCCESS) return;
-        if (!__atomic_compare_exchange_n(&d->primary, &none, prim, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) prim = none;
-    }
-    void *host = NULL;
-    CUdeviceptr dptr = 0;
-    vmm__enter();
-    int switched = prim != prev && cu.CtxSetCurrent(prim) == CUDA_SUCCESS;
-    if (switched || prim == prev) {
-        if (cu.MemHostAlloc(&host, MARK_SLOTS * 4u, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE) != CUDA_SUCCESS)
-            host = NULL;
-        else if (cu.MemHostGetDevicePointer(&dptr, host, 0) != CUDA_SUCCESS)
-            dptr = 0; /* kept, unused: freeing it is a driver call no simpler than keeping 4 KiB */
-    }
-    if (switched) (void)VMM__TWICE(cu.CtxSetCurrent(prev));
-    vmm__leave();
-    if (!host || !dptr) {
-        vmm__log(VMM__LOG_WARNING, "no pinned memory for graph capture markers; frees captured into graphs retire their blocks");
-        return;
-    }
-    memset(host, 0, MARK_SLOTS * 4u);
-    pthread_mutex_lock(&S.lock);
-    d->mark_host = host; /* the rest of a previous slab stays unused */
-    d->mark_dev = dptr;
-    d->mark_next = 0;
-    pthread_mutex_unlock(&S.lock);
-}
-
 vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
 {
     if (!ptr || !S.ready) return VMM__PASS;
@@ -1139,41 +1011,9 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     CUevent ev = NULL;
     if (stream_ordered) {
         if (capturing) {
-            /* The free happens when a launch of the graph reaches it: a marker captured here tells
-             * (captured_free).  On the list before the marker is captured, so a device reset
-             * meanwhile finds it; its slot reads 0 until a launch. */
-            const uint32_t *mark = NULL;
-            captured_free *cf = calloc(1, sizeof *cf);
-            CUdeviceptr slot = cf ? mark_take_locked(d, &mark) : 0;
-            if (slot) {
-                *cf = (captured_free){.b = b, .d = d, .mark = mark, .in_flight = 1, .next = S.captured};
-                S.captured = cf;
-            }
+            /* The free happens when the graph runs, which we cannot observe: never reuse it. */
             pthread_mutex_unlock(&S.lock);
-            CUresult rc = CUDA_ERROR_NOT_SUPPORTED;
-            if (slot) {
-                vmm__enter();
-                rc = cu.MemsetD32Async(slot, 1, 1, stream);
-                vmm__leave();
-            }
-            int dropped = 0;
-            if (slot) {
-                pthread_mutex_lock(&S.lock);
-                cf->in_flight = 0;
-                dropped = cf->dropped; /* a device reset took the block: nothing is left to free */
-                if (!dropped && rc != CUDA_SUCCESS)
-                    for (captured_free **pp = &S.captured; *pp; pp = &(*pp)->next)
-                        if (*pp == cf) {
-                            *pp = cf->next;
-                            break;
-                        }
-                if (!dropped && rc == CUDA_SUCCESS) purge_kick_locked(); /* the give-back thread watches the marker */
-                pthread_mutex_unlock(&S.lock);
-            }
-            if (dropped || rc != CUDA_SUCCESS) free(cf);
-            if (!dropped && rc != CUDA_SUCCESS) /* nothing tells when the graph frees it: never reuse it */
-                vmm__log(VMM__LOG_WARNING, "stream-ordered free of shim memory during graph capture: no marker could be "
-                         "captured (CUDA error %d); its block is retired", (int)rc);
+            vmm__log(VMM__LOG_WARNING, "stream-ordered free of shim memory during graph capture; its block is retired");
             return VMM__DONE;
         }
         ev = event_get_locked(d);
@@ -1208,10 +1048,8 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
  * waiting) to one load. */
 void vmm__synchronized(void)
 {
-    if (!S.ready || (!__atomic_load_n(&S.sync_due, __ATOMIC_ACQUIRE) && !__atomic_load_n(&S.captured, __ATOMIC_ACQUIRE)))
-        return;
+    if (!S.ready || !__atomic_load_n(&S.sync_due, __ATOMIC_ACQUIRE)) return;
     pthread_mutex_lock(&S.lock);
-    captured_reap_locked(); /* the synchronized work may have been a graph's launch */
     __atomic_store_n(&S.sync_due, 0, __ATOMIC_RELAXED);
     int left = 0;
     for (int i = 0; i < MAX_DEVICES; i++) {
@@ -1466,21 +1304,6 @@ void vmm__device_reset(int dev)
     for (vmm__block **pp = &S.deferred; *pp;) /* their segments go with the pool */
         if (dev_of_block(*pp) == d) *pp = (*pp)->fnext;
         else pp = &(*pp)->fnext;
-    for (captured_free **pp = &S.captured; *pp;) { /* a launch after the reset frees nothing of ours */
-        captured_free *cf = *pp;
-        if (cf->d == d) {
-            *pp = cf->next;
-            if (cf->in_flight) cf->dropped = 1;
-            else free(cf);
-        } else {
-            pp = &cf->next;
-        }
-    }
-    /* the reset may free the primary context's pinned memory: the slab is never read again, and
-     * the next capture makes another */
-    d->mark_host = NULL;
-    d->mark_dev = 0;
-    d->mark_next = 0;
     if (d->pool_ready) {
         vmm__pool_destroy(&d->pool[0]);
         vmm__pool_destroy(&d->pool[1]);

@@ -101,9 +101,6 @@ void vmm__device_reset(int dev);
 /* A stream of this process began or ended capturing (the driver hooks count them): while any
  * does, a free never synchronizes a context, and its block waits for a safe moment. */
 void vmm__capture_begun(void);
-/* A stream of the calling thread's context is about to begin capturing (before the real call):
- * the shim readies what a free captured into the graph will need. */
-void vmm__capture_prepare(void);
 void vmm__capture_ended(void);
 /* The program synchronized a context or stream successfully. */
 void vmm__synchronized(void);

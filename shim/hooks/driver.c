@@ -443,28 +443,24 @@ static CUresult begun(CUresult rc)
 VMM_HOOK CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode)
 {
     VMM_REAL_DRIVER(cuStreamBeginCapture_v2, CUDA_ERROR_NOT_INITIALIZED);
-    vmm__capture_prepare();
     return begun(real_(s, mode));
 }
 
 VMM_HOOK CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode mode)
 {
     VMM_REAL_DRIVER(cuStreamBeginCapture_v2_ptsz, CUDA_ERROR_NOT_INITIALIZED);
-    vmm__capture_prepare();
     return begun(real_(s, mode));
 }
 
 VMM_HOOK CUresult cuStreamBeginCapture(CUstream s)
 {
     VMM_REAL_DRIVER(cuStreamBeginCapture, CUDA_ERROR_NOT_INITIALIZED);
-    vmm__capture_prepare();
     return begun(real_(s));
 }
 
 VMM_HOOK CUresult cuStreamBeginCapture_ptsz(CUstream s)
 {
     VMM_REAL_DRIVER(cuStreamBeginCapture_ptsz, CUDA_ERROR_NOT_INITIALIZED);
-    vmm__capture_prepare();
     return begun(real_(s));
 }
 
@@ -472,7 +468,6 @@ VMM_HOOK CUresult cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgra
                                               const CUgraphEdgeData *data, size_t n, CUstreamCaptureMode mode)
 {
     VMM_REAL_DRIVER(cuStreamBeginCaptureToGraph, CUDA_ERROR_NOT_INITIALIZED);
-    vmm__capture_prepare();
     return begun(real_(s, g, deps, data, n, mode));
 }
 
@@ -480,7 +475,6 @@ VMM_HOOK CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const 
                                                    const CUgraphEdgeData *data, size_t n, CUstreamCaptureMode mode)
 {
     VMM_REAL_DRIVER(cuStreamBeginCaptureToGraph_ptsz, CUDA_ERROR_NOT_INITIALIZED);
-    vmm__capture_prepare();
     return begun(real_(s, g, deps, data, n, mode));
 }
 

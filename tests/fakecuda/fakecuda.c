@@ -96,27 +96,10 @@ typedef struct fc_range {
     UT_hash_handle hh;
 } fc_range;
 
-/* A captured graph, and an instantiated one: the work a capture recorded, in order.  Only memsets
- * of 32-bit words and stream-ordered frees are recorded (what the shim's tests launch); any other
- * call on a capturing stream still runs at once, as before graphs were emulated. */
-typedef struct fc_node {
-    int kind; /* FC_NODE_* */
-    CUdeviceptr dst;
-    unsigned value;
-    size_t n;
-} fc_node;
-enum { FC_NODE_MEMSET32 = 1, FC_NODE_FREE = 2 };
-
-typedef struct fc_graph {
-    fc_node *nodes;
-    size_t n, cap;
-} fc_graph;
-
 typedef struct fc_stream {
     void *self;
     unsigned flags;
     int capturing;
-    fc_graph *graph; /* while capturing: the graph being recorded */
     int invalidated; /* a capture broken by a synchronization, as the real driver breaks it */
     CUstreamCaptureMode mode;
     unsigned long long busy_until; /* CLOCK_MONOTONIC ns */
@@ -181,6 +164,7 @@ static struct fc_calls g_calls[512];
 static __thread CUcontext t_stack[64];
 static __thread int t_depth;
 
+static char g_dummy_graph;
 
 #define LOCK() pthread_mutex_lock(&g_mu)
 #define UNLOCK() pthread_mutex_unlock(&g_mu)
@@ -400,27 +384,6 @@ static fc_stream *stream_get(CUstream s) /* lock held */
     void *key = (void *)s;
     HASH_FIND_PTR(g_streams, &key, st);
     return st;
-}
-
-/* Appends a node to the graph s is capturing into; 1 when s captures (the call is then recorded,
- * not run), 0 when it does not.  A node that cannot be stored invalidates the capture. */
-static int capture_record(CUstream s, int kind, CUdeviceptr dst, unsigned value, size_t n)
-{
-    LOCK();
-    fc_stream *st = stream_get(s);
-    int capturing = st && st->capturing;
-    if (capturing && !st->invalidated) {
-        fc_graph *g = st->graph;
-        if (g->n == g->cap) {
-            size_t cap = g->cap ? 2 * g->cap : 8;
-            fc_node *nodes = realloc(g->nodes, cap * sizeof *nodes);
-            if (!nodes) st->invalidated = 1;
-            else g->nodes = nodes, g->cap = cap;
-        }
-        if (g->n < g->cap) g->nodes[g->n++] = (fc_node){.kind = kind, .dst = dst, .value = value, .n = n};
-    }
-    UNLOCK();
-    return capturing;
 }
 
 static fc_event *event_get(CUevent e) /* lock held */
@@ -1693,8 +1656,6 @@ static CUresult free_async(const void *caller, CUdeviceptr dptr, CUstream hStrea
     FC_ENTER_FROM("cuMemFreeAsync", caller);
     CUresult r = stream_check(hStream);
     if (r != CUDA_SUCCESS) return r;
-    /* natively a free node of the graph: the memory stays until a launch reaches it */
-    if (dptr && capture_record(hStream, FC_NODE_FREE, dptr, 0, 0)) return CUDA_SUCCESS;
     return memfree(dptr);
 }
 
@@ -2102,23 +2063,6 @@ FC_API CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
     return host_alloc(pp, bytesize, Flags);
 }
 
-/* Host memory is device memory here: the device sees a pinned block at its host address, as
- * with unified addressing. */
-FC_API CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags)
-{
-    FC_ENTER("cuMemHostGetDevicePointer");
-    if (!pdptr || Flags) return CUDA_ERROR_INVALID_VALUE;
-    int found = 0;
-    fc_range *r, *tmp;
-    LOCK();
-    HASH_ITER(hh, g_host, r, tmp)
-        if ((uintptr_t)p >= r->base && (uintptr_t)p < r->base + r->size) found = 1;
-    UNLOCK();
-    if (!found) return CUDA_ERROR_INVALID_VALUE;
-    *pdptr = (CUdeviceptr)(uintptr_t)p;
-    return CUDA_SUCCESS;
-}
-
 FC_API CUresult cuMemFreeHost(void *p)
 {
     FC_ENTER("cuMemFreeHost");
@@ -2221,10 +2165,7 @@ static CUresult set8_async(CUdeviceptr dst, unsigned char uc, size_t n, CUstream
 static CUresult set32_async(CUdeviceptr dst, unsigned int ui, size_t n, CUstream s)
 {
     CUresult r = stream_check(s);
-    if (r != CUDA_SUCCESS) return r;
-    if (!dst || dst % 4) return n ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
-    if (capture_record(s, FC_NODE_MEMSET32, dst, ui, n)) return CUDA_SUCCESS;
-    return set32(dst, ui, n);
+    return r != CUDA_SUCCESS ? r : set32(dst, ui, n);
 }
 
 FC_API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char uc, size_t n, CUstream s) { FC_ENTER("cuMemsetD8Async"); return set8_async(dst, uc, n, s); }
@@ -2275,8 +2216,6 @@ static CUresult stream_destroy(CUstream hStream)
     }
     HASH_DEL(g_streams, s);
     UNLOCK();
-    if (s->graph) free(s->graph->nodes); /* a capture never ended */
-    free(s->graph);
     free(s);
     return CUDA_SUCCESS;
 }
@@ -2354,7 +2293,6 @@ static CUresult begin_capture(CUstream hStream, CUstreamCaptureMode mode)
     CUresult r = CUDA_SUCCESS;
     if (!s) r = CUDA_ERROR_INVALID_HANDLE;
     else if (s->capturing) r = CUDA_ERROR_ILLEGAL_STATE;
-    else if (!(s->graph = calloc(1, sizeof *s->graph))) r = CUDA_ERROR_OUT_OF_MEMORY;
     else {
         s->capturing = 1;
         s->mode = mode;
@@ -2393,22 +2331,14 @@ static CUresult end_capture(CUstream hStream, CUgraph *phGraph)
     LOCK();
     fc_stream *s = stream_get(hStream);
     CUresult r = CUDA_SUCCESS;
-    fc_graph *g = NULL;
     if (!s) r = CUDA_ERROR_INVALID_HANDLE;
     else if (!s->capturing) r = CUDA_ERROR_ILLEGAL_STATE;
     else {
         if (s->invalidated) r = CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
         s->capturing = s->invalidated = 0;
-        g = s->graph;
-        s->graph = NULL;
     }
     UNLOCK();
-    if (r == CUDA_SUCCESS) {
-        *phGraph = (CUgraph)(void *)g;
-    } else if (g) {
-        free(g->nodes);
-        free(g);
-    }
+    if (r == CUDA_SUCCESS) *phGraph = (CUgraph)(void *)&g_dummy_graph;
     return r;
 }
 
@@ -2447,89 +2377,6 @@ FC_API CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus
 {
     FC_ENTER("cuStreamIsCapturing");
     return is_capturing(hStream ? hStream : CU_STREAM_PER_THREAD, captureStatus);
-}
-
-/* Graphs: an executable graph is a copy of the captured one; a launch runs its nodes at once, in
- * order, and keeps the stream busy as recorded work does (FAKECUDA_EVENT_DELAY_US). */
-static fc_graph *graph_copy(const fc_graph *g)
-{
-    fc_graph *x = calloc(1, sizeof *x);
-    if (!x) return NULL;
-    if (g->n && !(x->nodes = malloc(g->n * sizeof *x->nodes))) {
-        free(x);
-        return NULL;
-    }
-    if (g->n) memcpy(x->nodes, g->nodes, g->n * sizeof *x->nodes);
-    x->n = x->cap = g->n;
-    return x;
-}
-
-static void graph_free(fc_graph *g)
-{
-    if (!g) return;
-    free(g->nodes);
-    free(g);
-}
-
-FC_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
-{
-    FC_ENTER("cuGraphInstantiateWithFlags");
-    (void)flags;
-    if (!phGraphExec || !hGraph) return CUDA_ERROR_INVALID_VALUE;
-    fc_graph *x = graph_copy((const fc_graph *)(void *)hGraph);
-    if (!x) return CUDA_ERROR_OUT_OF_MEMORY;
-    *phGraphExec = (CUgraphExec)(void *)x;
-    return CUDA_SUCCESS;
-}
-
-static CUresult graph_launch(CUgraphExec hGraphExec, CUstream hStream)
-{
-    const fc_graph *x = (const fc_graph *)(void *)hGraphExec;
-    if (!x) return CUDA_ERROR_INVALID_VALUE;
-    LOCK();
-    fc_stream *s = stream_get(hStream);
-    if (s) {
-        unsigned long long t = now_ns() + g_delay_us * 1000ULL;
-        if (s->busy_until < t) s->busy_until = t;
-    }
-    UNLOCK();
-    if (!s) return CUDA_ERROR_INVALID_HANDLE;
-    for (size_t i = 0; i < x->n; i++) {
-        const fc_node *nd = &x->nodes[i];
-        /* a node that fails (a second free of the same memory) makes the launch fail, as natively
-         * it would fault; the nodes before it have run */
-        CUresult r = nd->kind == FC_NODE_MEMSET32 ? set32(nd->dst, nd->value, nd->n) : memfree(nd->dst);
-        if (r != CUDA_SUCCESS) return r;
-    }
-    return CUDA_SUCCESS;
-}
-
-FC_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
-{
-    FC_ENTER("cuGraphLaunch");
-    return graph_launch(hGraphExec, hStream);
-}
-
-FC_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
-{
-    FC_ENTER("cuGraphLaunch");
-    return graph_launch(hGraphExec, hStream ? hStream : CU_STREAM_PER_THREAD);
-}
-
-FC_API CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
-{
-    FC_ENTER("cuGraphExecDestroy");
-    if (!hGraphExec) return CUDA_ERROR_INVALID_VALUE;
-    graph_free((fc_graph *)(void *)hGraphExec);
-    return CUDA_SUCCESS;
-}
-
-FC_API CUresult cuGraphDestroy(CUgraph hGraph)
-{
-    FC_ENTER("cuGraphDestroy");
-    if (!hGraph) return CUDA_ERROR_INVALID_VALUE;
-    graph_free((fc_graph *)(void *)hGraph);
-    return CUDA_SUCCESS;
 }
 
 FC_API CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
@@ -2794,7 +2641,6 @@ struct fc_sym {
     S("cuMemAllocHost", 3020, cuMemAllocHost_v2)                                                \
     S("cuMemAllocHost", 2000, cuMemAllocHost)                                                   \
     S("cuMemHostAlloc", 2020, cuMemHostAlloc)                                                   \
-    S("cuMemHostGetDevicePointer", 3020, cuMemHostGetDevicePointer_v2)                          \
     S("cuMemFreeHost", 2000, cuMemFreeHost)                                                     \
     S("cuPointerGetAttributes", 7000, cuPointerGetAttributes)                                   \
     P("cuMemcpy", 4000, cuMemcpy, cuMemcpy_ptds)                                                \
@@ -2824,10 +2670,6 @@ struct fc_sym {
     P("cuStreamBeginCapture", 10010, cuStreamBeginCapture_v2, cuStreamBeginCapture_v2_ptsz)     \
     P("cuStreamBeginCapture", 10000, cuStreamBeginCapture, cuStreamBeginCapture_ptsz)           \
     P("cuStreamEndCapture", 10000, cuStreamEndCapture, cuStreamEndCapture_ptsz)                 \
-    S("cuGraphInstantiateWithFlags", 11040, cuGraphInstantiateWithFlags)                        \
-    P("cuGraphLaunch", 10000, cuGraphLaunch, cuGraphLaunch_ptsz)                                \
-    S("cuGraphExecDestroy", 10000, cuGraphExecDestroy)                                          \
-    S("cuGraphDestroy", 10000, cuGraphDestroy)                                                  \
     P("cuStreamIsCapturing", 10000, cuStreamIsCapturing, cuStreamIsCapturing_ptsz)              \
     S("cuEventCreate", 2000, cuEventCreate)                                                     \
     P("cuEventRecord", 2000, cuEventRecord, cuEventRecord_ptsz)                                 \

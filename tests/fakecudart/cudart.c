@@ -215,17 +215,6 @@ API cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStat
 {
     return ret(map(cuStreamIsCapturing((CUstream)s, (CUstreamCaptureStatus *)st)));
 }
-API cudaError_t cudaGraphInstantiate(cudaGraphExec_t *x, cudaGraph_t g, unsigned long long flags)
-{
-    return ret(map(cuGraphInstantiateWithFlags((CUgraphExec *)x, (CUgraph)g, flags)));
-}
-API cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *x, cudaGraph_t g, unsigned long long flags)
-{
-    return cudaGraphInstantiate(x, g, flags);
-}
-API cudaError_t cudaGraphLaunch(cudaGraphExec_t x, cudaStream_t s) { return ret(map(cuGraphLaunch((CUgraphExec)x, (CUstream)s))); }
-API cudaError_t cudaGraphExecDestroy(cudaGraphExec_t x) { return ret(map(cuGraphExecDestroy((CUgraphExec)x))); }
-API cudaError_t cudaGraphDestroy(cudaGraph_t g) { return ret(map(cuGraphDestroy((CUgraph)g))); }
 API cudaError_t cudaEventCreate(cudaEvent_t *e)
 {
     ENSURE();
