@@ -1003,6 +1003,13 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
         }
         return r;
     }
+    if (capturing) {
+        /* Natively (an H100, driver 580) a stream-ordered free, captured, of memory allocated
+         * before the capture fails with cudaErrorInvalidValue, the capture goes on and the memory
+         * stays allocated; the shim's memory was all allocated outside any capture. */
+        pthread_mutex_unlock(&S.lock);
+        return VMM__INVALID;
+    }
     HASH_DELETE(hh, S.by_addr, b);
     retract_locked(b); /* out of the registry before the memory can be reused */
     b->live = 0;
@@ -1010,12 +1017,6 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     vmm__pool *pool = b->arena->pool;
     CUevent ev = NULL;
     if (stream_ordered) {
-        if (capturing) {
-            /* The free happens when the graph runs, which we cannot observe: never reuse it. */
-            pthread_mutex_unlock(&S.lock);
-            vmm__log(VMM__LOG_WARNING, "stream-ordered free of shim memory during graph capture; its block is retired");
-            return VMM__DONE;
-        }
         ev = event_get_locked(d);
         pthread_mutex_unlock(&S.lock);
         if (!ev || cu.EventRecord(ev, stream) != CUDA_SUCCESS) {

@@ -1656,6 +1656,13 @@ static CUresult free_async(const void *caller, CUdeviceptr dptr, CUstream hStrea
     FC_ENTER_FROM("cuMemFreeAsync", caller);
     CUresult r = stream_check(hStream);
     if (r != CUDA_SUCCESS) return r;
+    /* Seen on an H100 (driver 580): freeing memory allocated before a capture, on the capturing
+     * stream, is refused and the capture goes on.  Nothing is allocated in a capture here. */
+    LOCK();
+    fc_stream *s = hStream && hStream != CU_STREAM_LEGACY ? stream_get(hStream) : NULL;
+    int capturing = s && s->capturing;
+    UNLOCK();
+    if (capturing) return CUDA_ERROR_INVALID_VALUE;
     return memfree(dptr);
 }
 

@@ -211,6 +211,23 @@ API cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g)
     if (was != CU_STREAM_CAPTURE_STATUS_NONE) __atomic_sub_fetch(&captures, 1, __ATOMIC_ACQ_REL);
     return ret(map(r));
 }
+/* A captured graph holds no work here (the emulated driver runs nothing): instantiating and
+ * launching it succeed and do nothing, enough for programs that capture to run. */
+static int the_exec;
+API cudaError_t cudaGraphInstantiate(cudaGraphExec_t *x, cudaGraph_t g, unsigned long long flags)
+{
+    (void)flags;
+    if (!x || !g) return ret(cudaErrorInvalidValue);
+    *x = (cudaGraphExec_t)(void *)&the_exec;
+    return cudaSuccess;
+}
+API cudaError_t cudaGraphLaunch(cudaGraphExec_t x, cudaStream_t s)
+{
+    (void)s;
+    return x ? cudaSuccess : ret(cudaErrorInvalidValue);
+}
+API cudaError_t cudaGraphExecDestroy(cudaGraphExec_t x) { return x ? cudaSuccess : ret(cudaErrorInvalidValue); }
+API cudaError_t cudaGraphDestroy(cudaGraph_t g) { return g ? cudaSuccess : ret(cudaErrorInvalidValue); }
 API cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *st)
 {
     return ret(map(cuStreamIsCapturing((CUstream)s, (CUstreamCaptureStatus *)st)));

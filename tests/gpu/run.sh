@@ -17,7 +17,7 @@ bad()  { fail=$((fail+1)); echo "FAIL $*"; }
 check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
 
 cc_rt() { gcc -O2 -std=c11 -D_GNU_SOURCE -I"$CUDA/include" "$1" -o "$2" -L"$CUDA/lib64" -lcudart -pthread -Wl,-rpath,"$CUDA/lib64"; }
-for p in semantics threads owner async_reuse oom reset capture_free; do cc_rt tests/progs/$p.c "$W/$p" || bad "build $p"; done
+for p in semantics threads owner async_reuse oom reset capture_free graph_free; do cc_rt tests/progs/$p.c "$W/$p" || bad "build $p"; done
 nvcc -O2 -arch=sm_90 -cudart shared -Itools/include tests/gpu/kernels.cu -o "$W/kernels" -L"$B" -lvmmshim-client -Xlinker -rpath -Xlinker "$B" || bad "build kernels"
 
 echo "== runtime semantics, native vs shim"
@@ -40,6 +40,13 @@ for m in 1 2; do
   cat "$W/cap$m.shim"
   check "capture mode $m survives another thread's cudaMalloc/cudaFree as natively" "cmp -s '$W/cap$m.native' '$W/cap$m.shim' && grep -q 'end cudaSuccess' '$W/cap$m.shim'"
 done
+
+echo "== cudaFreeAsync captured into a graph, of memory allocated before the capture, native vs shim"
+"$W/graph_free" > "$W/graph.native" 2>&1
+env $SHIM "$W/graph_free" > "$W/graph.shim" 2>&1
+cat "$W/graph.native"
+check "captured cudaFreeAsync: the program sees what native gives" "cmp -s '$W/graph.native' '$W/graph.shim'"
+diff "$W/graph.native" "$W/graph.shim" | head -10
 
 echo "== 16 threads x 10000 allocate/free"
 env $SHIM "$W/threads" 16 10000 > "$W/thr" 2>&1; cat "$W/thr"

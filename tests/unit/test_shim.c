@@ -48,6 +48,24 @@ static void test_semantics(void)
     CHECK(strstr(e2, "vmmshim:") == NULL, "shim printed: %s", e2);
 }
 
+/* A cudaFreeAsync captured into a graph, of memory allocated before the capture: refused with
+ * cudaErrorInvalidValue as natively, the capture going on and the memory still allocated. */
+static void test_captured_free(void)
+{
+    char prog[600], nat[4096], sh[4096], e1[4096], e2[4096];
+    snprintf(prog, sizeof prog, "%s/progs/graph_free", build);
+    char *argv[] = {prog, NULL};
+    int r1 = run(argv, NULL, nat, sizeof nat, e1, sizeof e1);
+    const char *env[] = {preload, NULL};
+    int r2 = run(argv, env, sh, sizeof sh, e2, sizeof e2);
+    CHECK(r1 == 0 && r2 == 0, "exit codes native %d shim %d", r1, r2);
+    CHECK(strstr(nat, "captured free cudaErrorInvalidValue") && strstr(nat, "end cudaSuccess") &&
+              strstr(nat, "free after the capture cudaSuccess"),
+          "the emulated driver does not refuse as the H100 did:\n%s", nat);
+    CHECK(strcmp(nat, sh) == 0, "output differs\n--- native\n%s--- shim\n%s", nat, sh);
+    CHECK(strstr(e2, "vmmshim:") == NULL, "shim printed: %s", e2);
+}
+
 static void test_threads(void)
 {
     char prog[600], out[4096], err[8192];
@@ -582,6 +600,7 @@ int main(void)
     snprintf(registry, sizeof registry, "/vmmshim-tshim-%d", (int)getpid());
     setenv("VMMSHIM_REGISTRY", registry, 1);
     test_semantics();
+    test_captured_free();
     test_threads();
     test_async_order();
     test_rtld_next();
