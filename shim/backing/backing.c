@@ -1355,7 +1355,9 @@ void vmm__pool_trim(int dev, uint64_t keep)
 
 void vmm__pool_set_release_threshold(int dev, uint64_t bytes)
 {
-    device_state *d = dev_at(dev);
+    /* PyTorch and CuPy set it before their first allocation, which may be before anything else
+     * started the shim: it must not be lost. */
+    device_state *d = ensure_init() ? dev_at(dev) : NULL;
     if (!d) return;
     pthread_mutex_lock(&S.lock);
     d->release_threshold = bytes;

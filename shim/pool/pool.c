@@ -452,7 +452,7 @@ static int pins_empty_tail(const vmm__pool *p, const vmm__block *b, uint64_t end
 {
     const vmm__seg *s = vmm__pool_seg_at(b->arena, p->granule, end - 1);
     uint64_t tail = s->base + s->size - end;
-    return s->n_live == 0 && tail > p->granule && tail > (end - b->addr) / 8;
+    return s->n_live == 0 && tail > p->granule && tail > (end - b->addr) / 32;
 }
 
 static int fits(vmm__pool *p, vmm__block *b, uint64_t need, uint64_t align, int ordered, uint64_t stream)

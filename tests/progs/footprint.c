@@ -1,5 +1,7 @@
 /* How much device memory a program holds, as the emulated driver counts it (phys_bytes_live), at
  * the moments the shim's pool promises to follow native (issue 15).  One "key value" line each:
+ *   early_threshold_held          bytes a pool whose threshold was set to UINT64_MAX before any
+ *                                 allocation keeps after a free and a synchronization (all 50 MiB)
  *   giveback_left / giveback_ms   bytes still held 2 s after a cudaFree with no further CUDA call,
  *                                 and when they went back (the shim: after VMMSHIM_GIVE_BACK_MS)
  *   sync_left                     bytes held right after cudaFreeAsync + cudaStreamSynchronize
@@ -145,6 +147,24 @@ static void trace(cudaStream_t s)
     must(cudaMemPoolTrimTo(pool, 0), "cudaMemPoolTrimTo");
 }
 
+/* PyTorch and CuPy set the release threshold before their first allocation: it must hold. */
+static void early_threshold(cudaStream_t s)
+{
+    cudaMemPool_t pool;
+    void *p;
+    uint64_t keep = UINT64_MAX;
+    must(cudaDeviceGetDefaultMemPool(&pool, 0), "cudaDeviceGetDefaultMemPool");
+    must(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "ReleaseThreshold");
+    unsigned long long base = phys();
+    must(cudaMallocAsync(&p, 50 * MiB, s), "cudaMallocAsync");
+    must(cudaFreeAsync(p, s), "cudaFreeAsync");
+    must(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    printf("early_threshold_held %llu\n", phys() - base);
+    keep = 0;
+    must(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "ReleaseThreshold");
+    must(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+}
+
 int main(void)
 {
     void *sym = dlsym(RTLD_DEFAULT, "fakecuda_counters");
@@ -156,6 +176,7 @@ int main(void)
     cudaStream_t s;
     must(cudaFree(0), "cudaFree(0)");
     must(cudaStreamCreate(&s), "cudaStreamCreate");
+    early_threshold(s); /* first: before any allocation started the shim */
     giveback();
     sync_release(s);
     attributes_and_trim(s);

@@ -57,6 +57,9 @@ int main(void)
     run(1, "200", &shimmed);
     CHECK(shimmed.rc == 0, "under the shim: rc %d\n%s%s", shimmed.rc, shimmed.out, shimmed.err);
     CHECK(!strstr(shimmed.err, "vmmshim:"), "the shim printed: %s", shimmed.err);
+    CHECK(value(&shimmed, "early_threshold_held") >= 50 * MiB && value(&native, "early_threshold_held") >= 50 * MiB,
+          "a release threshold set before the first allocation holds: %.0f bytes kept (natively %.0f)",
+          value(&shimmed, "early_threshold_held"), value(&native, "early_threshold_held"));
     double ms = value(&shimmed, "giveback_ms");
     CHECK(value(&shimmed, "giveback_left") == 0 && ms >= 190 && ms <= 450,
           "a cudaFree'd 64 MiB goes back 200 ms later with no further call: %.0f ms, %.0f bytes left", ms,
