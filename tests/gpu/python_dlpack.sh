@@ -4,7 +4,8 @@
 # companion with PYTHONPATH=tools/python opens the parameter and takes it with torch.from_dlpack,
 # zero-copy (and cupy.from_dlpack when CuPy imports): same FNV-1a (tests/gpu/dlpack_companion.py).
 # Under the default caching allocator and backend:cudaMallocAsync (expandable segments may split a
-# tensor across records, which Registry.open does not join).  Prints PASS/FAIL lines and
+# tensor across records: Registry.open(pid, address, size) joins them, not exercised here).  Prints
+# PASS/FAIL lines and
 # "python_dlpack: N passed, N failed".
 set -u
 cd "$(dirname "$0")/../.." || exit 1
