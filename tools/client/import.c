@@ -1417,15 +1417,9 @@ static vmm_status import_chunk(vmm_registry *reg, const vmm_alloc_info *alloc, v
     return VMM_OK;
 }
 
-VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out)
+/* Can vmm_import map this record's chunk?  Its reason when not. */
+static vmm_status importable(vmm_registry *reg, const vmm_alloc_info *alloc)
 {
-    uint64_t t0 = now_ns();
-    memset(&tm, 0, sizeof tm);
-    NEED(out, "out is NULL");
-    *out = NULL;
-    NEED(reg, "reg is NULL");
-    NEED(alloc, "alloc is NULL");
-    NEED(alloc->pid != 0, "alloc->pid is 0");
     NEED(alloc->mapped_size != 0, "alloc->mapped_size is 0");
     uint64_t span = alloc->extent > alloc->requested_size ? alloc->extent : alloc->requested_size;
     NEED(alloc->chunk_offset < alloc->mapped_size && span <= alloc->mapped_size - alloc->chunk_offset,
@@ -1440,7 +1434,22 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
         int unused;
         return fetch_fd(reg, alloc, &unused); /* its reason */
     }
-    vmm_status st = cuda_ready();
+    return VMM_OK;
+}
+
+VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out)
+{
+    uint64_t t0 = now_ns();
+    memset(&tm, 0, sizeof tm);
+    NEED(out, "out is NULL");
+    *out = NULL;
+    NEED(reg, "reg is NULL");
+    NEED(alloc, "alloc is NULL");
+    NEED(alloc->pid != 0, "alloc->pid is 0");
+    vmm_status st = importable(reg, alloc);
+    if (st != VMM_OK) return st;
+    uint64_t span = alloc->extent > alloc->requested_size ? alloc->extent : alloc->requested_size;
+    st = cuda_ready();
     if (st != VMM_OK) return st;
     vmm_imported *imp = calloc(1, sizeof *imp);
     if (!imp) return set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
@@ -1830,6 +1839,106 @@ VMM_PUBLIC vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t
     free(p.rec);
     free(p.pc);
     return st;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Several ranges of one owner                                                                 */
+
+/* One range of vmm_import_many that lies in one chunk (one record, or records the pool placed
+ * side by side in it): a reference to the chunk table's mapping, so every range of the call in
+ * that chunk shares one export, one import and one mapping (the first range maps it, the others
+ * find it mapped and re-read their records).  *imp stays NULL, with VMM_OK, when the range is not
+ * in one single-handle chunk (or one MULTI-HANDLE record): the caller maps it as a range. */
+static vmm_status many_in_chunk(vmm_registry *reg, range_plan *p, vmm_imported **imp)
+{
+    *imp = NULL;
+    vmm_status st = range_walk(reg, p);
+    if (st != VMM_OK) return st;
+    const vmm_alloc_info *a = &p->rec[0];
+    if (p->n_rec > 1) {
+        if ((st = range_layout(p)) != VMM_OK) return st;
+        if (p->n_pc != 1 || (a->flags & VMM_ALLOC_MULTI_HANDLE)) return VMM_OK;
+    }
+    if ((st = importable(reg, a)) != VMM_OK) return st;
+    vmm_imported *m = calloc(1, sizeof *m);
+    if (!m) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    if ((st = import_chunk(reg, a, m)) != VMM_OK) {
+        free(m);
+        return st;
+    }
+    /* the chunk's owner (or the table) vouched for the first record only */
+    for (size_t i = 1; i < p->n_rec && st == VMM_OK; i++) st = record_unchanged(reg, &p->rec[i]);
+    if (st != VMM_OK) {
+        (void)chunk_unref(m->c);
+        free(m);
+        return st;
+    }
+    m->ptr += p->address - a->address;
+    m->requested_size = p->end - p->address;
+    m->alloc = *a;
+    *imp = m;
+    return VMM_OK;
+}
+
+VMM_PUBLIC vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses,
+                                      const uint64_t *sizes, size_t n, vmm_imported **out)
+{
+    memset(&tm, 0, sizeof tm);
+    NEED(out || n == 0, "out is NULL");
+    for (size_t i = 0; i < n; i++) out[i] = NULL;
+    NEED(reg, "reg is NULL");
+    NEED(pid != 0, "pid is 0");
+    NEED(addresses || n == 0, "addresses is NULL");
+    vmm_status st = n ? cuda_ready() : VMM_OK;
+    uint64_t start_time = 0, pidns = 0;
+    size_t i = 0;
+    for (; i < n && st == VMM_OK; i++) {
+        uint64_t address = addresses[i], size = sizes ? sizes[i] : 0;
+        range_plan p = {.pid = pid, .address = address};
+        vmm_alloc_info a;
+        if (size == 0) { /* the whole allocation holding address, as vmm_import maps it */
+            if ((st = vmm_find(reg, pid, address, &a)) != VMM_OK) break;
+            p.address = address = a.address;
+            size = a.requested_size ? a.requested_size : a.extent;
+        } else if (address > UINT64_MAX - size) {
+            st = set_err(VMM_ERR_INVALID, "the range runs past the end of the address space");
+            break;
+        }
+        p.end = address + size;
+        vmm_imported *imp = NULL;
+        st = many_in_chunk(reg, &p, &imp);
+        if (st == VMM_OK) {
+            /* every range must be of the one owner the first is of (a pid may have been reused) */
+            if (i == 0) {
+                start_time = p.rec[0].owner_start_time;
+                pidns = p.rec[0].owner_pidns;
+            } else if (p.rec[0].owner_start_time != start_time || p.rec[0].owner_pidns != pidns) {
+                st = set_err(VMM_ERR_NOT_FOUND,
+                             "the allocation at 0x%llx belongs to another process with pid %u than the first "
+                             "range's (an exited one's records stay until vmmctl gc)",
+                             (unsigned long long)address, pid);
+            }
+        }
+        if (st == VMM_OK && !imp) st = vmm_import_range(reg, pid, address, size, &imp);
+        free(p.rec);
+        free(p.pc);
+        if (st != VMM_OK) {
+            if (imp) (void)vmm_import_release(imp);
+            break;
+        }
+        out[i] = imp;
+    }
+    if (st == VMM_OK) return VMM_OK;
+    size_t failed = i; /* the loop stopped at the failing range */
+    char why[512];
+    snprintf(why, sizeof why, "%s", vmm_last_error());
+    while (i-- > 0) {
+        (void)vmm_import_release(out[i]);
+        out[i] = NULL;
+    }
+    return set_err(st, "vmm_import_many: range %zu of %zu (pid %u, 0x%llx, %llu bytes): %s; nothing imported",
+                   failed, n, pid, (unsigned long long)addresses[failed],
+                   (unsigned long long)(sizes ? sizes[failed] : 0), why);
 }
 
 VMM_PUBLIC uint64_t vmm_import_ptr(const vmm_imported *imp) { return imp ? imp->ptr : 0; }

@@ -6,6 +6,7 @@
  * calling thread.  The library never exits, never prints, and links no CUDA library. */
 #ifndef VMMSHIM_H
 #define VMMSHIM_H
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -238,6 +239,28 @@ vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd
  * mapped and *out is NULL. */
 vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
                             vmm_imported **out);
+
+/* Import n byte ranges of process `pid` at once, each as its own import, as vmm_import_range
+ * returns one: vmm_import_ptr(out[i]) is where the byte at addresses[i] is, vmm_import_size(out[i])
+ * the range's length.  sizes[i] 0 (or sizes NULL) means the whole allocation holding addresses[i]
+ * (any interior address), as vmm_import maps it: the pointer is where the allocation starts and
+ * the size its requested size.  All ranges must be of one owner (the process the first is of).
+ *
+ * The work is shared: a range inside one chunk (one allocation, or allocations of the shim's pool
+ * side by side in one chunk, or one MULTI-HANDLE allocation) is a reference to that chunk's
+ * mapping in vmm_import's table, so however many ranges of the call lie in a chunk, its owner's
+ * broker exports it once and it is imported and mapped here once (the first range maps it; the
+ * others re-read their records, as a cached vmm_import does); a chunk mapped here before the call
+ * is not fetched at all.  Releasing such an import is vmm_import_release on a vmm_import.  A
+ * range across several chunks is mapped as vmm_import_range maps it, on its own (not shared with
+ * the others of the call).
+ *
+ * All or nothing: on any failure every import the call made is released, out[0..n) are all NULL,
+ * and vmm_last_error names the failing range (its index, address and size) and the reason, with
+ * the statuses of vmm_import_range (VMM_ERR_NOT_FOUND also for a range of another process with
+ * the same pid).  n 0 is VMM_OK, importing nothing. */
+vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *sizes,
+                           size_t n, vmm_imported **out);
 
 /* The device (an ordinal of this process) the import is mapped read-write for; -1 for NULL. */
 int vmm_import_device(const vmm_imported *imp);

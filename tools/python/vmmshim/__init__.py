@@ -224,6 +224,54 @@ class Registry:
             self._ranges.append(shared)
         return Buffer(imp, alloc, self, address=address, size=size, ranged=covered, shared=shared)
 
+    def open_many(self, pid, ranges):
+        """Import several ranges of pid at once (vmm_import_many): ranges is a list of (address,
+        size) pairs, size None for the whole allocation holding address (as open without a size).
+        A list of Buffers, one per pair, in order.  Ranges inside one chunk share its one import
+        and mapping here (however many there are); a range across several chunks is mapped on its
+        own.  All or nothing: when one range cannot be imported none is, and the error names it."""
+        items = []
+        for entry in ranges:
+            try:
+                address, size = entry
+            except (TypeError, ValueError):
+                raise TypeError(f"vmmshim: open_many wants (address, size) pairs, not {entry!r}") from None
+            address = _index(address, "address")
+            size = None if size is None else _index(size, "size")
+            if address < 0 or (size is not None and size <= 0):
+                raise ValueError(f"vmmshim: open_many wants address >= 0 and size > 0 or None, not "
+                                 f"0x{address:x}, {size}")
+            items.append((address, size))
+        if not items:
+            return []
+        n = len(items)
+        L = _lib.lib()
+        addresses = (_lib.c_u64 * n)(*(a for a, _ in items))
+        sizes = (_lib.c_u64 * n)(*(0 if z is None else z for _, z in items))
+        out = (ctypes.c_void_p * n)()
+        _check(L.vmm_import_many(self._h(), pid, addresses, sizes, n, out))
+        imps = [ctypes.c_void_p(out[i]) for i in range(n)]
+        buffers = []
+        try:
+            for (address, size), imp in zip(items, imps):
+                # the records it covers, for allocation(s) and check(); an import in one record's
+                # chunk is checked by the library itself
+                start = address if size is not None else None
+                alloc = self.find(pid, address)
+                if start is None:
+                    start = alloc.address
+                covered = self._walk(pid, start, L.vmm_import_size(imp))
+                buf = Buffer(imp, covered[0], self, address=start, size=L.vmm_import_size(imp),
+                             ranged=covered if len(covered) > 1 else None)
+                buffers.append(buf)
+        except BaseException:
+            for buf in buffers:
+                buf.close()
+            for imp in imps[len(buffers):]:
+                L.vmm_import_release(imp)
+            raise
+        return buffers
+
     def _shared_range(self, pid, address, size, covered):
         """A live range import holding [address, address + size) of the same records, with a
         reference taken for the caller; None when there is none."""

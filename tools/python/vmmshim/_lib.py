@@ -94,6 +94,8 @@ _PROTOTYPES = {
     "vmm_find_proc": (c_int, [_P, c_u32, ctypes.POINTER(ProcInfo)]),
     "vmm_import": (c_int, [_P, ctypes.POINTER(AllocInfo), ctypes.POINTER(_P)]),
     "vmm_import_range": (c_int, [_P, c_u32, c_u64, c_u64, ctypes.POINTER(_P)]),
+    "vmm_import_many": (c_int, [_P, c_u32, ctypes.POINTER(c_u64), ctypes.POINTER(c_u64), ctypes.c_size_t,
+                                ctypes.POINTER(_P)]),
     "vmm_import_ptr": (c_u64, [_P]),
     "vmm_import_size": (c_u64, [_P]),
     "vmm_import_device": (c_int, [_P]),
