@@ -966,7 +966,9 @@ static void case_broker_basic(void)
         CHECK_EQ(raw_exchange(conn, &req, sizeof req, &rep, &fd), 0);
         CHECK(rep.status == -ENOENT && fd < 0, "wrong slot on one connection: status %d fd %d", rep.status, fd);
     }
-    /* past 64 open connections, the one idle the longest (conn) is closed to make room */
+    /* past 64 open connections, the one idle the longest (conn) is closed to make room; the broker
+     * counts idleness in milliseconds, so conn must be older than the newcomers by more than a tie */
+    usleep(20000);
     int many[BROKER_MAX_CONNS + 1];
     for (int i = 0; i <= BROKER_MAX_CONNS; i++) {
         many[i] = raw_connect(o.info.sock);
