@@ -25,7 +25,8 @@ endif
 
 CORE_SRC   := $(wildcard shim/core/*.c shim/registry/*.c)
 SHIM_SRC   := $(wildcard shim/hooks/*.c shim/backing/*.c shim/pool/*.c shim/broker/*.c)
-CLIENT_SRC := $(wildcard tools/client/*.c)
+IMPORT_SRC := $(wildcard shim/import/*.c)
+CLIENT_SRC := $(wildcard tools/client/*.c) $(IMPORT_SRC)
 CTL_SRC    := $(wildcard tools/vmmctl/*.c)
 FAKE_SRC   := $(wildcard tests/fakecuda/*.c)
 FAKERT_SRC := $(wildcard tests/fakecudart/*.c)
@@ -36,6 +37,7 @@ FUZZ_TARGETS := registry ipc broker options
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 CORE_A   := $(BUILD)/libvmmcore.a
+IMPORT_A := $(BUILD)/libvmmimport.a
 SHIM_SO  := $(BUILD)/libvmmshim.so
 CLIENT_SO:= $(BUILD)/libvmmshim-client.so
 CLIENT_A := $(BUILD)/libvmmshim-client.a
@@ -67,10 +69,10 @@ $(CORE_A): $(call obj,$(CORE_SRC))
 
 # The shim.  libcuda/libcudart are never linked (found at run time).  Debian's libunwind.a is not
 # PIC, so libunwind.so.8 ships beside the shim and is dlopen'ed privately (backing.c says why).
-# The client library goes in too: emulated legacy IPC imports through it (its symbols stay local).
-$(SHIM_SO): $(call obj,$(SHIM_SRC)) $(CLIENT_A) $(CORE_A) shim/vmmshim.map
+# The import mechanism goes in too: emulated legacy IPC imports through it (its symbols stay local).
+$(SHIM_SO): $(call obj,$(SHIM_SRC)) $(IMPORT_A) $(CORE_A) shim/vmmshim.map
 	$(CC) -shared $(LDFLAGS) -Wl,--version-script=shim/vmmshim.map -Wl,-z,defs -o $@ \
-	  $(call obj,$(SHIM_SRC)) $(CLIENT_A) $(CORE_A) $(LDLIBS)
+	  $(call obj,$(SHIM_SRC)) $(IMPORT_A) $(CORE_A) $(LDLIBS)
 	cp -L $$($(CC) -print-file-name=libunwind.so.8) $(BUILD)/libunwind.so.8
 	@if readelf -d $@ | grep -E 'NEEDED.*lib(cuda|cudart)' ; then echo "vmmshim: error: $@ must not link libcuda or libcudart"; rm -f $@; exit 1; fi
 
@@ -80,6 +82,10 @@ $(CLIENT_SO): $(call obj,$(CLIENT_SRC)) $(CORE_A) tools/client/vmmclient.map
 	@if readelf -d $@ | grep -E 'NEEDED.*lib(cuda|cudart)' ; then echo "vmmshim: error: $@ must not link libcuda or libcudart"; rm -f $@; exit 1; fi
 
 $(CLIENT_A): $(call obj,$(CLIENT_SRC))
+	@rm -f $@; ar rcs $@ $^
+
+# The import mechanism (shim/import) alone, for the shim: it never calls into tools/client.
+$(IMPORT_A): $(call obj,$(IMPORT_SRC))
 	@rm -f $@; ar rcs $@ $^
 
 $(VMMCTL): $(call obj,$(CTL_SRC)) $(CLIENT_A) $(CORE_A)

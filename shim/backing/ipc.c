@@ -2,16 +2,16 @@
  *
  * get: the handle names the allocation's registry record (slot, generation, alloc id) and its
  * owner (pid, start time).  open: read that record, check that it is still the same live
- * allocation of a live owner, and import it with the client library (the owner's broker hands
+ * allocation of a live owner, and import it with the import mechanism (shim/import) (the owner's broker hands
  * over the fd, checking this process's credentials and the generation once more).  Opens are
  * counted per (owner, allocation, generation) and share one import; the last close releases it.
  * The pointer is the allocation's own (its chunk's base here + its offset in the chunk): the
- * client library maps each chunk once and counts its imports, so allocations that share a chunk
+ * import mechanism maps each chunk once and counts its imports, so allocations that share a chunk
  * share its mapping and closing one never unmaps another.
  * Every CUDA call made here is bracketed by vmm__enter/vmm__leave so the hooks pass it through. */
 #include "backing/ipc.h"
 
-#include "../../tools/client/client_internal.h"
+#include "import/import.h"
 
 #include <cuda.h>
 #include <errno.h>
@@ -56,7 +56,7 @@ typedef struct opened {
 static struct {
     pthread_mutex_t lock;
     opened *by_key, *by_ptr;
-    vmm_registry *client;     /* for vmm_import */
+    vmm_registry *client;     /* for vmm__import */
     vmm__reg reader;          /* read-only view, when this process has not attached one itself */
     bool reader_open;
     CUcontext primary[64];    /* primary contexts this file retained, per device */
@@ -103,12 +103,12 @@ static const vmm__reg *reader_locked(char *why, size_t len)
     return &I.reader;
 }
 
-/* Lock held.  The client library's handle on the same registry, for vmm_import. */
+/* Lock held.  The import mechanism's handle on the same registry, for vmm__import. */
 static vmm_registry *client_locked(char *why, size_t len)
 {
     if (!I.client) vmm__import_keep_nothing();
-    if (!I.client && vmm_open(registry_name(), &I.client) != VMM_OK) {
-        snprintf(why, len, "%s", vmm_last_error());
+    if (!I.client && vmm__open(registry_name(), VMM__REG_READ, &I.client) != VMM_OK) {
+        snprintf(why, len, "%s", vmm__error_text());
         I.client = NULL;
     }
     return I.client;
@@ -232,9 +232,9 @@ static opened *find_key_locked(const open_key *k)
 static void release_import(vmm_imported *imp)
 {
     vmm__enter();
-    vmm_status st = vmm_import_release(imp);
+    vmm_status st = vmm__import_release(imp);
     vmm__leave();
-    if (st != VMM_OK) vmm__debug("releasing an IPC mapping: %s", vmm_last_error());
+    if (st != VMM_OK) vmm__debug("releasing an IPC mapping: %s", vmm__error_text());
 }
 
 vmm__result vmm__ipc_open(const unsigned char handle[64], uint64_t *ptr)
@@ -318,9 +318,9 @@ vmm__result vmm__ipc_open(const unsigned char handle[64], uint64_t *ptr)
     CUcontext ctx = bind_context();
     vmm_imported *imp = NULL;
     vmm__enter();
-    vmm_status st = vmm_import(client, &info, &imp);
+    vmm_status st = vmm__import(client, &info, &imp);
     vmm__leave();
-    if (st != VMM_OK) return refuse(&h, vmm_last_error());
+    if (st != VMM_OK) return refuse(&h, vmm__error_text());
 
     pthread_mutex_lock(&I.lock);
     e = find_key_locked(&k);
@@ -338,7 +338,7 @@ vmm__result vmm__ipc_open(const unsigned char handle[64], uint64_t *ptr)
         return refuse(&h, "out of memory");
     }
     e->key = k;
-    e->ptr = vmm_import_ptr(imp);
+    e->ptr = vmm__import_ptr(imp);
     e->refs = 1;
     e->ctx = ctx;
     e->imp = imp;

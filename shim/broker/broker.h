@@ -1,5 +1,5 @@
 /* The owner-side fd broker: a thread serving allocation fds over a Unix socket (SCM_RIGHTS).
- * Wire format (shared with tools/client/import.c) is in broker/protocol.h. */
+ * Wire format (shared with shim/import/import.c) is in broker/protocol.h. */
 #ifndef VMM_BROKER_H
 #define VMM_BROKER_H
 #include <stdint.h>

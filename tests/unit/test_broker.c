@@ -1,4 +1,4 @@
-/* The fd broker (shim/broker/broker.c) and the client's import (tools/client/import.c).
+/* The fd broker (shim/broker/broker.c) and the client's import (shim/import/import.c).
  *
  * No shim here: forked children of this test play the owner.  Each creates a 2 MiB VMM
  * allocation through the emulated driver (build/fakecuda), fills it with a pattern, publishes it

@@ -1,10 +1,10 @@
-/* libvmmshim-client: reading an import's bytes into host memory (vmm_import_read, vmm_import_copy).
+/* The import mechanism (shim/import): reading an import's bytes into host memory (vmm_import_read, vmm_import_copy).
  *
  * vmm_import_copy is a two-stage pipeline: the driver copies piece k+1 device-to-host into one
  * pinned buffer on a private stream while the caller's sink consumes piece k from the other, so
  * a sink that writes a file hides the copy (or the copy hides a fast sink) instead of adding to
- * it.  The driver is dlopen'ed on first use, as in import.c; this library links none.  Rules as
- * in client.c: never print, never exit, every failure leaves a one-line reason. */
+ * it.  The driver is dlopen'ed on first use, as in import.c; nothing here links it.  Rules as
+ * in records.c: never print, never exit, every failure leaves a one-line reason. */
 #include "vmmshim.h"
 
 #include <cuda.h>
@@ -15,10 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "client_internal.h"
+#include "import/import.h"
 
-#define VMM_PUBLIC __attribute__((visibility("default")))
-#define set_err vmm__client_error
+#define set_err vmm__error
 
 /* Pieces are a quarter of the copy, so that a short copy overlaps too, between 1 MiB and
  * 16 MiB.  The bus reaches its full rate well below 16 MiB per copy, and at 16 MiB a piece
@@ -137,20 +136,20 @@ static vmm_status use_context(int device)
 static vmm_status prepare(const vmm_imported *imp, uint64_t offset, uint64_t length, const char *fn)
 {
     if (!imp) return set_err(VMM_ERR_INVALID, "%s: imp is NULL", fn);
-    uint64_t size = vmm_import_size(imp);
+    uint64_t size = vmm__import_size(imp);
     if (offset > size || length > size - offset)
         return set_err(VMM_ERR_INVALID, "%s: %llu bytes at offset %llu run past the import's %llu bytes", fn,
                        (unsigned long long)length, (unsigned long long)offset, (unsigned long long)size);
     vmm_status st = driver_ready();
-    return st == VMM_OK ? use_context(vmm_import_device(imp)) : st;
+    return st == VMM_OK ? use_context(vmm__import_device(imp)) : st;
 }
 
-VMM_PUBLIC vmm_status vmm_import_read(const vmm_imported *imp, uint64_t offset, void *dst, uint64_t length)
+vmm_status vmm__import_read(const vmm_imported *imp, uint64_t offset, void *dst, uint64_t length)
 {
     if (length && !dst) return set_err(VMM_ERR_INVALID, "vmm_import_read: dst is NULL");
     vmm_status st = prepare(imp, offset, length, "vmm_import_read");
     if (st != VMM_OK || !length) return st;
-    CUresult r = drv.MemcpyDtoH(dst, (CUdeviceptr)(vmm_import_ptr(imp) + offset), (size_t)length);
+    CUresult r = drv.MemcpyDtoH(dst, (CUdeviceptr)(vmm__import_ptr(imp) + offset), (size_t)length);
     return r == CUDA_SUCCESS ? VMM_OK : cu_fail("cuMemcpyDtoH", r);
 }
 
@@ -279,16 +278,16 @@ static vmm_status run(pipeline *p, vmm_sink_fn sink, void *ctx)
     return st;
 }
 
-VMM_PUBLIC vmm_status vmm_import_copy(const vmm_imported *imp, uint64_t offset, uint64_t length, vmm_sink_fn sink,
+vmm_status vmm__import_copy(const vmm_imported *imp, uint64_t offset, uint64_t length, vmm_sink_fn sink,
                                       void *ctx)
 {
     if (!sink) return set_err(VMM_ERR_INVALID, "vmm_import_copy: sink is NULL");
     vmm_status st = prepare(imp, offset, length, "vmm_import_copy");
     if (st != VMM_OK || !length) return st;
-    pipeline p = {.src = (CUdeviceptr)(vmm_import_ptr(imp) + offset), .length = length};
+    pipeline p = {.src = (CUdeviceptr)(vmm__import_ptr(imp) + offset), .length = length};
     p.piece = length / 4 < PIECE_MIN ? PIECE_MIN : length / 4 > PIECE_MAX ? PIECE_MAX : length / 4;
     if (!(p.s = staging_take())) return set_err(VMM_ERR_NOMEM, "vmm_import_copy: out of memory");
-    if ((st = staging_fit(p.s, length < p.piece ? length : p.piece, vmm_import_device(imp))) != VMM_OK) {
+    if ((st = staging_fit(p.s, length < p.piece ? length : p.piece, vmm__import_device(imp))) != VMM_OK) {
         staging_give(p.s);
         return st;
     }

@@ -1,4 +1,5 @@
-/* libvmmshim-client: importing a live allocation into the calling process.
+/* The import mechanism (shim/import): importing a live allocation into the calling process, for
+ * the client library's vmm_import* (tools/client/import_api.c) and the shim's legacy IPC.
  *
  * The fd comes from the owner's broker (VMM_KIND_BROKER: one SOCK_SEQPACKET request, the reply
  * carries the fd with SCM_RIGHTS; wire format in shim/broker/protocol.h) or straight out of the
@@ -9,8 +10,8 @@
  * are mapped back to back in one reservation ("multi_fetch", "map_multi").  A range import (vmm_import_range,
  * "Ranges across allocations") maps several records' whole chunks back to back, as in the owner, into
  * one reservation of its own instead, and shares nothing.  The CUDA driver is dlopen'ed
- * on first use; this library links none.  Rules as in client.c: never print, never exit, every
- * failure leaves a one-line reason in vmm_last_error(). */
+ * on first use; nothing here links it.  Rules as in records.c: never print, never exit, every
+ * failure leaves a one-line reason in vmm__error_text(). */
 #include "vmmshim.h"
 
 #include "broker/protocol.h"
@@ -34,9 +35,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "client_internal.h"
+#include "import/import.h"
 
-#define VMM_PUBLIC __attribute__((visibility("default")))
 #define CONNECT_TIMEOUT_MS 2000
 /* The broker serves connections one at a time and gives each at most 1 s. */
 #define REPLY_TIMEOUT_MS 5000
@@ -44,11 +44,24 @@
 /* ------------------------------------------------------------------------------------------ */
 /* Errors                                                                                      */
 
-#define set_err vmm__client_error
+#define set_err vmm__error
+
+/* The name a caller knows a function by: vmm__import is vmm_import of vmmshim.h. */
+static const char *public_name(const char *fn)
+{
+    static const char *const names[][2] = {
+        {"vmm__import", "vmm_import"},         {"vmm__import_fd", "vmm_import_fd"},
+        {"vmm__import_check", "vmm_import_check"}, {"vmm__import_last_timing", "vmm_import_last_timing"},
+        {"vmm__import_range", "vmm_import_range"}, {"vmm__import_many", "vmm_import_many"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(fn, names[i][0]) == 0) return names[i][1];
+    return fn;
+}
 
 #define NEED(cond, what)                                                                          \
     do {                                                                                          \
-        if (!(cond)) return set_err(VMM_ERR_INVALID, "%s: %s", __func__, what);                   \
+        if (!(cond)) return set_err(VMM_ERR_INVALID, "%s: %s", public_name(__func__), what);     \
     } while (0)
 
 /* ------------------------------------------------------------------------------------------ */
@@ -451,7 +464,7 @@ static vmm_status broker_path_of(vmm_registry *reg, const vmm_alloc_info *a, cha
 {
     vmm_proc_info proc;
     proc_match m = {.alloc = a, .out = &proc};
-    vmm_status st = vmm_foreach_proc(reg, match_proc, &m);
+    vmm_status st = vmm__foreach_proc(reg, match_proc, &m);
     if (st != VMM_OK) return st;
     if (!m.found) {
         if (owner_liveness(a) == VMM__DEAD) return owner_dead(a);
@@ -770,7 +783,7 @@ static vmm_status pidfd_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *f
     /* The number may have been reused after a free: the record must still be this allocation.
      * (The shim retracts the record before it closes the exported fd.) */
     vmm_alloc_info now;
-    vmm_status st = vmm_find(reg, a->pid, a->address, &now);
+    vmm_status st = vmm__find(reg, a->pid, a->address, &now);
     if (st == VMM_OK && (now.slot != a->slot || now.generation != a->generation ||
                          memcmp(now.alloc_id, a->alloc_id, sizeof now.alloc_id) != 0))
         st = VMM_ERR_STALE;
@@ -973,7 +986,7 @@ static bool witness_live_locked(const chunk *c)
 {
     if (!c->reg || owner_exited(c->owner)) return false;
     vmm_alloc_info now;
-    return vmm__client_read_slot(c->reg, c->witness_slot, &now) == VMM_OK &&
+    return vmm__read_slot(c->reg, c->witness_slot, &now) == VMM_OK &&
            now.generation == c->witness_generation && memcmp(now.alloc_id, c->witness_id, sizeof now.alloc_id) == 0;
 }
 
@@ -1087,7 +1100,7 @@ static void reaper_wake_locked(void)
     pthread_attr_destroy(&attr);
 }
 
-VMM_PUBLIC vmm_status vmm_import_drop_idle(void)
+vmm_status vmm__import_drop_idle(void)
 {
     chunk *dead_chunks = NULL;
     owner_ref *dead_owners = NULL;
@@ -1138,7 +1151,7 @@ static vmm_status grant_device(chunk *c, CUdevice dev)
 static vmm_status record_unchanged(vmm_registry *reg, const vmm_alloc_info *a)
 {
     vmm_alloc_info now;
-    vmm_status st = vmm__client_read_slot(reg, a->slot, &now);
+    vmm_status st = vmm__read_slot(reg, a->slot, &now);
     bool same = st == VMM_OK && now.generation == a->generation &&
                 memcmp(now.alloc_id, a->alloc_id, sizeof now.alloc_id) == 0 && now.pid == a->pid &&
                 now.owner_start_time == a->owner_start_time;
@@ -1203,7 +1216,7 @@ static vmm_status fetch_fd(vmm_registry *reg, const vmm_alloc_info *a, int *fd)
     return set_err(VMM_ERR_INVALID, "allocation is not exportable (its owner passed it through)");
 }
 
-VMM_PUBLIC vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd)
+vmm_status vmm__import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd)
 {
     NEED(reg, "reg is NULL");
     NEED(alloc, "alloc is NULL");
@@ -1437,7 +1450,7 @@ static vmm_status importable(vmm_registry *reg, const vmm_alloc_info *alloc)
     return VMM_OK;
 }
 
-VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out)
+vmm_status vmm__import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out)
 {
     uint64_t t0 = now_ns();
     memset(&tm, 0, sizeof tm);
@@ -1464,7 +1477,7 @@ VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc,
     return VMM_OK;
 }
 
-VMM_PUBLIC vmm_status vmm_import_check(vmm_registry *reg, const vmm_imported *imp)
+vmm_status vmm__import_check(vmm_registry *reg, const vmm_imported *imp)
 {
     NEED(reg, "reg is NULL");
     NEED(imp, "imp is NULL");
@@ -1476,7 +1489,7 @@ VMM_PUBLIC vmm_status vmm_import_check(vmm_registry *reg, const vmm_imported *im
     return VMM_OK;
 }
 
-VMM_PUBLIC vmm_status vmm_import_last_timing(vmm_import_timing *out)
+vmm_status vmm__import_last_timing(vmm_import_timing *out)
 {
     NEED(out, "out is NULL");
     *out = tm;
@@ -1542,7 +1555,7 @@ static vmm_status range_walk(vmm_registry *reg, range_plan *p)
 {
     for (uint64_t at = p->address; at < p->end;) {
         vmm_alloc_info a;
-        vmm_status st = vmm_find(reg, p->pid, at, &a);
+        vmm_status st = vmm__find(reg, p->pid, at, &a);
         if (st == VMM_ERR_NOT_FOUND) {
             if (at == p->address)
                 return set_err(VMM_ERR_NOT_FOUND, "pid %u has no live allocation at 0x%llx, where the range starts",
@@ -1646,7 +1659,7 @@ static vmm_status range_fetch(vmm_registry *reg, range_plan *p)
             c->handle_of = SIZE_MAX; /* nothing to release */
             p->n_pc = k + 1;         /* the pieces after it have no handle either */
             return set_err(st, "importing pid %u's allocation at 0x%llx: %s", p->pid, (unsigned long long)a->address,
-                           vmm_last_error());
+                           vmm__error_text());
         }
     }
     for (size_t k = 0; k < p->n_pc; k++)
@@ -1655,7 +1668,7 @@ static vmm_status range_fetch(vmm_registry *reg, range_plan *p)
             vmm_status st = record_unchanged(reg, &p->rec[i]);
             if (st != VMM_OK)
                 return set_err(st, "pid %u's allocation at 0x%llx: %s", p->pid,
-                               (unsigned long long)p->rec[i].address, vmm_last_error());
+                               (unsigned long long)p->rec[i].address, vmm__error_text());
         }
     return VMM_OK;
 }
@@ -1803,7 +1816,7 @@ static vmm_status range_map_all(const range_plan *p, CUcontext ctx, CUdevice dev
     return VMM_OK;
 }
 
-VMM_PUBLIC vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
+vmm_status vmm__import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
                                        vmm_imported **out)
 {
     NEED(out, "out is NULL");
@@ -1880,7 +1893,7 @@ static vmm_status many_in_chunk(vmm_registry *reg, range_plan *p, vmm_imported *
     return VMM_OK;
 }
 
-VMM_PUBLIC vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses,
+vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses,
                                       const uint64_t *sizes, size_t n, vmm_imported **out)
 {
     memset(&tm, 0, sizeof tm);
@@ -1897,7 +1910,7 @@ VMM_PUBLIC vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uin
         range_plan p = {.pid = pid, .address = address};
         vmm_alloc_info a;
         if (size == 0) { /* the whole allocation holding address, as vmm_import maps it */
-            if ((st = vmm_find(reg, pid, address, &a)) != VMM_OK) break;
+            if ((st = vmm__find(reg, pid, address, &a)) != VMM_OK) break;
             p.address = address = a.address;
             size = a.requested_size ? a.requested_size : a.extent;
         } else if (address > UINT64_MAX - size) {
@@ -1919,11 +1932,11 @@ VMM_PUBLIC vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uin
                              (unsigned long long)address, pid);
             }
         }
-        if (st == VMM_OK && !imp) st = vmm_import_range(reg, pid, address, size, &imp);
+        if (st == VMM_OK && !imp) st = vmm__import_range(reg, pid, address, size, &imp);
         free(p.rec);
         free(p.pc);
         if (st != VMM_OK) {
-            if (imp) (void)vmm_import_release(imp);
+            if (imp) (void)vmm__import_release(imp);
             break;
         }
         out[i] = imp;
@@ -1931,9 +1944,9 @@ VMM_PUBLIC vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uin
     if (st == VMM_OK) return VMM_OK;
     size_t failed = i; /* the loop stopped at the failing range */
     char why[512];
-    snprintf(why, sizeof why, "%s", vmm_last_error());
+    snprintf(why, sizeof why, "%s", vmm__error_text());
     while (i-- > 0) {
-        (void)vmm_import_release(out[i]);
+        (void)vmm__import_release(out[i]);
         out[i] = NULL;
     }
     return set_err(st, "vmm_import_many: range %zu of %zu (pid %u, 0x%llx, %llu bytes): %s; nothing imported",
@@ -1941,13 +1954,13 @@ VMM_PUBLIC vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uin
                    (unsigned long long)(sizes ? sizes[failed] : 0), why);
 }
 
-VMM_PUBLIC uint64_t vmm_import_ptr(const vmm_imported *imp) { return imp ? imp->ptr : 0; }
+uint64_t vmm__import_ptr(const vmm_imported *imp) { return imp ? imp->ptr : 0; }
 
-VMM_PUBLIC uint64_t vmm_import_size(const vmm_imported *imp) { return imp ? imp->requested_size : 0; }
+uint64_t vmm__import_size(const vmm_imported *imp) { return imp ? imp->requested_size : 0; }
 
-VMM_PUBLIC int vmm_import_device(const vmm_imported *imp) { return imp ? imp->device : -1; }
+int vmm__import_device(const vmm_imported *imp) { return imp ? imp->device : -1; }
 
-VMM_PUBLIC vmm_status vmm_import_release(vmm_imported *imp)
+vmm_status vmm__import_release(vmm_imported *imp)
 {
     if (!imp) return VMM_OK;
     vmm_status st = imp->range ? range_unmap(imp->range) : chunk_unref(imp->c);

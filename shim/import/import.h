@@ -1,0 +1,89 @@
+/* The import mechanism shared by the client library (tools/client) and the shim's emulated
+ * legacy IPC (shim/backing/ipc.c): registry record reading (records.c), the owner's broker
+ * client, the chunk cache, import/map/access (import.c) and copies out of an import (copy.c).
+ * Internal (never installed); nothing here calls into tools/client, whose public functions are
+ * thin faces over these.  The record lookups here trust their arguments (client.c checks them);
+ * the vmm__import* functions still check their own and name the public function in the reason. */
+#ifndef VMM_IMPORT_H
+#define VMM_IMPORT_H
+#include "vmmshim.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "registry/registry.h"
+
+struct vmm_registry {
+    vmm__reg r;
+};
+
+static inline const uint64_t *vmm__chunk_table(const vmm__reg *r)
+{
+    return (const uint64_t *)(r->base + r->hdr->chunk_off);
+}
+
+/* ---- errors and records (records.c) ---- */
+
+/* Record the calling thread's one-line reason (vmm_last_error) and return st. */
+__attribute__((format(printf, 2, 3))) vmm_status vmm__error(vmm_status st, const char *fmt, ...);
+/* The calling thread's last reason (vmm_last_error), and a status's words (vmm_strerror). */
+const char *vmm__error_text(void);
+const char *vmm__status_text(vmm_status status);
+/* A registry error code (-errno style) as a status; with the registry's own reason `msg` (or
+ * strerror of rc) as the thread's reason. */
+vmm_status vmm__status_of(int rc, bool too_new);
+vmm_status vmm__reg_error(int rc, const char *msg, bool too_new);
+bool vmm__pid_exists(uint32_t pid);
+/* A registry header of a newer layout than this reader's (magic right, compat_version beyond). */
+bool vmm__header_too_new(const vmm_reg_header *h);
+/* vmm_open / vmm_open_writable (mode VMM__REG_READ or VMM__REG_WRITE) and vmm_close. */
+vmm_status vmm__open(const char *name, int mode, vmm_registry **out);
+void vmm__close(vmm_registry *reg);
+
+/* Claimed process slots, found with pread (the table is sparse); fn returning non-zero stops. */
+typedef int (*vmm__claim_fn)(void *ctx, uint32_t index, uint64_t claim);
+int vmm__scan_claims(const vmm__reg *r, vmm__claim_fn fn, void *ctx);
+/* Read a claimed proc slot.  0 and *pid, *alive filled; -ENOENT when the slot was released (or
+ * re-claimed) meanwhile; -EAGAIN when the record stayed mid-write (waiting on wait). */
+int vmm__read_claimed_proc(const vmm__reg *r, uint32_t index, uint64_t claim, vmm_reg_proc *p, uint32_t *pid,
+                           int *alive, vmm__reg_wait *wait);
+
+/* vmm_foreach_alloc, vmm_foreach_proc, vmm_find_proc, vmm_find without their argument checks. */
+vmm_status vmm__foreach_alloc(vmm_registry *reg, vmm_alloc_fn fn, void *ctx);
+vmm_status vmm__foreach_proc(vmm_registry *reg, vmm_proc_fn fn, void *ctx);
+vmm_status vmm__find_proc(vmm_registry *reg, uint32_t pid, vmm_proc_info *out);
+vmm_status vmm__find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_alloc_info *out);
+/* The record at `slot` as it is now, converted as vmm_find does, except that owner_alive is
+ * VMM_OWNER_UNKNOWN (judging it reads /proc; the caller may know better).  VMM_ERR_STALE when the
+ * slot holds no live allocation, VMM_ERR_BUSY when it stayed mid-write.  import.c uses it to check
+ * a cached chunk's allocation without asking the owner's broker. */
+vmm_status vmm__read_slot(vmm_registry *reg, uint64_t slot, vmm_alloc_info *out);
+
+/* ---- imports (import.c): the vmm_import* functions of vmmshim.h under vmm__ names ---- */
+
+vmm_status vmm__import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out);
+vmm_status vmm__import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd);
+vmm_status vmm__import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
+                             vmm_imported **out);
+vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *lengths,
+                            size_t n, vmm_imported **out);
+vmm_status vmm__import_check(vmm_registry *reg, const vmm_imported *imp);
+vmm_status vmm__import_last_timing(vmm_import_timing *out);
+uint64_t vmm__import_ptr(const vmm_imported *imp);
+uint64_t vmm__import_size(const vmm_imported *imp);
+int vmm__import_device(const vmm_imported *imp);
+vmm_status vmm__import_release(vmm_imported *imp);
+vmm_status vmm__import_drop_idle(void);
+/* From now on keep nothing imported once released: the last release unmaps the chunk and the
+ * owner's connection closes with its last use.  For the shim's emulated legacy IPC
+ * (cudaIpcCloseMemHandle unmaps; the shim starts no thread of its own in its host program). */
+void vmm__import_keep_nothing(void);
+/* vmm_close: unmap the idle imported chunks read through reg; held ones go at their last release. */
+void vmm__import_forget_registry(vmm_registry *reg);
+
+/* ---- copies (copy.c) ---- */
+
+vmm_status vmm__import_read(const vmm_imported *imp, uint64_t offset, void *dst, uint64_t length);
+vmm_status vmm__import_copy(const vmm_imported *imp, uint64_t offset, uint64_t length, vmm_sink_fn sink,
+                            void *ctx);
+#endif

@@ -1,0 +1,57 @@
+/* libvmmshim-client: the vmm_import* functions of tools/include/vmmshim.h, over the import
+ * mechanism in shim/import (import.c, copy.c), which also serves the shim's legacy IPC.  Each
+ * checks its arguments there and reports them under its public name. */
+#include "vmmshim.h"
+#include "import/import.h"
+
+#define VMM_PUBLIC __attribute__((visibility("default")))
+
+VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out)
+{
+    return vmm__import(reg, alloc, out);
+}
+
+VMM_PUBLIC vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd)
+{
+    return vmm__import_fd(reg, alloc, fd);
+}
+
+VMM_PUBLIC vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
+                                       vmm_imported **out)
+{
+    return vmm__import_range(reg, pid, address, length, out);
+}
+
+VMM_PUBLIC vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses,
+                                      const uint64_t *sizes, size_t n, vmm_imported **out)
+{
+    return vmm__import_many(reg, pid, addresses, sizes, n, out);
+}
+
+VMM_PUBLIC vmm_status vmm_import_check(vmm_registry *reg, const vmm_imported *imp)
+{
+    return vmm__import_check(reg, imp);
+}
+
+VMM_PUBLIC vmm_status vmm_import_last_timing(vmm_import_timing *out) { return vmm__import_last_timing(out); }
+
+VMM_PUBLIC uint64_t vmm_import_ptr(const vmm_imported *imp) { return vmm__import_ptr(imp); }
+
+VMM_PUBLIC uint64_t vmm_import_size(const vmm_imported *imp) { return vmm__import_size(imp); }
+
+VMM_PUBLIC int vmm_import_device(const vmm_imported *imp) { return vmm__import_device(imp); }
+
+VMM_PUBLIC vmm_status vmm_import_release(vmm_imported *imp) { return vmm__import_release(imp); }
+
+VMM_PUBLIC vmm_status vmm_import_drop_idle(void) { return vmm__import_drop_idle(); }
+
+VMM_PUBLIC vmm_status vmm_import_read(const vmm_imported *imp, uint64_t offset, void *dst, uint64_t length)
+{
+    return vmm__import_read(imp, offset, dst, length);
+}
+
+VMM_PUBLIC vmm_status vmm_import_copy(const vmm_imported *imp, uint64_t offset, uint64_t length, vmm_sink_fn sink,
+                                      void *ctx)
+{
+    return vmm__import_copy(imp, offset, length, sink, ctx);
+}
