@@ -18,6 +18,7 @@
 #include "broker/protocol.h"
 #include "check.h"
 #include "spawn.h"
+#include "spansowner.h"
 #include "vmmshim.h"
 
 #include <dlfcn.h>
@@ -37,70 +38,9 @@
 #define SEG (20 * MIB) /* VMM_POOL_MIN_GROWTH: one 20 MiB request fills one new segment */
 #define MANY 66        /* segments for the allocation that needs more than one broker reply */
 
-static char g_build[512], g_preload[700], g_reg[64];
-static FILE *g_to, *g_from;
-static pid_t g_pid;
 static fakecuda_counters_fn g_counters;
 
-static uint64_t word(uint64_t seed, uint64_t k) { return seed * 0x9e3779b97f4a7c15ull + k; }
-
 /* ---- the owner -------------------------------------------------------------------------- */
-
-static bool owner_start(void)
-{
-    int in[2], out[2];
-    if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC)) return false;
-    char prog[600];
-    snprintf(prog, sizeof prog, "%s/progs/spans", g_build);
-    g_pid = fork();
-    if (g_pid < 0) return false;
-    if (g_pid == 0) {
-        dup2(in[0], 0);
-        dup2(out[1], 1);
-        putenv(g_preload);
-        setenv("VMMSHIM_GIVE_BACK_MS", "60000", 1); /* freed segments stay for the next request */
-        setenv("VMMSHIM_CACHE_SIZE", "8G", 1);
-        alarm(300);
-        char *argv[] = {prog, NULL};
-        execv(prog, argv);
-        _exit(127);
-    }
-    close(in[0]);
-    close(out[1]);
-    g_to = fdopen(in[1], "w");
-    g_from = fdopen(out[0], "r");
-    return g_to && g_from;
-}
-
-/* One command and its answer line; true when it is "ok". */
-__attribute__((format(printf, 2, 3))) static bool owner_cmd(char *answer, const char *fmt, ...)
-{
-    static char sink[256];
-    char *a = answer ? answer : sink;
-    va_list ap;
-    va_start(ap, fmt);
-    vfprintf(g_to, fmt, ap);
-    va_end(ap);
-    fputc('\n', g_to);
-    fflush(g_to);
-    a[0] = 0;
-    if (!fgets(a, 256, g_from)) return false;
-    return strncmp(a, "ok", 2) == 0;
-}
-
-/* Allocate; the buffer's index, or -1.  *addr: its address in the owner. */
-static int owner_alloc_with(char how, uint64_t bytes, uint64_t *addr)
-{
-    char a[256];
-    int idx = -1;
-    unsigned long long p = 0;
-    if (!owner_cmd(a, "%c %llu", how, (unsigned long long)bytes) || sscanf(a, "ok %d 0x%llx", &idx, &p) != 2) {
-        fprintf(stderr, "owner: %s", a);
-        return -1;
-    }
-    *addr = p;
-    return idx;
-}
 
 static int owner_alloc(uint64_t bytes, uint64_t *addr) { return owner_alloc_with('a', bytes, addr); }
 
@@ -424,7 +364,7 @@ int main(void)
     memcpy(&g_counters, &fn, sizeof fn);
     CHECK(g_counters != NULL, "the emulated driver is not on LD_LIBRARY_PATH");
 
-    CHECK(owner_start(), "cannot start the owner");
+    CHECK(spans_start(), "cannot start the owner");
     vmm_registry *reg = NULL;
     uint64_t addr = 0;
     int idx = owner_span(3, 7, &addr);

@@ -1,0 +1,79 @@
+/* The `progs/spans` owner under the shim, driven line by line over pipes, shared by the tests of
+ * imports across the pool's segments (test_import_multi, test_import_many).  Its freed segments
+ * stay (VMMSHIM_GIVE_BACK_MS and VMMSHIM_CACHE_SIZE high) so a later request can span them.
+ * Header-only, for tests/unit only; the test sets g_build and g_preload before spans_start. */
+#ifndef VMMSHIM_TESTS_SPANSOWNER_H
+#define VMMSHIM_TESTS_SPANSOWNER_H
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static char g_build[512], g_preload[700], g_reg[64];
+static FILE *g_to, *g_from;
+static pid_t g_pid;
+
+/* The k-th 64-bit word `w <index> <seed>` writes. */
+static inline uint64_t word(uint64_t seed, uint64_t k) { return seed * 0x9e3779b97f4a7c15ull + k; }
+
+static inline bool spans_start(void)
+{
+    int in[2], out[2];
+    if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC)) return false;
+    char prog[600];
+    snprintf(prog, sizeof prog, "%s/progs/spans", g_build);
+    g_pid = fork();
+    if (g_pid < 0) return false;
+    if (g_pid == 0) {
+        dup2(in[0], 0);
+        dup2(out[1], 1);
+        putenv(g_preload);
+        setenv("VMMSHIM_GIVE_BACK_MS", "60000", 1); /* freed segments stay for the next request */
+        setenv("VMMSHIM_CACHE_SIZE", "8G", 1);
+        alarm(300);
+        char *argv[] = {prog, NULL};
+        execv(prog, argv);
+        _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    g_to = fdopen(in[1], "w");
+    g_from = fdopen(out[0], "r");
+    return g_to && g_from;
+}
+
+/* One command and its answer line; true when it is "ok". */
+__attribute__((format(printf, 2, 3))) static inline bool owner_cmd(char *answer, const char *fmt, ...)
+{
+    static char sink[256];
+    char *a = answer ? answer : sink;
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(g_to, fmt, ap);
+    va_end(ap);
+    fputc('\n', g_to);
+    fflush(g_to);
+    a[0] = 0;
+    if (!fgets(a, 256, g_from)) return false;
+    return strncmp(a, "ok", 2) == 0;
+}
+
+/* Allocate with `a` (cudaMalloc) or `A` (cudaMallocAsync); the buffer's index, or -1.  *addr: its
+ * address in the owner. */
+static inline int owner_alloc_with(char how, uint64_t bytes, uint64_t *addr)
+{
+    char a[256];
+    int idx = -1;
+    unsigned long long p = 0;
+    if (!owner_cmd(a, "%c %llu", how, (unsigned long long)bytes) || sscanf(a, "ok %d 0x%llx", &idx, &p) != 2) {
+        fprintf(stderr, "owner: %s", a);
+        return -1;
+    }
+    *addr = p;
+    return idx;
+}
+#endif
