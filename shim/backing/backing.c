@@ -600,6 +600,7 @@ static void pools_ready_locked(device_state *d)
     uint64_t arena = arena_bytes(d);
     for (int k = 0; k < 2; k++) vmm__pool_init(&d->pool[k], &ops, d->granularity, arena, retain_of(d, k), S.isolate);
     d->pool[0].exact = 1; /* cudaMalloc: natively each allocation is memory of its own, gone at its free */
+    if (!S.isolate) d->pool[1].seg_max = VMM_POOL_SEG_MAX; /* a pool that is seldom trimmed: holes go back in pieces */
     d->pool_ready = 1;
 }
 

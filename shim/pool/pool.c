@@ -406,6 +406,7 @@ static int seg_add(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi)
     p->segs_made++;
     p->reserved += s->size;
     if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
+    if (p->reserved > p->footprint_high) p->footprint_high = p->reserved;
     s->n_live = 1; /* the caller's block touches it; untouch files it as empty if not */
     return 0;
 }
@@ -537,21 +538,30 @@ static vmm__block *grow(vmm__pool *p, int small, uint64_t need, uint64_t align, 
     vmm__arena *a = u->arena;
     vmm__block *l = u->prev;
     uint64_t lo = u->addr, u_end = end_of(u), start = round_up(u->addr, align);
-    if (!p->isolate && l && l->free && l->backed && usable(p, l, ordered, stream) && round_up(l->addr, align) < lo)
+    if (!p->isolate && l && l->free && l->backed && usable(p, l, ordered, stream) && round_up(l->addr, align) < lo &&
+        round_up(l->addr, align) + need > lo) /* else l alone holds it, and was refused (pins_empty_tail) */
         start = round_up(l->addr, align);
     uint64_t hi = round_up(start + need, p->granule);
     uint64_t step = p->isolate || (p->exact && !small) ? 0 : small ? p->granule : VMM_POOL_MIN_GROWTH;
     if (hi - lo < step) hi = lo + step;
     if (hi > u_end) hi = u_end;
-    int rc = seg_add(p, a, lo, hi); /* u and l may be joined with the new space from here on */
-    if (rc) {
-        if (!a->n_segs) arena_drop(p, a);
-        *err = rc;
-        return NULL;
+    /* at most seg_max bytes a segment, so free space inside a large block's extent can go back in
+     * pieces once no live block touches them */
+    uint64_t at = lo;
+    int rc = 0;
+    while (at < hi && rc == 0) {
+        uint64_t to = p->seg_max && hi - at > p->seg_max ? at + p->seg_max : hi;
+        if ((rc = seg_add(p, a, at, to)) == 0) at = to; /* u and l may be joined with the new space from here on */
     }
-    vmm__seg *s = vmm__pool_seg_at(a, p->granule, lo);
-    vmm__block *got = carve(p, vmm__pool_block_at(a, p->granule, start), start, need, err);
-    untouch(p, s); /* seg_add counted the caller's block, which carve counted again */
+    vmm__block *got = NULL;
+    if (rc == 0) got = carve(p, vmm__pool_block_at(a, p->granule, start), start, need, err);
+    else *err = rc;
+    for (uint64_t x = lo; x < at;) { /* seg_add counted the caller's block, which carve counted again */
+        vmm__seg *s = vmm__pool_seg_at(a, p->granule, x);
+        x = s->base + s->size;
+        untouch(p, s);
+    }
+    if (!a->n_segs) arena_drop(p, a);
     return got;
 }
 
@@ -576,6 +586,14 @@ vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uin
     /* Growing: what sits empty beyond the budget goes first, so the footprint follows the live
      * bytes rather than adding new memory on top of memory this request could not use. */
     vmm__pool_release(p, 0, p->retain, UINT64_MAX);
+    /* A pool that keeps what it has (its budget unbounded: PyTorch and CuPy set the threshold to
+     * UINT64_MAX) grows past its own peak only when no idle empty segment is left to make room,
+     * so empty segments stranded between live blocks cannot add up to more than the live bytes
+     * ever needed. */
+    uint64_t growth = round_up(need, p->granule), step = small ? p->granule : p->exact ? 0 : VMM_POOL_MIN_GROWTH;
+    if (growth < step) growth = step;
+    if (p->empty_bytes && p->reserved + growth > p->footprint_high)
+        vmm__pool_release(p, p->footprint_high > growth ? p->footprint_high - growth : 0, 0, UINT64_MAX);
     b = grow(p, small, need, align, stream_ordered, stream, err);
     if (b || *err != -ENOMEM) return b;
     /* The device is full: every empty segment goes, and the request is tried once more. */
@@ -658,7 +676,9 @@ void vmm__pool_destroy(vmm__pool *p)
     }
     vmm__pool_ops ops = p->ops;
     uint64_t g = p->granule, as = p->arena_size, retain = p->retain;
+    uint64_t seg_max = p->seg_max;
     int iso = p->isolate, exact = p->exact;
     vmm__pool_init(p, &ops, g, as, retain, iso);
     p->exact = exact;
+    p->seg_max = seg_max;
 }
