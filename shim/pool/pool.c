@@ -5,10 +5,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* A recorded event, shared by the pieces a pending free block is split into: each piece holds a
- * reference, and the mechanism gets the event back when the last one lets go. */
+/* A free's event, shared by the pieces a pending free block is split into: each piece holds a
+ * reference, and the mechanism gets the event back when the last one lets go.  e NULL: not
+ * recorded yet (vmm__pool_free_unrecorded); sctx and seq say where to record it and which
+ * synchronizations cover it. */
 struct vmm__ev {
-    void *e;
+    void *e, *sctx;
+    uint64_t seq;
     uint32_t refs;
     vmm__ev *next;
 };
@@ -75,27 +78,45 @@ static void block_recycle(vmm__pool *p, vmm__block *b)
 
 /* ---- events ---- */
 
+static vmm__ev *ev_alloc(vmm__pool *p)
+{
+    vmm__ev *ev = p->spare_ev;
+    if (ev) p->spare_ev = ev->next;
+    else if (!(ev = malloc(sizeof *ev))) return NULL;
+    memset(ev, 0, sizeof *ev);
+    ev->refs = 1;
+    return ev;
+}
+
 static vmm__ev *ev_wrap(vmm__pool *p, void *e)
 {
     if (!e) return NULL;
-    vmm__ev *ev = p->spare_ev;
-    if (ev) p->spare_ev = ev->next;
-    else if (!(ev = malloc(sizeof *ev))) {
-        /* No memory even for 24 bytes: the free is treated as complete (as a synchronous one). */
+    vmm__ev *ev = ev_alloc(p);
+    if (!ev) {
+        /* No memory even for 40 bytes: the free is treated as complete (as a synchronous one). */
         p->ops.event_release(p->ops.ctx, e);
         return NULL;
     }
     ev->e = e;
-    ev->refs = 1;
     return ev;
 }
 
 static void ev_put(vmm__pool *p, vmm__ev *ev)
 {
     if (!ev || --ev->refs) return;
-    p->ops.event_release(p->ops.ctx, ev->e);
+    if (ev->e) p->ops.event_release(p->ops.ctx, ev->e);
+    else p->n_unrecorded--;
     ev->next = p->spare_ev;
     p->spare_ev = ev;
+}
+
+/* Record ev now: 1 done, 0 not now, -1 its stream is gone (its frees count as reached). */
+static int ev_record(vmm__pool *p, vmm__ev *ev, uint64_t stream)
+{
+    if (ev->e) return 1;
+    int r = p->ops.event_record(p->ops.ctx, stream, ev->sctx, &ev->e);
+    if (r > 0) p->n_unrecorded--;
+    return r;
 }
 
 static void event_clear(vmm__pool *p, vmm__block *b)
@@ -108,7 +129,9 @@ static void event_clear(vmm__pool *p, vmm__block *b)
 static int reached(vmm__pool *p, vmm__block *b)
 {
     if (!b->event) return 1;
-    if (!p->ops.event_done(p->ops.ctx, b->event->e)) return 0;
+    int r = ev_record(p, b->event, b->stream); /* someone needs to know now */
+    if (r == 0) return 0;
+    if (r > 0 && !p->ops.event_done(p->ops.ctx, b->event->e)) return 0;
     event_clear(p, b);
     return 1;
 }
@@ -221,8 +244,8 @@ static vmm__block *join(vmm__pool *p, vmm__block *l, vmm__block *r, vmm__ev *ev,
 static int compatible(vmm__pool *p, vmm__block *a, vmm__block *b)
 {
     if (!a->free || a->backed != b->backed) return 0;
-    if (a->event) reached(p, a);
-    return !a->event || !b->event || a->stream == b->stream;
+    if (a->event && a->event->e) reached(p, a); /* never records one: a free must stay cheap */
+    return !a->event || !b->event || (a->stream == b->stream && a->event->sctx == b->event->sctx);
 }
 
 /* Free block b (in no bin) merges with its compatible free neighbours and goes into its bin.
@@ -604,7 +627,7 @@ vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uin
     return grow(p, small, need, align, stream_ordered, stream, err);
 }
 
-int vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event)
+static int free_with(vmm__pool *p, vmm__block *b, uint64_t stream, vmm__ev *ev)
 {
     int emptied = 0;
     p->used -= b->charged;
@@ -612,10 +635,52 @@ int vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event)
     FOR_SEGS(p, b->arena, b->addr, end_of(b), s) emptied |= untouch(p, s);
     b->free = 1;
     b->backed = 1;
-    b->event = ev_wrap(p, event);
-    b->stream = b->event ? stream : 0;
+    b->event = ev;
+    b->stream = ev ? stream : 0;
     coalesce(p, b);
     return emptied;
+}
+
+int vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event)
+{
+    return free_with(p, b, stream, ev_wrap(p, event));
+}
+
+int vmm__pool_free_unrecorded(vmm__pool *p, vmm__block *b, uint64_t stream, void *stream_ctx, uint64_t seq)
+{
+    vmm__ev *ev = ev_alloc(p);
+    if (!ev) {
+        void *e = NULL;
+        /* no memory for the note: record now, or as a last resort count the free complete */
+        if (p->ops.event_record(p->ops.ctx, stream, stream_ctx, &e) > 0) return vmm__pool_free(p, b, stream, e);
+        return free_with(p, b, stream, NULL);
+    }
+    ev->sctx = stream_ctx;
+    ev->seq = seq;
+    p->n_unrecorded++;
+    return free_with(p, b, stream, ev);
+}
+
+/* Every free block waiting on an event, each once per event-holding piece. */
+#define FOR_PENDING(p, b)                                                                                  \
+    for (int k_ = 0; k_ < 2; k_++)                                                                     \
+        for (int c_ = next_class(&(p)->bins[k_][1], 0); c_ >= 0; c_ = next_class(&(p)->bins[k_][1], c_ + 1)) \
+            for (vmm__block *b = (p)->bins[k_][1].head[c_], *b##_next; b && ((b##_next = b->fnext), 1); b = b##_next)
+
+void vmm__pool_reached_by_sync(vmm__pool *p, int any_stream, uint64_t stream, void *stream_ctx, uint64_t before_seq)
+{
+    if (!p->n_unrecorded) return;
+    FOR_PENDING(p, b)
+        if (b->event && !b->event->e && b->event->seq < before_seq && b->event->sctx == stream_ctx &&
+            (any_stream || b->stream == stream))
+            event_clear(p, b);
+}
+
+void vmm__pool_record_stream(vmm__pool *p, uint64_t stream)
+{
+    if (!p->n_unrecorded) return;
+    FOR_PENDING(p, b)
+        if (b->event && !b->event->e && b->stream == stream && ev_record(p, b->event, b->stream) < 0) event_clear(p, b);
 }
 
 uint64_t vmm__pool_oldest_empty(const vmm__pool *p) { return p->empty_head ? p->empty_head->empty_since : UINT64_MAX; }
@@ -625,10 +690,11 @@ uint64_t vmm__pool_empty_bytes(const vmm__pool *p) { return p->empty_bytes; }
 unsigned vmm__pool_pending_events(vmm__pool *p, void **events, unsigned max)
 {
     unsigned n = 0;
-    for (int k = 0; k < 2; k++)
-        for (int c = next_class(&p->bins[k][1], 0); c >= 0; c = next_class(&p->bins[k][1], c + 1))
-            for (vmm__block *b = p->bins[k][1].head[c]; b && n < max; b = b->fnext)
-                if (b->event) events[n++] = b->event->e;
+    FOR_PENDING(p, b) {
+        if (n == max) break;
+        if (b->event && ev_record(p, b->event, b->stream) < 0) event_clear(p, b);
+        if (b->event && b->event->e) events[n++] = b->event->e;
+    }
     return n;
 }
 
