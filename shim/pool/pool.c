@@ -516,17 +516,17 @@ static vmm__block *carve(vmm__pool *p, vmm__block *b, uint64_t start, uint64_t n
         b = r;
     }
     for (;;) {
-        event_clear(p, b); /* usable by the caller, so nothing of it is waited for */
         if (end_of(b) > end) {
             /* a large arena's rest under 1 MiB would only ever serve requests that go to the
              * small arenas: it stays with the block (counted as used by the request alone) */
             uint64_t rest = end_of(b) - end;
             if (b->arena->small || p->isolate || rest > VMM_POOL_SMALL_MAX) {
                 if (split(p, b, end, &l, &r)) goto nomem;
-                bin_insert(p, r);
+                bin_insert(p, r); /* still waiting on the free's event: work queued before it may use it */
                 b = l;
             }
         }
+        event_clear(p, b); /* usable by the caller, so nothing of what it takes is waited for */
         got = got ? join(p, got, b, NULL, 0) : b;
         if (end_of(got) >= end) break;
         b = got->next;

@@ -279,6 +279,31 @@ static void test_streams(void)
     vmm__pool_destroy(&p);
 }
 
+/* The freeing stream takes part of a block whose free is in flight: the rest still waits on the
+ * free, since work queued before it may still use that memory (it was given back, unmapped, under
+ * a running kernel on the GPU when the rest lost its event). */
+static void test_rest_keeps_waiting(void)
+{
+    vmm__pool p;
+    setup(&p, 8 * GiB, 0, 0);
+    vmm__block *a = take(&p, 32 * MiB, 1, 7);
+    uint64_t addr = a->addr;
+    vmm__pool_free(&p, a, 7, ev_new());
+    vmm__block *part = take(&p, 4 * MiB, 1, 7);
+    CHECK(part && part->addr == addr, "the freeing stream takes the front of it at once");
+    vmm__block *other = take(&p, 8 * MiB, 1, 9);
+    CHECK(other && (other->addr >= addr + 32 * MiB || other->addr + 8 * MiB <= addr), "another stream does not get the rest");
+    vmm__pool_free(&p, other, 9, NULL);
+    vmm__pool_free(&p, part, 7, NULL);
+    CHECK(vmm__pool_release(&p, 0, 0, UINT64_MAX) < 32 * MiB && p.reserved >= 32 * MiB,
+          "the segment under the rest is not given back while the free is in flight");
+    for (int i = 0; i < n_events; i++) events[i].done = 1;
+    vmm__pool_release(&p, 0, 0, UINT64_MAX);
+    CHECK(p.reserved == 0 && live_events == 0 && double_releases == 0, "all given back once it is reached");
+    CHECK(consistent(&p), "consistent");
+    vmm__pool_destroy(&p);
+}
+
 /* A stream-ordered free may leave its event unrecorded: the freeing stream reuses the block with
  * no event at all, and the event is recorded only when another stream, a give-back or a wait
  * needs it, unless a synchronization covering the free comes first. */
@@ -484,6 +509,7 @@ int main(void)
     test_exact();
     test_streams();
     test_unrecorded();
+    test_rest_keeps_waiting();
     test_oom();
     test_isolate();
     test_varying_trace(1);
