@@ -287,11 +287,13 @@ static void touch(vmm__pool *p, vmm__seg *s)
     if (s->n_live++ == 0) empty_unlink(p, s);
 }
 
-/* Returns 1 when s became empty. */
-static int untouch(vmm__pool *p, vmm__seg *s)
+/* Returns 1 when s became empty.  *now: the clock, read once for all segments of one free (0:
+ * not read yet). */
+static int untouch(vmm__pool *p, vmm__seg *s, uint64_t *now)
 {
     if (--s->n_live) return 0;
-    s->empty_since = p->ops.now_ns(p->ops.ctx);
+    if (!*now) *now = p->ops.now_ns(p->ops.ctx);
+    s->empty_since = *now;
     s->enext = NULL;
     s->eprev = p->empty_tail;
     if (p->empty_tail) p->empty_tail->enext = s;
@@ -545,6 +547,12 @@ nomem:
     return NULL;
 }
 
+/* A budget as large as the arena: nothing empty ever goes back by itself (PyTorch and CuPy set
+ * the threshold to UINT64_MAX).  Only such a pool needs small segments and a bounded peak: any
+ * other gives its empty segments back whole at synchronizations or after the idle delay, so it
+ * keeps large segments, each one driver call to make. */
+static int keeps_all(const vmm__pool *p) { return p->retain >= p->arena_size; }
+
 /* Grow: place the request on unmapped space (after the mapped free block just before it, when
  * that one can take its start) and map what it needs, at least the arena's growth step. */
 static vmm__block *grow(vmm__pool *p, int small, uint64_t need, uint64_t align, int ordered, uint64_t stream, int *err)
@@ -570,19 +578,20 @@ static vmm__block *grow(vmm__pool *p, int small, uint64_t need, uint64_t align, 
     if (hi > u_end) hi = u_end;
     /* at most seg_max bytes a segment, so free space inside a large block's extent can go back in
      * pieces once no live block touches them */
-    uint64_t at = lo;
+    uint64_t at = lo, cap = keeps_all(p) ? p->seg_max : 0;
     int rc = 0;
     while (at < hi && rc == 0) {
-        uint64_t to = p->seg_max && hi - at > p->seg_max ? at + p->seg_max : hi;
+        uint64_t to = cap && hi - at > cap ? at + cap : hi;
         if ((rc = seg_add(p, a, at, to)) == 0) at = to; /* u and l may be joined with the new space from here on */
     }
     vmm__block *got = NULL;
     if (rc == 0) got = carve(p, vmm__pool_block_at(a, p->granule, start), start, need, err);
     else *err = rc;
+    uint64_t now = 0;
     for (uint64_t x = lo; x < at;) { /* seg_add counted the caller's block, which carve counted again */
         vmm__seg *s = vmm__pool_seg_at(a, p->granule, x);
         x = s->base + s->size;
-        untouch(p, s);
+        untouch(p, s, &now);
     }
     if (!a->n_segs) arena_drop(p, a);
     return got;
@@ -615,7 +624,7 @@ vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uin
      * ever needed. */
     uint64_t growth = round_up(need, p->granule), step = small ? p->granule : p->exact ? 0 : VMM_POOL_MIN_GROWTH;
     if (growth < step) growth = step;
-    if (p->empty_bytes && p->reserved + growth > p->footprint_high)
+    if (keeps_all(p) && p->empty_bytes && p->reserved + growth > p->footprint_high)
         vmm__pool_release(p, p->footprint_high > growth ? p->footprint_high - growth : 0, 0, UINT64_MAX);
     b = grow(p, small, need, align, stream_ordered, stream, err);
     if (b || *err != -ENOMEM) return b;
@@ -630,9 +639,10 @@ vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uin
 static int free_with(vmm__pool *p, vmm__block *b, uint64_t stream, vmm__ev *ev)
 {
     int emptied = 0;
+    uint64_t now = 0;
     p->used -= b->charged;
     b->charged = 0;
-    FOR_SEGS(p, b->arena, b->addr, end_of(b), s) emptied |= untouch(p, s);
+    FOR_SEGS(p, b->arena, b->addr, end_of(b), s) emptied |= untouch(p, s, &now);
     b->free = 1;
     b->backed = 1;
     b->event = ev;

@@ -27,8 +27,9 @@
  * medium requests makes one segment, not one each (PyTorch's large segments are 20 MiB too). */
 #define VMM_POOL_MIN_GROWTH (20u << 20)
 
-/* The stream-ordered pool maps no segment larger than this, so free space inside the extent of
- * large blocks goes back in pieces once no live block touches a piece.  Measured on a mixed trace
+/* A stream-ordered pool that never gives back by itself (its release threshold at least the
+ * device's memory) maps no segment larger than this, so free space inside the extent of large
+ * blocks goes back in pieces once no live block touches a piece.  Measured on a mixed trace
  * that never trims (test_pool, test_mixed_keep_all; live peak 1,767 MiB): physical peak 2,140 MiB
  * with no limit, 2,002 at 64 MiB, 1,900 at 32 MiB, 1,858 at 20 MiB with 1.6 times the segments of
  * 32 MiB.  Every segment is one more handle for a companion to import; 32 MiB is the balance. */
