@@ -73,6 +73,9 @@ typedef struct cuda_api {
     CUresult (*CtxSetCurrent)(CUcontext);
     CUresult (*CtxGetDevice)(CUdevice *);
     CUresult (*DeviceGet)(CUdevice *, int);
+    CUresult (*DeviceGetCount)(int *);
+    CUresult (*DeviceGetUuid)(CUuuid *, CUdevice);
+    CUresult (*DeviceCanAccessPeer)(int *, CUdevice, CUdevice);
     CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*MemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
     CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
@@ -110,6 +113,11 @@ static void cuda_load(void)
         SYM(CtxSetCurrent, "cuCtxSetCurrent", false),
         SYM(CtxGetDevice, "cuCtxGetDevice", false),
         SYM(DeviceGet, "cuDeviceGet", true),
+        /* which devices a mapping is granted to ("Devices"): without them, the calling
+         * context's device alone, as before they were used */
+        SYM(DeviceGetCount, "cuDeviceGetCount", true),
+        SYM(DeviceGetUuid, "cuDeviceGetUuid_v2", true), /* what the shim names a device by */
+        SYM(DeviceCanAccessPeer, "cuDeviceCanAccessPeer", true),
         SYM(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", false),
         SYM(MemImportFromShareableHandle, "cuMemImportFromShareableHandle", false),
         SYM(MemAddressReserve, "cuMemAddressReserve", false),
@@ -1128,9 +1136,95 @@ static void access_for(CUmemAccessDesc *acc, CUdevice dev)
     acc->flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
 }
 
-/* A chunk mapped for one device, imported by a thread of another: that device needs access too
- * (one address range serves every device of the process). */
-static vmm_status grant_device(chunk *c, CUdevice dev)
+/* ------------------------------------------------------------------------------------------ */
+/* Devices                                                                                     */
+/* Which devices a mapping is granted read-write access to.  The memory lies on the device the
+ * record names (by UUID: the owner's ordinal may name another device here, CUDA_VISIBLE_DEVICES
+ * differing between processes).  A mapping is granted to that device, when it is visible here, so
+ * its kernels and copies reach the memory locally, and to the importing thread's device, when it
+ * is that device or can access it as a peer (cuDeviceCanAccessPeer): a companion on GPU 1
+ * importing memory of GPU 0 gets a mapping that kernels on GPU 1 (over NVLink or PCIe) and on
+ * GPU 0 both use.  A device that cannot reach the memory is not granted (the driver would refuse
+ * the whole cuMemSetAccess), and the import is then reported for the memory's own device.  When
+ * the record's device is not known here (no UUID, or not visible), the thread's device alone, as
+ * before.  Each further device a thread of this process imports from is granted too
+ * (grant_device).  The import's device (vmm_import_device, the DLPack device in Python) is the
+ * thread's own when the thread had a context and was granted, else the memory's device. */
+
+#define MAX_DEVICES 64
+
+static pthread_mutex_t devices_lock = PTHREAD_MUTEX_INITIALIZER;
+static int devices_known; /* 1 once the table below is filled (read with acquire) */
+static int n_devices;
+static uint8_t device_uuid[MAX_DEVICES][16];
+
+/* Lock held: every visible device's UUID.  A failure leaves the table unknown, to be tried again
+ * by the next import. */
+static void devices_load_locked(void)
+{
+    int n = 0;
+    if (!cu.DeviceGetCount || !cu.DeviceGetUuid || cu.DeviceGetCount(&n) != CUDA_SUCCESS || n <= 0) return;
+    if (n > MAX_DEVICES) n = MAX_DEVICES;
+    for (int i = 0; i < n; i++) {
+        CUdevice d = i;
+        CUuuid u;
+        if ((cu.DeviceGet && cu.DeviceGet(&d, i) != CUDA_SUCCESS) || cu.DeviceGetUuid(&u, d) != CUDA_SUCCESS) return;
+        memcpy(device_uuid[i], u.bytes, 16);
+    }
+    n_devices = n;
+    __atomic_store_n(&devices_known, 1, __ATOMIC_RELEASE);
+}
+
+/* The device the record's memory lies on, as an ordinal of this process; -1 when unknown. */
+static int resident_device(const vmm_alloc_info *a)
+{
+    static const uint8_t zero[16];
+    if (memcmp(a->device_uuid, zero, sizeof zero) == 0) return -1;
+    if (!__atomic_load_n(&devices_known, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_lock(&devices_lock);
+        if (!devices_known) devices_load_locked();
+        pthread_mutex_unlock(&devices_lock);
+        if (!__atomic_load_n(&devices_known, __ATOMIC_ACQUIRE)) return -1;
+    }
+    for (int i = 0; i < n_devices; i++)
+        if (memcmp(device_uuid[i], a->device_uuid, 16) == 0) return i;
+    return -1;
+}
+
+/* The calling thread's device and whether the thread had a context of its own (current_context). */
+typedef struct {
+    CUdevice dev;
+    bool own;
+} here_device;
+
+/* The devices a new mapping of record a gets access for, imported by a thread on `here`: acc[0..*n),
+ * and *use, the device the import is reported for. */
+static void plan_access(const vmm_alloc_info *a, here_device here, CUmemAccessDesc acc[2], size_t *n, CUdevice *use)
+{
+    int res = resident_device(a);
+    *n = 0;
+    *use = here.dev;
+    if (res < 0 || res == (int)here.dev) {
+        access_for(&acc[(*n)++], here.dev);
+        return;
+    }
+    access_for(&acc[(*n)++], (CUdevice)res);
+    int can = 0;
+    if (cu.DeviceCanAccessPeer && cu.DeviceCanAccessPeer(&can, here.dev, (CUdevice)res) == CUDA_SUCCESS && can)
+        access_for(&acc[(*n)++], here.dev);
+    if (*n == 1 || !here.own) *use = (CUdevice)res;
+}
+
+static uint64_t device_bits(const CUmemAccessDesc *acc, size_t n)
+{
+    uint64_t bits = 0;
+    for (size_t i = 0; i < n; i++)
+        if (acc[i].location.id >= 0 && acc[i].location.id < 64) bits |= 1ull << acc[i].location.id;
+    return bits;
+}
+
+/* Access for dev on chunk c, unless it has it already. */
+static vmm_status grant_one(chunk *c, CUdevice dev)
 {
     uint64_t bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
     pthread_mutex_lock(&chunks_lock);
@@ -1145,6 +1239,25 @@ static vmm_status grant_device(chunk *c, CUdevice dev)
     c->devices |= bit;
     pthread_mutex_unlock(&chunks_lock);
     return VMM_OK;
+}
+
+/* A chunk mapped already, imported by a thread on `here`: that device needs access too (one
+ * address range serves every device of the process), when it can reach the memory, and so does
+ * the memory's own device (it has it, unless it was not known when the chunk was mapped).  *use:
+ * the device the import is reported for. */
+static vmm_status grant_device(chunk *c, const vmm_alloc_info *a, here_device here, CUdevice *use)
+{
+    int res = resident_device(a);
+    *use = here.dev;
+    if (res >= 0 && res != (int)here.dev) {
+        vmm_status st = grant_one(c, (CUdevice)res);
+        if (st != VMM_OK) return st;
+        int can = 0;
+        if (!cu.DeviceCanAccessPeer || cu.DeviceCanAccessPeer(&can, here.dev, (CUdevice)res) != CUDA_SUCCESS) can = 0;
+        if (!can || !here.own) *use = (CUdevice)res;
+        if (!can) return VMM_OK;
+    }
+    return grant_one(c, here.dev);
 }
 
 /* The registry still shows this very allocation, live, at its place in its chunk. */
@@ -1226,12 +1339,15 @@ vmm_status vmm__import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *f
     return fetch_fd(reg, alloc, fd);
 }
 
-/* The calling thread's context, or device 0's primary context made current; and its device. */
-static vmm_status current_context(CUcontext *ctx, CUdevice *dev)
+/* The calling thread's context, or device 0's primary context made current; and its device
+ * (here->own: the thread had a context of its own). */
+static vmm_status current_context(CUcontext *ctx, here_device *here)
 {
     static int inited; /* cuInit succeeded once: it holds for the process's life */
     CUresult r;
     *ctx = NULL;
+    here->dev = 0;
+    here->own = true;
     if (!__atomic_load_n(&inited, __ATOMIC_ACQUIRE)) {
         if ((r = cu.Init(0)) != CUDA_SUCCESS) return cu_fail("cuInit", r);
         __atomic_store_n(&inited, 1, __ATOMIC_RELEASE);
@@ -1240,11 +1356,12 @@ static vmm_status current_context(CUcontext *ctx, CUdevice *dev)
     if (!*ctx) {
         /* no context on this thread: device 0's primary one (retained for the process's life) */
         CUdevice d0 = 0;
+        here->own = false;
         if (cu.DeviceGet && (r = cu.DeviceGet(&d0, 0)) != CUDA_SUCCESS) return cu_fail("cuDeviceGet", r);
         if ((r = cu.DevicePrimaryCtxRetain(ctx, d0)) != CUDA_SUCCESS) return cu_fail("cuDevicePrimaryCtxRetain", r);
         if ((r = cu.CtxSetCurrent(*ctx)) != CUDA_SUCCESS) return cu_fail("cuCtxSetCurrent", r);
     }
-    if ((r = cu.CtxGetDevice(dev)) != CUDA_SUCCESS) return cu_fail("cuCtxGetDevice", r);
+    if ((r = cu.CtxGetDevice(&here->dev)) != CUDA_SUCCESS) return cu_fail("cuCtxGetDevice", r);
     return VMM_OK;
 }
 
@@ -1262,8 +1379,10 @@ static vmm_status fetch_handle(vmm_registry *reg, const vmm_alloc_info *a, CUmem
     return r == CUDA_SUCCESS ? VMM_OK : cu_fail("cuMemImportFromShareableHandle", r);
 }
 
-/* Map all of the chunk behind handle (consumed: released on failure) read-write for dev. */
-static vmm_status map_chunk(CUmemGenericAllocationHandle handle, size_t size, CUdevice dev, chunk *c)
+/* Map all of the chunk behind handle (consumed: released on failure) read-write for the n
+ * devices of acc. */
+static vmm_status map_chunk(CUmemGenericAllocationHandle handle, size_t size, const CUmemAccessDesc *acc, size_t n,
+                            chunk *c)
 {
     c->handle = handle;
     CUresult r;
@@ -1286,16 +1405,14 @@ static vmm_status map_chunk(CUmemGenericAllocationHandle handle, size_t size, CU
         goto undo;
     }
     mapped = true;
-    CUmemAccessDesc acc;
-    access_for(&acc, dev);
-    r = cu.MemSetAccess(c->base, size, &acc, 1);
+    r = cu.MemSetAccess(c->base, size, acc, n);
     tm.access_ns = now_ns() - t2;
     if (r != CUDA_SUCCESS) {
         what = "cuMemSetAccess";
         goto undo;
     }
     c->size = size;
-    c->devices = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+    c->devices = device_bits(acc, n);
     return VMM_OK;
 undo:
     (void)undo(c->base, size, c->handle, mapped, reserved);
@@ -1303,8 +1420,8 @@ undo:
 }
 
 /* Map a MULTI-HANDLE allocation's handles (consumed: released either way) back to back in one
- * reservation, read-write for dev, with one cuMemSetAccess over the whole. */
-static vmm_status map_multi(multi_parts *p, size_t size, CUdevice dev, chunk *c)
+ * reservation, read-write for the n devices of acc, with one cuMemSetAccess over the whole. */
+static vmm_status map_multi(multi_parts *p, size_t size, const CUmemAccessDesc *acc, size_t n, chunk *c)
 {
     c->part_len = malloc(p->n * sizeof *c->part_len);
     if (!c->part_len) {
@@ -1331,9 +1448,7 @@ static vmm_status map_multi(multi_parts *p, size_t size, CUdevice dev, chunk *c)
     tm.map_ns = t2 - t1;
     if (r == CUDA_SUCCESS) {
         what = "cuMemSetAccess";
-        CUmemAccessDesc acc;
-        access_for(&acc, dev);
-        r = cu.MemSetAccess(c->base, size, &acc, 1);
+        r = cu.MemSetAccess(c->base, size, acc, n);
         tm.access_ns = now_ns() - t2;
     }
     parts_release(p, p->n); /* mapped, they keep their memory; unmapped, it goes */
@@ -1351,16 +1466,17 @@ static vmm_status map_multi(multi_parts *p, size_t size, CUdevice dev, chunk *c)
         c->n_parts = 0;
         return st;
     }
-    c->devices = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+    c->devices = device_bits(acc, n);
     return VMM_OK;
 }
 
 static vmm_status import_chunk(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported *imp)
 {
     CUcontext ctx;
-    CUdevice dev = 0;
+    here_device here;
+    CUdevice use = 0;
     uint64_t t0 = now_ns();
-    vmm_status st = current_context(&ctx, &dev);
+    vmm_status st = current_context(&ctx, &here);
     uint64_t t1 = now_ns();
     tm.context_ns = t1 - t0;
     if (st != VMM_OK) return st;
@@ -1371,7 +1487,7 @@ static vmm_status import_chunk(vmm_registry *reg, const vmm_alloc_info *alloc, v
     pthread_mutex_unlock(&chunks_lock);
     if (c) { /* mapped already: no broker, no import, no mapping */
         tm.cached = 1;
-        if ((st = still_live(reg, alloc, c->owner)) != VMM_OK || (st = grant_device(c, dev)) != VMM_OK) {
+        if ((st = still_live(reg, alloc, c->owner)) != VMM_OK || (st = grant_device(c, alloc, here, &use)) != VMM_OK) {
             (void)chunk_unref(c);
             return st;
         }
@@ -1384,15 +1500,18 @@ static vmm_status import_chunk(vmm_registry *reg, const vmm_alloc_info *alloc, v
         owner_ref *o;
         if ((st = owner_get(alloc, &o)) != VMM_OK) return st;
         CUmemGenericAllocationHandle handle = 0;
+        CUmemAccessDesc acc[2];
+        size_t n_acc;
+        plan_access(alloc, here, acc, &n_acc, &use);
         chunk *fresh = calloc(1, sizeof *fresh);
         if (!fresh) st = set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
         if (alloc->flags & VMM_ALLOC_MULTI_HANDLE) {
             multi_parts parts;
             if (st == VMM_OK) st = multi_fetch(reg, alloc, &parts);
-            if (st == VMM_OK) st = map_multi(&parts, (size_t)alloc->mapped_size, dev, fresh);
+            if (st == VMM_OK) st = map_multi(&parts, (size_t)alloc->mapped_size, acc, n_acc, fresh);
         } else {
             if (st == VMM_OK) st = fetch_handle(reg, alloc, &handle);
-            if (st == VMM_OK) st = map_chunk(handle, (size_t)alloc->mapped_size, dev, fresh);
+            if (st == VMM_OK) st = map_chunk(handle, (size_t)alloc->mapped_size, acc, n_acc, fresh);
         }
         if (st != VMM_OK) {
             owner_put(o);
@@ -1418,7 +1537,7 @@ static vmm_status import_chunk(vmm_registry *reg, const vmm_alloc_info *alloc, v
         if (c != fresh) { /* another thread mapped it meanwhile: use that mapping, drop ours */
             (void)unmap_chunk(fresh);
             chunk_free(fresh);
-            if ((st = grant_device(c, dev)) != VMM_OK) {
+            if ((st = grant_device(c, alloc, here, &use)) != VMM_OK) {
                 (void)chunk_unref(c);
                 return st;
             }
@@ -1426,7 +1545,7 @@ static vmm_status import_chunk(vmm_registry *reg, const vmm_alloc_info *alloc, v
     }
     imp->c = c;
     imp->ptr = (uint64_t)c->base + alloc->chunk_offset;
-    imp->device = (int)dev;
+    imp->device = (int)use;
     return VMM_OK;
 }
 
@@ -1772,8 +1891,9 @@ static vmm_status range_place(const range_plan *p, placed **out, size_t *n_out)
 }
 
 /* Reserve the range's address space and map every placed handle at its place, read-write for
- * dev.  *ptr: where the range's first byte is. */
-static vmm_status range_map_all(const range_plan *p, CUcontext ctx, CUdevice dev, range_map **out, uint64_t *ptr)
+ * the n devices of acc.  *ptr: where the range's first byte is. */
+static vmm_status range_map_all(const range_plan *p, CUcontext ctx, const CUmemAccessDesc *acc, size_t n_acc,
+                                range_map **out, uint64_t *ptr)
 {
     placed *v = NULL;
     size_t n = 0;
@@ -1806,9 +1926,7 @@ static vmm_status range_map_all(const range_plan *p, CUcontext ctx, CUdevice dev
     }
     *ptr = (uint64_t)m->base + (p->address - v[0].at);
     free(v);
-    CUmemAccessDesc acc;
-    access_for(&acc, dev);
-    if ((r = cu.MemSetAccess(m->base, m->size, &acc, 1)) != CUDA_SUCCESS) {
+    if ((r = cu.MemSetAccess(m->base, m->size, acc, n_acc)) != CUDA_SUCCESS) {
         (void)range_unmap(m);
         return cu_fail("cuMemSetAccess", r);
     }
@@ -1828,9 +1946,14 @@ vmm_status vmm__import_range(vmm_registry *reg, uint32_t pid, uint64_t address, 
     range_plan p = {.pid = pid, .address = address, .end = address + length};
     vmm_status st = range_walk(reg, &p);
     CUcontext ctx = NULL;
-    CUdevice dev = 0;
+    here_device here = {0, true};
+    CUmemAccessDesc acc[2];
+    size_t n_acc = 0;
+    CUdevice use = 0;
     if (st == VMM_OK) st = cuda_ready();
-    if (st == VMM_OK) st = current_context(&ctx, &dev);
+    if (st == VMM_OK) st = current_context(&ctx, &here);
+    /* the range's records are one owner's, side by side: the first one's device stands for all */
+    if (st == VMM_OK) plan_access(&p.rec[0], here, acc, &n_acc, &use);
     if (st == VMM_OK) st = range_layout(&p);
     vmm_imported *imp = NULL;
     if (st == VMM_OK && !(imp = calloc(1, sizeof *imp))) st = set_err(VMM_ERR_NOMEM, "vmm_import_range: out of memory");
@@ -1838,13 +1961,13 @@ vmm_status vmm__import_range(vmm_registry *reg, uint32_t pid, uint64_t address, 
     if (fetching) st = range_fetch(reg, &p);
     range_map *m = NULL;
     uint64_t ptr = 0;
-    if (st == VMM_OK) st = range_map_all(&p, ctx, dev, &m, &ptr);
+    if (st == VMM_OK) st = range_map_all(&p, ctx, acc, n_acc, &m, &ptr);
     if (fetching) range_release_handles(&p);
     if (st == VMM_OK) {
         imp->range = m;
         imp->ptr = ptr;
         imp->requested_size = length;
-        imp->device = (int)dev;
+        imp->device = (int)use;
         *out = imp;
     } else {
         free(imp);

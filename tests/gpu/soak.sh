@@ -15,7 +15,7 @@ SECS=${SOAK_SECONDS:-1200}
 export VMMSHIM_REGISTRY=/vmmshim-soak-$$
 DUMP=/dev/shm/vmmshim-soak-dump-$$
 trap 'rm -rf "$DUMP"; rm -f /dev/shm$VMMSHIM_REGISTRY' EXIT
-gcc -O2 -std=c11 -D_GNU_SOURCE -Itools/include tests/gpu/soak_companion.c -o "$W/companion" -L"$B" -lvmmshim-client \
+gcc -O2 -std=c11 -D_GNU_SOURCE -Itools/include tests/gpu/soak_companion.c -o "$W/companion" -L"$B" -lvmmshim-client -ldl \
   -Wl,-rpath,"$B" || { echo "soak: building the companion failed"; echo "0 passed, 1 failed"; exit 1; }
 
 SOAK_SECONDS=$SECS python3 tests/gpu/soak_train.py >"$W/native.txt" 2>&1 &

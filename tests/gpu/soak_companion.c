@@ -2,10 +2,14 @@
  * copies up to 4 MiB of each to the host and checksums it (FNV-1a), asks whether the allocation
  * is still live, releases it.  An allocation freed between listing and importing is counted as
  * stale, not as an error: the trainer frees all the time.  Prints a line every 10 s and a last
- * "companion:" line with the totals.  Run by tests/gpu/soak.sh. */
+ * "companion:" line with the totals.  With DEVICE, every import and copy is made from that
+ * device's primary context (current on this thread from the start): a companion on another GPU
+ * than the owner's memory.  Run by tests/gpu/soak.sh and tests/gpu/ddp_soak.sh. */
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "vmmshim.h"
@@ -26,6 +30,28 @@ static int collect(void *ctx, const vmm_alloc_info *a)
     return 0;
 }
 
+/* Make device dev's primary context current on this thread (the driver's API, dlopen'ed: this
+ * program links no CUDA library).  0, else the step that failed. */
+static const char *use_device(int dev)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    void *f_init = h ? dlsym(h, "cuInit") : NULL, *f_get = h ? dlsym(h, "cuDeviceGet") : NULL;
+    void *f_retain = h ? dlsym(h, "cuDevicePrimaryCtxRetain") : NULL, *f_set = h ? dlsym(h, "cuCtxSetCurrent") : NULL;
+    int (*init)(unsigned), (*get)(int *, int), (*retain)(void **, int), (*set)(void *);
+    if (!f_init || !f_get || !f_retain || !f_set) return "libcuda.so.1";
+    memcpy(&init, &f_init, sizeof init);
+    memcpy(&get, &f_get, sizeof get);
+    memcpy(&retain, &f_retain, sizeof retain);
+    memcpy(&set, &f_set, sizeof set);
+    int d = 0;
+    void *ctx = NULL;
+    if (init(0) != 0) return "cuInit";
+    if (get(&d, dev) != 0) return "cuDeviceGet";
+    if (retain(&ctx, d) != 0) return "cuDevicePrimaryCtxRetain";
+    if (set(ctx) != 0) return "cuCtxSetCurrent";
+    return NULL;
+}
+
 static double now_s(void)
 {
     struct timespec t;
@@ -35,9 +61,18 @@ static double now_s(void)
 
 int main(int argc, char **argv)
 {
-    if (argc != 3) {
-        fprintf(stderr, "usage: soak_companion PID SECONDS\n");
+    if (argc != 3 && argc != 4) {
+        fprintf(stderr, "usage: soak_companion PID SECONDS [DEVICE]\n");
         return 2;
+    }
+    if (argc == 4) {
+        const char *why = use_device(atoi(argv[3]));
+        if (why) {
+            fprintf(stderr, "companion: error: cannot make device %s's primary context current: %s failed\n", argv[3], why);
+            return 1;
+        }
+        printf("# importing pid %s's allocations from GPU %s\n", argv[1], argv[3]);
+        fflush(stdout);
     }
     static seen s;
     static unsigned char buf[READ_MAX];

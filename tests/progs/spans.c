@@ -6,6 +6,7 @@
  *   "w <index> <seed>" fills the buffer with 64-bit words seed * 0x9e3779b97f4a7c15 + word index
  *                      (cudaMemcpy); answers "ok"
  *   "f <index>"      cudaFree; answers "ok"
+ *   "d <device>"     cudaSetDevice: later allocations are that device's; answers "ok"
  *   "q"              exits
  * A failure answers "error <what>". */
 #include <cuda_runtime_api.h>
@@ -47,6 +48,9 @@ int main(void)
             if (e == cudaSuccess) printf("ok\n");
         } else if (line[0] == 'f' && sscanf(line + 1, "%llu", &a) == 1 && a < (unsigned long long)n) {
             e = cudaFree(buf[a]);
+            if (e == cudaSuccess) printf("ok\n");
+        } else if (line[0] == 'd' && sscanf(line + 1, "%llu", &a) == 1) {
+            e = cudaSetDevice((int)a);
             if (e == cudaSuccess) printf("ok\n");
         } else {
             printf("error bad command\n");

@@ -195,8 +195,17 @@ vmm_status vmm_gc(vmm_registry *reg, vmm_gc_report *out);
 typedef struct vmm_imported vmm_imported;
 /* Import into the calling thread's CUDA context, or into device 0's primary context (made
  * current on this thread) when it has none: cuMemImportFromShareableHandle, cuMemAddressReserve,
- * cuMemMap, cuMemSetAccess (read-write for that context's device; a chunk imported already gets
- * access for a further device with one cuMemSetAccess). */
+ * cuMemMap, and one cuMemSetAccess, read-write for
+ *   - the device the memory lies on (the record's device_uuid, looked up among this process's
+ *     devices: the owner's ordinal may name another device here), when it is visible here, and
+ *   - the calling thread's device, when it is that device or can access it as a peer
+ *     (cuDeviceCanAccessPeer).
+ * So a companion on GPU 1 importing memory of GPU 0 gets one pointer that kernels and copies on
+ * GPU 1 (peer) and on GPU 0 (local) both use.  A device that cannot reach the memory is not
+ * granted (the import is then usable from the memory's device only); when the memory's device is
+ * not visible here, the thread's device alone is granted.  A chunk imported already gets access
+ * for a further thread's device with one cuMemSetAccess.  vmm_import_device says which device the
+ * import is for. */
 vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out);
 /* The allocation's device pointer here (for vmm_import_range: where the range's first byte is). */
 uint64_t vmm_import_ptr(const vmm_imported *imp);
@@ -222,8 +231,8 @@ vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd
  * The live records of one living owner must cover the range, each starting where the one before
  * ends.  Each record's handle comes as vmm_import's does (the owner's broker, else pidfd_getfd),
  * once per handle; one reservation is made for the range and every handle mapped into it at its
- * place (consecutive records of one chunk as one mapping), read-write for the calling context's
- * device (or device 0's primary context, as vmm_import), and the imported handles are released
+ * place (consecutive records of one chunk as one mapping), read-write for the devices vmm_import
+ * grants (the first record's device standing for the range's), and the imported handles are released
  * at once: the mappings keep the memory alive, after its owner frees it or exits too, until
  * vmm_import_release.  Each handle is mapped whole (the driver maps a handle only from its
  * offset 0), at the place its bytes have in the owner, so the chunks of a range must lie back to
@@ -262,7 +271,10 @@ vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, u
 vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *sizes,
                            size_t n, vmm_imported **out);
 
-/* The device (an ordinal of this process) the import is mapped read-write for; -1 for NULL. */
+/* The device (an ordinal of this process) the import is for: the calling thread's device when the
+ * thread had a context of its own and that device was granted access, else the device the memory
+ * lies on (vmm_import says which devices are granted); -1 for NULL.  The Python package uses it
+ * as the buffer's DLPack device. */
 int vmm_import_device(const vmm_imported *imp);
 /* Is the allocation imp was imported from (vmm_import) still live in its owner?  VMM_OK;
  * VMM_ERR_STALE once the owner freed it -- also when the same address or record slot now holds

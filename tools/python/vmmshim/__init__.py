@@ -341,7 +341,9 @@ def _index(value, what):
 
 class Buffer:
     """Imported bytes of another process.  ptr is their device pointer here, size their length,
-    device the CUDA device they are mapped for here; address is the owner's pointer to the first
+    device the CUDA device they are for here (the DLPack device: the calling thread's current
+    device when it had one and may access the memory, else the device the memory lies on; the
+    mapping is granted to both, vmm_import in vmmshim.h); address is the owner's pointer to the first
     byte.  Opened without a size, a Buffer is one whole allocation (size its requested size);
     with one, exactly the bytes asked for.  allocation is the record holding the first byte,
     allocations every record the Buffer covers.  close() releases the import once no view and no
