@@ -2,6 +2,7 @@
  * reader side (seq-checked copies, find by interior address) and reclamation of dead owners.
  * The protocol every reader follows is written down in layout.h. */
 #include "registry/registry.h"
+#include "registry/seq.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -17,9 +18,7 @@
 #include <unistd.h>
 
 #define PROC_CAPACITY 4096u
-#define READ_RETRIES 4096
 #define FIND_RETRY_S 0.05 /* longest a lookup retries while the index is rebuilt */
-#define BUSY_WAIT_S 0.05  /* longest one reader call waits on records mid-write, all of them together */
 #define PAGE 4096u
 
 /* Creation stamps only show ages: the coarse clock (a few ms) costs a fraction of the precise one. */
@@ -37,13 +36,6 @@ static uint64_t now_realtime_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static double monotonic_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 static uint64_t pow2_ceil(uint64_t v)
@@ -51,71 +43,6 @@ static uint64_t pow2_ceil(uint64_t v)
     uint64_t p = 1;
     while (p < v) p <<= 1;
     return p;
-}
-
-/* ---- seq-protected copies: 8-byte atomics, so neither side races in the C11 sense ---- */
-
-/* ThreadSanitizer follows no fences (GCC refuses them under -fsanitize=thread): there the
- * seqlocks take their fence-free form, every word stored with release and loaded with acquire
- * (Boehm, "Can seqlocks get along with programming language memory models?").  Elsewhere one
- * fence orders all the words: a single barrier on weakly ordered CPUs instead of one per word. */
-#ifdef __SANITIZE_THREAD__
-#define SEQ_WORD_STORE __ATOMIC_RELEASE
-#define SEQ_WORD_LOAD __ATOMIC_ACQUIRE
-#define SEQ_FENCE(order) ((void)0)
-#else
-#define SEQ_WORD_STORE __ATOMIC_RELAXED
-#define SEQ_WORD_LOAD __ATOMIC_RELAXED
-#define SEQ_FENCE(order) __atomic_thread_fence(order)
-#endif
-
-static void copy_words_in(void *dst, const void *src, size_t bytes)
-{
-    uint64_t *d = dst;
-    const uint64_t *s = src;
-    for (size_t i = 0; i < bytes / 8; i++) __atomic_store_n(&d[i], s[i], SEQ_WORD_STORE);
-}
-
-static void copy_words_out(void *dst, const void *src, size_t bytes)
-{
-    uint64_t *d = dst;
-    const uint64_t *s = src;
-    for (size_t i = 0; i < bytes / 8; i++) d[i] = __atomic_load_n(&s[i], SEQ_WORD_LOAD);
-}
-
-static void seq_begin(uint32_t *seq)
-{
-    uint32_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
-    __atomic_store_n(seq, (s | 1u) == s ? s + 2 : s + 1, __ATOMIC_RELAXED);
-    SEQ_FENCE(__ATOMIC_RELEASE);
-}
-
-static void seq_end(uint32_t *seq)
-{
-    uint32_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
-    __atomic_store_n(seq, (s + 1) & ~1u, __ATOMIC_RELEASE);
-}
-
-/* Copy `bytes` of a record whose first 4 bytes at seq_off are its sequence counter.  Past a short
- * spin, waiting for a writer draws on w, which the caller shares among the records it reads. */
-static int seq_read(const void *rec, size_t bytes, const uint32_t *seq, void *out, vmm__reg_wait *w)
-{
-    for (int i = 0; i < READ_RETRIES; i++) {
-        uint32_t s1 = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
-        if (s1 & 1u) {
-            if (i > 64) {
-                double now = monotonic_s();
-                if (w->until == 0) w->until = now + BUSY_WAIT_S;
-                else if (now > w->until) return -EAGAIN;
-                sched_yield();
-            }
-            continue;
-        }
-        copy_words_out(out, rec, bytes);
-        SEQ_FENCE(__ATOMIC_ACQUIRE);
-        if (__atomic_load_n(seq, __ATOMIC_RELAXED) == s1) return 0;
-    }
-    return -EAGAIN;
 }
 
 /* ---- layout arithmetic ---- */
