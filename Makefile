@@ -33,7 +33,7 @@ FAKERT_SRC := $(wildcard tests/fakecudart/*.c)
 PROG_SRC   := $(wildcard tests/progs/*.c)
 TEST_SRC   := $(wildcard tests/unit/test_*.c)
 HELPER_SRC := $(wildcard tests/unit/prog_*.c)
-FUZZ_TARGETS := registry ipc broker options
+FUZZ_TARGETS := registry ipc broker options names
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 CORE_A   := $(BUILD)/libvmmcore.a
