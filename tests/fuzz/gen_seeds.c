@@ -1,5 +1,5 @@
 /* Writes the fuzz targets' seed inputs (tests/fuzz/corpus/<target>/) from the real code: a
- * registry made by the shim's own writer, handles from the shim's encoder, requests in the
+ * registry and a name table made by the shim's own writer, handles from the shim's encoder, requests in the
  * broker's wire format, the sample config the options table generates.  Run once by
  * `make fuzz-seeds`; the seeds are committed, so `make fuzz` and `make check` never run it.
  *

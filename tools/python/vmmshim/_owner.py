@@ -171,11 +171,14 @@ def _name_bytes(name):
     return name.encode("utf-8")
 
 
-def publish_many(tensors, _who="vmmshim.publish_many"):
+def publish_many(tensors):
     """Publish several tensors by name at once, all or none: tensors is a mapping of name to
     tensor (model.state_dict()) or an iterable of (name, tensor) pairs.  A name published before
-    is replaced.  Every tensor is described before any name changes."""
-    items = list(tensors.items()) if hasattr(tensors, "items") else list(tensors)
+    is replaced.  Every tensor is described before any name changes; errors as publish's."""
+    _publish(list(tensors.items()) if hasattr(tensors, "items") else list(tensors), "vmmshim.publish_many")
+
+
+def _publish(items, who):
     fns = _functions()
     n = len(items)
     if n == 0:
@@ -201,7 +204,7 @@ def publish_many(tensors, _who="vmmshim.publish_many"):
         d.dtype = _lib.DType(code, bits, lanes)
         d.shape = ctypes.cast(shape_arr, ctypes.POINTER(ctypes.c_int64))
         d.strides = ctypes.cast(strides_arr, ctypes.POINTER(ctypes.c_int64))
-    _check(fns[0](descs, n), _who)
+    _check(fns[0](descs, n), who)
 
 
 def publish(name, tensor):
@@ -214,7 +217,7 @@ def publish(name, tensor):
     elements; negative strides; more than 8 dimensions), NotFound (memory that is not the
     shim's), Access (memory the shim could not make exportable), OutOfMemory (262144 names), and
     TypeError / ValueError for an object that is no CUDA tensor."""
-    publish_many([(name, tensor)], "vmmshim.publish")
+    _publish([(name, tensor)], "vmmshim.publish")
 
 
 def unpublish(name):
