@@ -114,8 +114,9 @@
  * NAMES (named tensors): an owner that publishes names for its tensors (vmm_publish, Python's
  * vmmshim.publish) keeps them in a table of its own beside the registry, the shm object
  * VMM_REG_NAMES_NAME (registry name, owner pid, owner start_time; as readable as the registry),
- * made at its first publish and removed at its exit (gc removes a dead owner's).  No such object:
- * the owner publishes no names.  The registry's own layout is untouched by it.
+ * made at its first publish (whole under that name with ".tmp" appended, then renamed into place:
+ * a reader finds a complete table or none) and removed at its exit (gc removes a dead owner's).
+ * No such object: the owner publishes no names.  The registry's own layout is untouched by it.
  *   0                header_size
  *   +----------------+------------------------------------------+
  *   | vmm_names_header | capacity x vmm_names_entry (384 bytes)  |

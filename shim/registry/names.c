@@ -178,55 +178,70 @@ static void table_free(struct vmm__names *t)
     free(t);
 }
 
-/* This process's table, made at its first publish. */
+/* Linux keeps POSIX shared memory objects as files in /dev/shm ("/name" is /dev/shm/name). */
+static int shm_file(const char *name, char *buf, size_t len)
+{
+    int n = snprintf(buf, len, "/dev/shm/%s", name[0] == '/' ? name + 1 : name);
+    return n > 0 && (size_t)n < len ? 0 : -ENAMETOOLONG;
+}
+
+/* This process's table, made at its first publish: complete under a temporary name, then renamed
+ * into place (replacing one an earlier image of this process left: exec keeps pid and start
+ * time), so a reader finds a whole table or none. */
 static int table_make(vmm__reg *r, char *err, size_t errlen)
 {
     struct vmm__names *t = calloc(1, sizeof *t);
     if (!t) return say(err, errlen, -ENOMEM, "out of memory");
     t->fd = -1;
-    if (table_path(r, r->pid, r->start_time, t->path, sizeof t->path)) {
+    char tmp[sizeof t->path + 8], tmp_file[sizeof tmp + 16], file[sizeof t->path + 16];
+    if (table_path(r, r->pid, r->start_time, t->path, sizeof t->path) ||
+        snprintf(tmp, sizeof tmp, "%s.tmp", t->path) >= (int)sizeof tmp || shm_file(tmp, tmp_file, sizeof tmp_file) ||
+        shm_file(t->path, file, sizeof file)) {
         free(t);
         return say(err, errlen, -ENAMETOOLONG, "the name table's object name (registry %s) is too long", r->name);
     }
-    /* one left by an earlier image of this process (exec keeps pid and start time) is stale */
-    shm_unlink(t->path);
-    t->fd = shm_open(t->path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    shm_unlink(tmp); /* a crash of this process's earlier image mid-make */
+    t->fd = shm_open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     t->size = HEADER_SIZE + (size_t)VMM__NAMES_CAPACITY * sizeof(vmm_names_entry);
     struct stat reg;
     int rc = t->fd < 0 ? -errno : 0;
+    const char *step = "shm_open";
     /* whoever may read the registry may read the names (only the owner writes them) */
     if (!rc && fstat(r->fd, &reg) == 0 && (reg.st_mode & 0060) && fchown(t->fd, (uid_t)-1, reg.st_gid) == 0)
         (void)fchmod(t->fd, reg.st_mode & 0640);
-    if (!rc && ftruncate(t->fd, (off_t)t->size) != 0) rc = -errno;
+    if (!rc && ftruncate(t->fd, (off_t)t->size) != 0) rc = -errno, step = "ftruncate";
     if (!rc) {
         int f = posix_fallocate(t->fd, 0, HEADER_SIZE);
-        if (f && f != EOPNOTSUPP && f != EINVAL) rc = -f;
+        if (f && f != EOPNOTSUPP && f != EINVAL) rc = -f, step = "fallocate";
     }
     if (!rc) {
         void *p = mmap(NULL, t->size, PROT_READ | PROT_WRITE, MAP_SHARED, t->fd, 0);
-        if (p == MAP_FAILED) rc = -errno;
+        if (p == MAP_FAILED) rc = -errno, step = "mmap";
         else t->base = p;
     }
+    if (!rc) {
+        vmm_names_header *h = (vmm_names_header *)t->base;
+        h->magic = VMM_NAMES_MAGIC;
+        h->version = VMM_NAMES_VERSION;
+        h->compat_version = VMM_NAMES_VERSION;
+        h->header_size = HEADER_SIZE;
+        h->entry_size = sizeof(vmm_names_entry);
+        h->capacity = VMM__NAMES_CAPACITY;
+        h->pid = r->pid;
+        h->max_dims = VMM_NAMES_MAX_DIMS;
+        h->start_time = r->start_time;
+        h->pidns = r->pidns;
+        h->created_ns = now_realtime_ns();
+        __atomic_store_n(&h->ready, 1, __ATOMIC_RELEASE);
+        if (rename(tmp_file, file) != 0) rc = -errno, step = "rename";
+    }
     if (rc) {
-        say(err, errlen, rc, "cannot make the name table %s: %s", t->path, strerror(-rc));
-        if (t->fd >= 0) shm_unlink(t->path);
+        say(err, errlen, rc, "cannot make the name table %s: %s: %s", t->path, step, strerror(-rc));
+        if (t->fd >= 0) shm_unlink(tmp);
         table_free(t);
         return rc;
     }
     t->hdr = (vmm_names_header *)t->base;
-    vmm_names_header *h = t->hdr;
-    h->magic = VMM_NAMES_MAGIC;
-    h->version = VMM_NAMES_VERSION;
-    h->compat_version = VMM_NAMES_VERSION;
-    h->header_size = HEADER_SIZE;
-    h->entry_size = sizeof(vmm_names_entry);
-    h->capacity = VMM__NAMES_CAPACITY;
-    h->pid = r->pid;
-    h->max_dims = VMM_NAMES_MAX_DIMS;
-    h->start_time = r->start_time;
-    h->pidns = r->pidns;
-    h->created_ns = now_realtime_ns();
-    __atomic_store_n(&h->ready, 1, __ATOMIC_RELEASE);
     r->names = t;
     return 0;
 }
@@ -573,8 +588,10 @@ unsigned vmm__names_sweep(const vmm__reg *r)
         unsigned pid;
         unsigned long long start;
         int end = 0;
+        /* "<pid>.<start time>", or with ".tmp" one its owner died making */
         if (strncmp(de->d_name, prefix, (size_t)plen) != 0 ||
-            sscanf(de->d_name + plen, "%u.%llu%n", &pid, &start, &end) != 2 || de->d_name[plen + end] != 0)
+            sscanf(de->d_name + plen, "%u.%llu%n", &pid, &start, &end) != 2 ||
+            (de->d_name[plen + end] != 0 && strcmp(de->d_name + plen + end, ".tmp") != 0))
             continue;
         char path[sizeof r->name + 48];
         if (snprintf(path, sizeof path, "/%s", de->d_name) >= (int)sizeof path) continue;

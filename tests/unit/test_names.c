@@ -25,6 +25,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -348,6 +349,117 @@ static void test_in_process(void)
     shm_unlink(g_reg_unit);
 }
 
+/* ---- threads: publishes, unpublishes and frees at once, a reader walking meanwhile ---------- */
+
+#define THREADS 4
+#define ROUNDS 150
+
+typedef struct {
+    vmm__reg *r;
+    int t;
+    int bad;
+    int *stop;
+} worker;
+
+static void *publisher(void *arg)
+{
+    worker *w = arg;
+    char err[256], names[8][32];
+    int64_t one[1] = {64};
+    for (int i = 0; i < ROUNDS && !w->bad; i++) {
+        uint64_t at = BASE + (uint64_t)(1024 + w->t * 64 + i % 64) * 2 * MIB;
+        vmm_reg_alloc d;
+        memset(&d, 0, sizeof d);
+        d.handle_kinds = VMM_HANDLE_BROKER;
+        uint32_t slot;
+        if (vmm__reg_add(w->r, at, 2 * MIB, &d, &slot, NULL) != 0) {
+            w->bad = 1;
+            break;
+        }
+        vmm__name_desc ds[8];
+        for (int k = 0; k < 8; k++) {
+            snprintf(names[k], sizeof names[k], "t%d.%d", w->t, k);
+            ds[k] = desc(names[k], at + (uint64_t)k * 256, 1, one, NULL);
+        }
+        if (vmm__names_publish(w->r, ds, 8, err, sizeof err) != 0) w->bad = 2;
+        if (i % 3 == 0 && vmm__names_unpublish(w->r, names[i % 8], err, sizeof err) != 0) w->bad = 3;
+        if (i % 2 ? vmm__reg_remove(w->r, slot) != 0 : vmm__reg_retract(w->r, slot) != 0 || vmm__reg_unbind(w->r, slot) != 0)
+            w->bad = 4;
+        /* the names of this thread went with the record */
+        if (i % 3 != 0 && vmm__names_unpublish(w->r, names[0], err, sizeof err) != -ENOENT) w->bad = 5;
+    }
+    return NULL;
+}
+
+typedef struct {
+    vmm__reg *r;
+    int *stop;
+    int bad;
+    unsigned walks;
+    char err[256];
+} reader_ctx;
+
+static int check_held(void *ctx, const vmm_names_entry *e)
+{
+    reader_ctx *c = ctx;
+    vmm_reg_alloc rec;
+    /* given only while its record held it (the walk checked); the record may go right after */
+    if (e->rec_slot >= c->r->hdr->capacity || vmm__reg_read_alloc(c->r, e->rec_slot, &rec) != 0) c->bad = 1;
+    if (e->name[0] != 't' || e->ndim != 1 || e->nbytes != 256) c->bad = 2;
+    return 0;
+}
+
+static void *walker(void *arg)
+{
+    reader_ctx *c = arg;
+    while ((!__atomic_load_n(c->stop, __ATOMIC_ACQUIRE) || c->walks < 3) && !c->bad) {
+        vmm__names_map m;
+        int rc = vmm__names_open(c->r, c->r->pid, c->r->start_time, &m, c->err, sizeof c->err);
+        if (rc == -ENOENT) continue; /* before the first publish; a table half made is never found */
+        if (rc) {
+            c->bad = 3;
+            break;
+        }
+        if (vmm__names_for_each(c->r, &m, check_held, c) != 0) c->bad = 4;
+        vmm__names_close(&m);
+        c->walks++;
+    }
+    return NULL;
+}
+
+static void test_threads(void)
+{
+    vmm__reg r;
+    char err[256], name[80];
+    memset(&r, 0, sizeof r);
+    snprintf(name, sizeof name, "%s-threads", g_reg_unit);
+    if (vmm__reg_open(&r, name, VMM__REG_CREATE, 4096, NULL, err, sizeof err) != 0 || vmm__reg_attach(&r, NULL) != 0) {
+        CHECK(0, "open: %s", err);
+        return;
+    }
+    int stop = 0;
+    pthread_t th[THREADS], rd;
+    worker w[THREADS];
+    reader_ctx rc = {.r = &r, .stop = &stop};
+    pthread_create(&rd, NULL, walker, &rc);
+    for (int t = 0; t < THREADS; t++) {
+        w[t] = (worker){.r = &r, .t = t, .stop = &stop};
+        pthread_create(&th[t], NULL, publisher, &w[t]);
+    }
+    for (int t = 0; t < THREADS; t++) {
+        pthread_join(th[t], NULL);
+        CHECK(w[t].bad == 0, "thread %d failed at step %d", t, w[t].bad);
+    }
+    __atomic_store_n(&stop, 1, __ATOMIC_RELEASE);
+    pthread_join(rd, NULL);
+    CHECK(rc.bad == 0 && rc.walks > 0, "the reader: %d after %u walks (%s)", rc.bad, rc.walks, rc.err);
+    seen s;
+    CHECK(read_names(&r, &s) == 0 && s.n == 0 && r.names_live == 0, "every name went with its record (%d left)", s.n);
+    printf("stat: %d threads x %d rounds of 8 names, a reader walking %u times meanwhile\n", THREADS, ROUNDS, rc.walks);
+    vmm__reg_close(&r);
+    shm_unlink(name);
+}
+
 /* ---- processes ---------------------------------------------------------------------------- */
 
 static FILE *g_to, *g_from;
@@ -612,6 +724,7 @@ int main(void)
     alarm(240);
 
     test_in_process();
+    test_threads();
     test_not_under_shim();
     test_under_shim();
     cleanup();
