@@ -75,6 +75,8 @@ static struct {
     CUresult (*CtxSetCurrent)(CUcontext);
     CUresult (*CtxGetDevice)(CUdevice *);
     CUresult (*CtxSynchronize)(void);
+    CUresult (*CtxPushCurrent)(CUcontext);
+    CUresult (*CtxPopCurrent)(CUcontext *);
     CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*DeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
     CUresult (*DeviceGetUuid)(CUuuid *, CUdevice);
@@ -119,6 +121,8 @@ static struct {
     int purge_state;               /* 0 not started, 1 waiting for work, 2 waiting for a deadline, -1 could not start */
     int stopping;                  /* at exit: no more driver calls from the give-back thread */
     int sync_due;                  /* empty segments wait for a synchronization (vmm__synchronized) */
+    int unrecorded_due;            /* frees whose event is not recorded yet may be pending */
+    uint64_t free_seq;             /* stream-ordered frees so far: orders them against synchronizations */
     char tag[32];
     device_state dev[MAX_DEVICES];
 } S = {.lock = PTHREAD_MUTEX_INITIALIZER};
@@ -150,6 +154,7 @@ static int load_driver(char *why, size_t len)
     if (!vmm__real_libcuda(why, len)) return -1;
     int ok = LOAD(Init, cuInit) && LOAD(CtxGetCurrent, cuCtxGetCurrent) && LOAD(CtxSetCurrent, cuCtxSetCurrent) &&
              LOAD(CtxGetDevice, cuCtxGetDevice) && LOAD(CtxSynchronize, cuCtxSynchronize) &&
+             LOAD(CtxPushCurrent, cuCtxPushCurrent) && LOAD(CtxPopCurrent, cuCtxPopCurrent) &&
              LOAD(DevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain) && LOAD(DeviceGetAttribute, cuDeviceGetAttribute) &&
              LOAD(DeviceGetUuid, cuDeviceGetUuid) && LOAD(DeviceTotalMem, cuDeviceTotalMem) && LOAD(MemGetAllocationGranularity, cuMemGetAllocationGranularity) &&
              LOAD(MemCreate, cuMemCreate) && LOAD(MemRelease, cuMemRelease) &&
@@ -572,6 +577,32 @@ static CUevent event_get_locked(device_state *d)
     return cu.EventCreate(&e, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS ? e : NULL;
 }
 
+/* The pool asks for the event of a free made without one (vmm__free): recorded now, in the
+ * stream's context, it covers the work queued before that free and more. */
+static int record_now(void *ctx, uint64_t stream_id, void *stream_ctx, void **out)
+{
+    device_state *d = ctx;
+    CUstream stream = (CUstream)(uintptr_t)stream_id;
+    CUcontext popped;
+    if (cu.CtxPushCurrent((CUcontext)stream_ctx) != CUDA_SUCCESS) return -1; /* its context is gone */
+    int r = -1;
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (__atomic_load_n(&captures, __ATOMIC_ACQUIRE) > 0 && cu.StreamIsCapturing(stream, &st) == CUDA_SUCCESS &&
+        st != CU_STREAM_CAPTURE_STATUS_NONE) {
+        r = 0; /* a record now would be a node of the graph: after the capture */
+    } else {
+        CUevent e = event_get_locked(d);
+        if (e && cu.EventRecord(e, stream) != CUDA_SUCCESS) {
+            cu.EventDestroy(e); /* perhaps made in another context: one of this one */
+            if (cu.EventCreate(&e, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) e = NULL;
+            else if (cu.EventRecord(e, stream) != CUDA_SUCCESS) cu.EventDestroy(e), e = NULL;
+        }
+        if (e) *out = e, r = 1; /* else the stream is gone (destroyed with its context) */
+    }
+    cu.CtxPopCurrent(&popped);
+    return r;
+}
+
 /* Stream-ordered memory stays mapped up to the default pool's release threshold, as natively;
  * synchronous memory up to VMMSHIM_CACHE_SIZE (0: native cudaFree keeps none). */
 static uint64_t retain_of(const device_state *d, int k) { return k ? d->release_threshold : S.cache_limit; }
@@ -595,11 +626,13 @@ static void pools_ready_locked(device_state *d)
                          .seg_create = seg_create,
                          .seg_destroy = seg_destroy,
                          .event_done = event_done,
+                         .event_record = record_now,
                          .event_release = event_release,
                          .now_ns = now_ns};
     uint64_t arena = arena_bytes(d);
     for (int k = 0; k < 2; k++) vmm__pool_init(&d->pool[k], &ops, d->granularity, arena, retain_of(d, k), S.isolate);
     d->pool[0].exact = 1; /* cudaMalloc: natively each allocation is memory of its own, gone at its free */
+    if (!S.isolate) d->pool[1].seg_max = VMM_POOL_SEG_MAX; /* a pool that is seldom trimmed: holes go back in pieces */
     d->pool_ready = 1;
 }
 
@@ -988,6 +1021,12 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     if (!ptr || !S.ready) return VMM__PASS;
     uint64_t p = (uint64_t)(uintptr_t)ptr;
     int capturing = stream_ordered && vmm__stream_capturing(stream); /* a driver call: not under the lock */
+    /* A stream-ordered free records its event only when someone needs it (vmm__pool_free_unrecorded):
+     * that needs the stream's context, here the current one.  Another thread's per-thread
+     * stream cannot be named later, so its frees record at once. */
+    CUcontext stream_ctx = NULL;
+    if (stream_ordered && !capturing && stream != CU_STREAM_PER_THREAD && cu.CtxGetCurrent(&stream_ctx) != CUDA_SUCCESS)
+        stream_ctx = NULL;
     pthread_mutex_lock(&S.lock);
     vmm__block *b = NULL;
     HASH_FIND(hh, S.by_addr, &p, sizeof p, b);
@@ -1016,6 +1055,13 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     device_state *d = dev_of_block(b);
     vmm__pool *pool = b->arena->pool;
     CUevent ev = NULL;
+    if (stream_ordered && stream_ctx) {
+        if (vmm__pool_free_unrecorded(pool, b, (uint64_t)(uintptr_t)stream, stream_ctx, __atomic_add_fetch(&S.free_seq, 1, __ATOMIC_RELEASE)))
+            emptied_locked(pool, 1);
+        if (!__atomic_load_n(&S.unrecorded_due, __ATOMIC_RELAXED)) __atomic_store_n(&S.unrecorded_due, 1, __ATOMIC_RELAXED);
+        pthread_mutex_unlock(&S.lock);
+        return VMM__DONE;
+    }
     if (stream_ordered) {
         ev = event_get_locked(d);
         pthread_mutex_unlock(&S.lock);
@@ -1047,14 +1093,32 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
 /* Natively a synchronization releases the default pool's memory beyond its threshold; with no
  * give-back delay, what cudaMalloc freed goes then too.  A flag keeps the common case (nothing
  * waiting) to one load. */
-void vmm__synchronized(void)
+uint64_t vmm__free_mark(void) { return __atomic_load_n(&S.free_seq, __ATOMIC_ACQUIRE) + 1; }
+
+static int legacy_stream(CUstream s) { return s == NULL || s == CU_STREAM_LEGACY; }
+
+void vmm__synchronized(int whole_context, CUstream stream, uint64_t mark)
 {
-    if (!S.ready || !__atomic_load_n(&S.sync_due, __ATOMIC_ACQUIRE)) return;
+    if (!S.ready) return;
+    int sync_due = __atomic_load_n(&S.sync_due, __ATOMIC_ACQUIRE), unrecorded = __atomic_load_n(&S.unrecorded_due, __ATOMIC_ACQUIRE);
+    if (!sync_due && !unrecorded) return;
+    CUcontext ctx = NULL;
+    if (unrecorded && (cu.CtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)) unrecorded = 0;
     pthread_mutex_lock(&S.lock);
     __atomic_store_n(&S.sync_due, 0, __ATOMIC_RELAXED);
     int left = 0;
+    uint64_t still_unrecorded = 0;
     for (int i = 0; i < MAX_DEVICES; i++) {
         device_state *d = &S.dev[i];
+        for (int k = 0; k < 2 && d->pool_ready && unrecorded; k++) {
+            /* the frees this synchronization covers are reached, with no event recorded at all;
+             * the legacy stream has two names */
+            vmm__pool *p = &d->pool[k];
+            vmm__pool_reached_by_sync(p, whole_context, (uint64_t)(uintptr_t)stream, ctx, mark);
+            if (!whole_context && legacy_stream(stream))
+                vmm__pool_reached_by_sync(p, 0, (uint64_t)(uintptr_t)(stream ? NULL : CU_STREAM_LEGACY), ctx, mark);
+            still_unrecorded += p->n_unrecorded;
+        }
         for (int k = 0; k < 2 && d->pool_ready; k++) {
             if (k == 0 && S.give_back_ns) continue;
             release_locked(&d->pool[k], k, UINT64_MAX);
@@ -1062,6 +1126,16 @@ void vmm__synchronized(void)
         }
     }
     if (left) __atomic_store_n(&S.sync_due, 1, __ATOMIC_RELAXED); /* frees of streams not synchronized yet */
+    if (unrecorded && !still_unrecorded) __atomic_store_n(&S.unrecorded_due, 0, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&S.lock);
+}
+
+void vmm__stream_destroying(CUstream stream)
+{
+    if (!S.ready || !__atomic_load_n(&S.unrecorded_due, __ATOMIC_ACQUIRE)) return;
+    pthread_mutex_lock(&S.lock);
+    for (int i = 0; i < MAX_DEVICES; i++)
+        for (int k = 0; k < 2 && S.dev[i].pool_ready; k++) vmm__pool_record_stream(&S.dev[i].pool[k], (uint64_t)(uintptr_t)stream);
     pthread_mutex_unlock(&S.lock);
 }
 

@@ -102,8 +102,13 @@ void vmm__device_reset(int dev);
  * does, a free never synchronizes a context, and its block waits for a safe moment. */
 void vmm__capture_begun(void);
 void vmm__capture_ended(void);
-/* The program synchronized a context or stream successfully. */
-void vmm__synchronized(void);
+/* Taken before a synchronization begins: the stream-ordered frees it covers are those below it. */
+uint64_t vmm__free_mark(void);
+/* The program synchronized `stream`, or its current context (whole_context), successfully; mark
+ * from vmm__free_mark() before the call. */
+void vmm__synchronized(int whole_context, CUstream stream, uint64_t mark);
+/* `stream` is about to be destroyed: the frees on it still without an event get one now. */
+void vmm__stream_destroying(CUstream stream);
 /* The program mapped a range of a handle the shim made exportable (maps_adopted, layout.h). */
 void vmm__count_adopted(void);
 /* True when stream is being captured into a graph. */

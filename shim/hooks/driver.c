@@ -501,26 +501,44 @@ VMM_HOOK CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *g)
 
 /* A synchronization is where the default pool gives back what lies beyond its release threshold
  * (natively too), and where frees waiting on the work just finished become idle. */
-static CUresult synchronized(CUresult rc)
+static CUresult synchronized(CUresult rc, int whole_context, CUstream s, uint64_t mark)
 {
-    if (rc == CUDA_SUCCESS && !vmm__in_shim()) vmm__synchronized();
+    if (rc == CUDA_SUCCESS && !vmm__in_shim()) vmm__synchronized(whole_context, s, mark);
     return rc;
 }
 
 VMM_HOOK CUresult cuCtxSynchronize(void)
 {
     VMM_REAL_DRIVER(cuCtxSynchronize, CUDA_ERROR_NOT_INITIALIZED);
-    return synchronized(real_());
+    uint64_t mark = vmm__free_mark();
+    return synchronized(real_(), 1, NULL, mark);
 }
 
 VMM_HOOK CUresult cuStreamSynchronize(CUstream s)
 {
     VMM_REAL_DRIVER(cuStreamSynchronize, CUDA_ERROR_NOT_INITIALIZED);
-    return synchronized(real_(s));
+    uint64_t mark = vmm__free_mark();
+    return synchronized(real_(s), 0, s, mark);
 }
 
 VMM_HOOK CUresult cuStreamSynchronize_ptsz(CUstream s)
 {
     VMM_REAL_DRIVER(cuStreamSynchronize_ptsz, CUDA_ERROR_NOT_INITIALIZED);
-    return synchronized(real_(s));
+    uint64_t mark = vmm__free_mark();
+    return synchronized(real_(s), 0, s ? s : CU_STREAM_PER_THREAD, mark);
+}
+
+/* Frees on a stream whose event was left for later get it before the stream goes. */
+VMM_HOOK CUresult cuStreamDestroy_v2(CUstream s)
+{
+    VMM_REAL_DRIVER(cuStreamDestroy_v2, CUDA_ERROR_NOT_INITIALIZED);
+    if (!vmm__in_shim()) vmm__stream_destroying(s);
+    return real_(s);
+}
+
+VMM_HOOK CUresult cuStreamDestroy(CUstream s)
+{
+    VMM_REAL_DRIVER(cuStreamDestroy, CUDA_ERROR_NOT_INITIALIZED);
+    if (!vmm__in_shim()) vmm__stream_destroying(s);
+    return real_(s);
 }

@@ -59,7 +59,8 @@ VMM_EARLY void *vmm__real_dlsym(void *handle, const char *name)
     X(cuMemMap) X(cuMemUnmap) X(cuMemRelease) X(cuDevicePrimaryCtxReset_v2) X(cuStreamBeginCapture_v2)          \
     X(cuStreamBeginCapture_v2_ptsz) X(cuStreamBeginCapture) X(cuStreamBeginCapture_ptsz)              \
     X(cuStreamBeginCaptureToGraph) X(cuStreamBeginCaptureToGraph_ptsz) X(cuStreamEndCapture)          \
-    X(cuStreamEndCapture_ptsz) X(cuCtxSynchronize) X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz)         \
+    X(cuStreamEndCapture_ptsz) X(cuCtxSynchronize) X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz)   \
+    X(cuStreamDestroy_v2) X(cuStreamDestroy)         \
     X(cuGetProcAddress) X(cuGetProcAddress_v2)
 
 typedef struct wrap_entry {

@@ -5,10 +5,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* A recorded event, shared by the pieces a pending free block is split into: each piece holds a
- * reference, and the mechanism gets the event back when the last one lets go. */
+/* A free's event, shared by the pieces a pending free block is split into: each piece holds a
+ * reference, and the mechanism gets the event back when the last one lets go.  e NULL: not
+ * recorded yet (vmm__pool_free_unrecorded); sctx and seq say where to record it and which
+ * synchronizations cover it. */
 struct vmm__ev {
-    void *e;
+    void *e, *sctx;
+    uint64_t seq;
     uint32_t refs;
     vmm__ev *next;
 };
@@ -75,27 +78,45 @@ static void block_recycle(vmm__pool *p, vmm__block *b)
 
 /* ---- events ---- */
 
+static vmm__ev *ev_alloc(vmm__pool *p)
+{
+    vmm__ev *ev = p->spare_ev;
+    if (ev) p->spare_ev = ev->next;
+    else if (!(ev = malloc(sizeof *ev))) return NULL;
+    memset(ev, 0, sizeof *ev);
+    ev->refs = 1;
+    return ev;
+}
+
 static vmm__ev *ev_wrap(vmm__pool *p, void *e)
 {
     if (!e) return NULL;
-    vmm__ev *ev = p->spare_ev;
-    if (ev) p->spare_ev = ev->next;
-    else if (!(ev = malloc(sizeof *ev))) {
-        /* No memory even for 24 bytes: the free is treated as complete (as a synchronous one). */
+    vmm__ev *ev = ev_alloc(p);
+    if (!ev) {
+        /* No memory even for 40 bytes: the free is treated as complete (as a synchronous one). */
         p->ops.event_release(p->ops.ctx, e);
         return NULL;
     }
     ev->e = e;
-    ev->refs = 1;
     return ev;
 }
 
 static void ev_put(vmm__pool *p, vmm__ev *ev)
 {
     if (!ev || --ev->refs) return;
-    p->ops.event_release(p->ops.ctx, ev->e);
+    if (ev->e) p->ops.event_release(p->ops.ctx, ev->e);
+    else p->n_unrecorded--;
     ev->next = p->spare_ev;
     p->spare_ev = ev;
+}
+
+/* Record ev now: 1 done, 0 not now, -1 its stream is gone (its frees count as reached). */
+static int ev_record(vmm__pool *p, vmm__ev *ev, uint64_t stream)
+{
+    if (ev->e) return 1;
+    int r = p->ops.event_record(p->ops.ctx, stream, ev->sctx, &ev->e);
+    if (r > 0) p->n_unrecorded--;
+    return r;
 }
 
 static void event_clear(vmm__pool *p, vmm__block *b)
@@ -108,7 +129,9 @@ static void event_clear(vmm__pool *p, vmm__block *b)
 static int reached(vmm__pool *p, vmm__block *b)
 {
     if (!b->event) return 1;
-    if (!p->ops.event_done(p->ops.ctx, b->event->e)) return 0;
+    int r = ev_record(p, b->event, b->stream); /* someone needs to know now */
+    if (r == 0) return 0;
+    if (r > 0 && !p->ops.event_done(p->ops.ctx, b->event->e)) return 0;
     event_clear(p, b);
     return 1;
 }
@@ -221,8 +244,8 @@ static vmm__block *join(vmm__pool *p, vmm__block *l, vmm__block *r, vmm__ev *ev,
 static int compatible(vmm__pool *p, vmm__block *a, vmm__block *b)
 {
     if (!a->free || a->backed != b->backed) return 0;
-    if (a->event) reached(p, a);
-    return !a->event || !b->event || a->stream == b->stream;
+    if (a->event && a->event->e) reached(p, a); /* never records one: a free must stay cheap */
+    return !a->event || !b->event || (a->stream == b->stream && a->event->sctx == b->event->sctx);
 }
 
 /* Free block b (in no bin) merges with its compatible free neighbours and goes into its bin.
@@ -406,6 +429,7 @@ static int seg_add(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi)
     p->segs_made++;
     p->reserved += s->size;
     if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
+    if (p->reserved > p->footprint_high) p->footprint_high = p->reserved;
     s->n_live = 1; /* the caller's block touches it; untouch files it as empty if not */
     return 0;
 }
@@ -537,21 +561,30 @@ static vmm__block *grow(vmm__pool *p, int small, uint64_t need, uint64_t align, 
     vmm__arena *a = u->arena;
     vmm__block *l = u->prev;
     uint64_t lo = u->addr, u_end = end_of(u), start = round_up(u->addr, align);
-    if (!p->isolate && l && l->free && l->backed && usable(p, l, ordered, stream) && round_up(l->addr, align) < lo)
+    if (!p->isolate && l && l->free && l->backed && usable(p, l, ordered, stream) && round_up(l->addr, align) < lo &&
+        round_up(l->addr, align) + need > lo) /* else l alone holds it, and was refused (pins_empty_tail) */
         start = round_up(l->addr, align);
     uint64_t hi = round_up(start + need, p->granule);
     uint64_t step = p->isolate || (p->exact && !small) ? 0 : small ? p->granule : VMM_POOL_MIN_GROWTH;
     if (hi - lo < step) hi = lo + step;
     if (hi > u_end) hi = u_end;
-    int rc = seg_add(p, a, lo, hi); /* u and l may be joined with the new space from here on */
-    if (rc) {
-        if (!a->n_segs) arena_drop(p, a);
-        *err = rc;
-        return NULL;
+    /* at most seg_max bytes a segment, so free space inside a large block's extent can go back in
+     * pieces once no live block touches them */
+    uint64_t at = lo;
+    int rc = 0;
+    while (at < hi && rc == 0) {
+        uint64_t to = p->seg_max && hi - at > p->seg_max ? at + p->seg_max : hi;
+        if ((rc = seg_add(p, a, at, to)) == 0) at = to; /* u and l may be joined with the new space from here on */
     }
-    vmm__seg *s = vmm__pool_seg_at(a, p->granule, lo);
-    vmm__block *got = carve(p, vmm__pool_block_at(a, p->granule, start), start, need, err);
-    untouch(p, s); /* seg_add counted the caller's block, which carve counted again */
+    vmm__block *got = NULL;
+    if (rc == 0) got = carve(p, vmm__pool_block_at(a, p->granule, start), start, need, err);
+    else *err = rc;
+    for (uint64_t x = lo; x < at;) { /* seg_add counted the caller's block, which carve counted again */
+        vmm__seg *s = vmm__pool_seg_at(a, p->granule, x);
+        x = s->base + s->size;
+        untouch(p, s);
+    }
+    if (!a->n_segs) arena_drop(p, a);
     return got;
 }
 
@@ -576,6 +609,14 @@ vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uin
     /* Growing: what sits empty beyond the budget goes first, so the footprint follows the live
      * bytes rather than adding new memory on top of memory this request could not use. */
     vmm__pool_release(p, 0, p->retain, UINT64_MAX);
+    /* A pool that keeps what it has (its budget unbounded: PyTorch and CuPy set the threshold to
+     * UINT64_MAX) grows past its own peak only when no idle empty segment is left to make room,
+     * so empty segments stranded between live blocks cannot add up to more than the live bytes
+     * ever needed. */
+    uint64_t growth = round_up(need, p->granule), step = small ? p->granule : p->exact ? 0 : VMM_POOL_MIN_GROWTH;
+    if (growth < step) growth = step;
+    if (p->empty_bytes && p->reserved + growth > p->footprint_high)
+        vmm__pool_release(p, p->footprint_high > growth ? p->footprint_high - growth : 0, 0, UINT64_MAX);
     b = grow(p, small, need, align, stream_ordered, stream, err);
     if (b || *err != -ENOMEM) return b;
     /* The device is full: every empty segment goes, and the request is tried once more. */
@@ -586,7 +627,7 @@ vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uin
     return grow(p, small, need, align, stream_ordered, stream, err);
 }
 
-int vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event)
+static int free_with(vmm__pool *p, vmm__block *b, uint64_t stream, vmm__ev *ev)
 {
     int emptied = 0;
     p->used -= b->charged;
@@ -594,10 +635,52 @@ int vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event)
     FOR_SEGS(p, b->arena, b->addr, end_of(b), s) emptied |= untouch(p, s);
     b->free = 1;
     b->backed = 1;
-    b->event = ev_wrap(p, event);
-    b->stream = b->event ? stream : 0;
+    b->event = ev;
+    b->stream = ev ? stream : 0;
     coalesce(p, b);
     return emptied;
+}
+
+int vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event)
+{
+    return free_with(p, b, stream, ev_wrap(p, event));
+}
+
+int vmm__pool_free_unrecorded(vmm__pool *p, vmm__block *b, uint64_t stream, void *stream_ctx, uint64_t seq)
+{
+    vmm__ev *ev = ev_alloc(p);
+    if (!ev) {
+        void *e = NULL;
+        /* no memory for the note: record now, or as a last resort count the free complete */
+        if (p->ops.event_record(p->ops.ctx, stream, stream_ctx, &e) > 0) return vmm__pool_free(p, b, stream, e);
+        return free_with(p, b, stream, NULL);
+    }
+    ev->sctx = stream_ctx;
+    ev->seq = seq;
+    p->n_unrecorded++;
+    return free_with(p, b, stream, ev);
+}
+
+/* Every free block waiting on an event, each once per event-holding piece. */
+#define FOR_PENDING(p, b)                                                                                  \
+    for (int k_ = 0; k_ < 2; k_++)                                                                     \
+        for (int c_ = next_class(&(p)->bins[k_][1], 0); c_ >= 0; c_ = next_class(&(p)->bins[k_][1], c_ + 1)) \
+            for (vmm__block *b = (p)->bins[k_][1].head[c_], *b##_next; b && ((b##_next = b->fnext), 1); b = b##_next)
+
+void vmm__pool_reached_by_sync(vmm__pool *p, int any_stream, uint64_t stream, void *stream_ctx, uint64_t before_seq)
+{
+    if (!p->n_unrecorded) return;
+    FOR_PENDING(p, b)
+        if (b->event && !b->event->e && b->event->seq < before_seq && b->event->sctx == stream_ctx &&
+            (any_stream || b->stream == stream))
+            event_clear(p, b);
+}
+
+void vmm__pool_record_stream(vmm__pool *p, uint64_t stream)
+{
+    if (!p->n_unrecorded) return;
+    FOR_PENDING(p, b)
+        if (b->event && !b->event->e && b->stream == stream && ev_record(p, b->event, b->stream) < 0) event_clear(p, b);
 }
 
 uint64_t vmm__pool_oldest_empty(const vmm__pool *p) { return p->empty_head ? p->empty_head->empty_since : UINT64_MAX; }
@@ -607,10 +690,11 @@ uint64_t vmm__pool_empty_bytes(const vmm__pool *p) { return p->empty_bytes; }
 unsigned vmm__pool_pending_events(vmm__pool *p, void **events, unsigned max)
 {
     unsigned n = 0;
-    for (int k = 0; k < 2; k++)
-        for (int c = next_class(&p->bins[k][1], 0); c >= 0; c = next_class(&p->bins[k][1], c + 1))
-            for (vmm__block *b = p->bins[k][1].head[c]; b && n < max; b = b->fnext)
-                if (b->event) events[n++] = b->event->e;
+    FOR_PENDING(p, b) {
+        if (n == max) break;
+        if (b->event && ev_record(p, b->event, b->stream) < 0) event_clear(p, b);
+        if (b->event && b->event->e) events[n++] = b->event->e;
+    }
     return n;
 }
 
@@ -658,7 +742,9 @@ void vmm__pool_destroy(vmm__pool *p)
     }
     vmm__pool_ops ops = p->ops;
     uint64_t g = p->granule, as = p->arena_size, retain = p->retain;
+    uint64_t seg_max = p->seg_max;
     int iso = p->isolate, exact = p->exact;
     vmm__pool_init(p, &ops, g, as, retain, iso);
     p->exact = exact;
+    p->seg_max = seg_max;
 }

@@ -2404,6 +2404,7 @@ FC_API CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
 
 static CUresult event_record(CUevent hEvent, CUstream hStream)
 {
+    CNT_ADD(calls_cuEventRecord, 1);
     LOCK();
     fc_event *e = event_get(hEvent);
     fc_stream *s = stream_get(hStream);

@@ -62,6 +62,7 @@
     X(calls_cuMemPoolGetAttribute)                                                             \
     X(calls_cuMemPoolSetAttribute)                                                             \
     X(calls_cuMemPoolTrimTo)                                                                   \
+    X(calls_cuEventRecord)   /* and its _ptsz and WithFlags variants */                        \
     X(calls_cuDeviceSetMemPool) /* and cuMemSetMemPool */                                      \
     X(calls_legacy_abi)      /* pre-3.2 entry points with 32-bit pointers: always a bug */     \
     X(failures_injected)

@@ -75,6 +75,17 @@ static void fk_release(void *ctx, void *e)
     live_events--;
 }
 
+static int record_answer = 1, records;
+
+static fake_event *ev_new(void);
+
+static int fk_record(void *ctx, uint64_t stream, void *stream_ctx, void **e)
+{
+    (void)ctx, (void)stream, (void)stream_ctx;
+    if (record_answer > 0) *e = ev_new(), records++;
+    return record_answer;
+}
+
 static uint64_t fk_now(void *ctx)
 {
     (void)ctx;
@@ -95,8 +106,9 @@ static void setup(vmm__pool *p, uint64_t capacity, uint64_t retain, int isolate)
     dev.capacity = capacity;
     dev.next_va = 1ull << 40;
     dev.now = 1000;
-    live_events = n_events = double_releases = 0;
-    vmm__pool_ops ops = {NULL, fk_reserve, fk_unreserve, fk_create, fk_destroy, fk_done, fk_release, fk_now};
+    live_events = n_events = double_releases = records = 0;
+    record_answer = 1;
+    vmm__pool_ops ops = {NULL, fk_reserve, fk_unreserve, fk_create, fk_destroy, fk_done, fk_record, fk_release, fk_now};
     vmm__pool_init(p, &ops, GRANULE, 16 * GiB, retain, isolate);
 }
 
@@ -267,6 +279,65 @@ static void test_streams(void)
     vmm__pool_destroy(&p);
 }
 
+/* A stream-ordered free may leave its event unrecorded: the freeing stream reuses the block with
+ * no event at all, and the event is recorded only when another stream, a give-back or a wait
+ * needs it, unless a synchronization covering the free comes first. */
+static void test_unrecorded(void)
+{
+    vmm__pool p;
+    setup(&p, 8 * GiB, 0, 0);
+    static int sctx;
+    vmm__block *a = take(&p, 8 * MiB, 1, 7);
+    uint64_t addr = a->addr;
+    vmm__pool_free_unrecorded(&p, a, 7, &sctx, 1);
+    vmm__block *same = take(&p, 8 * MiB, 1, 7);
+    CHECK(same && same->addr == addr && records == 0, "the freeing stream reuses it with no event recorded (%d)", records);
+    vmm__pool_free_unrecorded(&p, same, 7, &sctx, 2);
+    vmm__block *other = take(&p, 8 * MiB, 1, 9);
+    CHECK(other && other->addr != addr && records == 1 && p.n_unrecorded == 0,
+          "another stream makes it recorded (%d) and does not get it while it is in flight", records);
+    vmm__pool_free(&p, other, 9, NULL);
+    for (int i = 0; i < n_events; i++) events[i].done = 1;
+    vmm__block *again = take(&p, 8 * MiB, 1, 9);
+    CHECK(again && again->addr == addr, "and gets it once the recorded event is reached");
+    vmm__pool_free_unrecorded(&p, again, 9, &sctx, 3);
+    vmm__pool_reached_by_sync(&p, 0, 9, &sctx, 3);
+    CHECK(p.n_unrecorded == 1, "a synchronization that began before the free does not cover it");
+    vmm__pool_reached_by_sync(&p, 0, 5, &sctx, 9);
+    CHECK(p.n_unrecorded == 1, "nor one of another stream");
+    static int other_ctx;
+    vmm__pool_reached_by_sync(&p, 1, 0, &other_ctx, 9);
+    CHECK(p.n_unrecorded == 1, "nor one of another context");
+    vmm__pool_reached_by_sync(&p, 0, 9, &sctx, 4);
+    CHECK(p.n_unrecorded == 0 && records == 1, "one of its stream after it does, with no event recorded (%d)", records);
+    vmm__block *x = take(&p, 8 * MiB, 1, 11);
+    CHECK(x && x->addr == addr, "so any stream gets it at once");
+    vmm__pool_free_unrecorded(&p, x, 11, &sctx, 5);
+    record_answer = 0; /* being captured */
+    CHECK(vmm__pool_release(&p, 0, 0, UINT64_MAX) == 0 && p.n_unrecorded == 1, "no give-back while it cannot be recorded");
+    record_answer = -1; /* the stream is gone */
+    vmm__pool_release(&p, 0, 0, UINT64_MAX);
+    CHECK(p.reserved == 0 && dev.in_use == 0 && p.n_unrecorded == 0, "a free on a stream gone counts as reached");
+    record_answer = 1;
+    vmm__block *y = take(&p, 8 * MiB, 1, 11);
+    vmm__pool_free_unrecorded(&p, y, 11, &sctx, 6);
+    vmm__pool_record_stream(&p, 12);
+    CHECK(p.n_unrecorded == 1, "recording another stream's frees leaves it");
+    vmm__pool_record_stream(&p, 11);
+    CHECK(p.n_unrecorded == 0 && vmm__pool_release(&p, 0, 0, UINT64_MAX) == 0, "recorded before its stream goes, and in flight");
+    vmm__block *z = take(&p, 2 * MiB, 1, 11);
+    vmm__pool_free_unrecorded(&p, z, 11, &sctx, 7);
+    void *pending[8];
+    unsigned np = vmm__pool_pending_events(&p, pending, 8);
+    CHECK(np >= 1 && p.n_unrecorded == 0, "a wait for frees in flight records them first (%u events)", np);
+    for (int i = 0; i < n_events; i++) events[i].done = 1;
+    vmm__pool_release(&p, 0, 0, UINT64_MAX);
+    CHECK(p.reserved == 0 && live_events == 0 && double_releases == 0, "all given back; every event released once (%d live, %d twice)",
+          live_events, double_releases);
+    CHECK(consistent(&p), "consistent");
+    vmm__pool_destroy(&p);
+}
+
 static void test_oom(void)
 {
     vmm__pool p;
@@ -342,6 +413,44 @@ static void test_varying_trace(int ordered)
     vmm__pool_destroy(&p);
 }
 
+/* bench_mem's pool row: mixed sizes, 256 B to 256 MiB spread evenly over the powers of two, at most 64 live, stream-ordered,
+ * with nothing ever trimmed (the release threshold at UINT64_MAX).  Empty segments stranded
+ * between live blocks must not pile up: the physical peak follows the live peak. */
+static void test_mixed_keep_all(void)
+{
+    vmm__pool p;
+    setup(&p, 64 * GiB, UINT64_MAX, 0);
+    p.seg_max = VMM_POOL_SEG_MAX;
+    vmm__block *live[64];
+    int n = 0, ok = 1;
+    uint64_t bytes = 0, bytes_peak = 0;
+    for (int op = 0; op < 3000 && ok; op++) {
+        uint64_t r = next_rand();
+        if (n == 64 || (n > 0 && (r & 1))) {
+            int i = (int)((r >> 1) % (uint64_t)n);
+            bytes -= live[i]->charged;
+            vmm__pool_free(&p, live[i], 1, NULL);
+            live[i] = live[--n];
+        } else {
+            uint64_t base = 256ull << (next_rand() % 20), sz = base + next_rand() % base;
+            if (!(live[n] = take(&p, sz, 1, 1))) ok = 0;
+            else bytes += live[n++]->charged;
+            if (bytes > bytes_peak) bytes_peak = bytes;
+        }
+    }
+    CHECK(ok, "mixed trace, nothing trimmed: every request served");
+    printf("stat: mixed trace, nothing trimmed: physical peak %" PRIu64 " MiB, live peak %" PRIu64 " MiB, %u segments made, %u given back\n",
+           dev.peak >> 20, bytes_peak >> 20, dev.creates, dev.destroys);
+    CHECK(dev.peak <= bytes_peak + bytes_peak / 20 + 64 * MiB,
+          "mixed trace, nothing trimmed: physical peak %" PRIu64 " MiB <= 1.05 x live peak %" PRIu64 " MiB + 64 MiB (%u segments made)",
+          dev.peak >> 20, bytes_peak >> 20, dev.creates);
+    int capped = 1;
+    for (vmm__seg *s = p.segs; s; s = s->snext) capped &= s->size <= VMM_POOL_SEG_MAX;
+    CHECK(capped, "no segment is larger than %u MiB", VMM_POOL_SEG_MAX >> 20);
+    CHECK(consistent(&p), "consistent after the mixed trace");
+    vmm__pool_destroy(&p);
+}
+
 /* Random mixed sizes and frees, checked against the bookkeeping at every step. */
 static void test_random(void)
 {
@@ -374,10 +483,12 @@ int main(void)
     test_give_back();
     test_exact();
     test_streams();
+    test_unrecorded();
     test_oom();
     test_isolate();
     test_varying_trace(1);
     test_varying_trace(0);
+    test_mixed_keep_all();
     test_random();
     CHECK_DONE();
 }

@@ -101,6 +101,8 @@ static void test_async_order(void)
     CHECK(strstr(out, "same stream reuses at once: yes") != NULL, "%s", out);
     CHECK(strstr(out, "other stream before the free completes: new") != NULL, "%s", out);
     CHECK(strstr(out, "other stream after the free completes: reused") != NULL, "%s", out);
+    CHECK(strstr(out, "event records for 1000 same-stream pairs: 0\n") != NULL, "%s", out);
+    CHECK(strstr(out, "other stream after the freeing stream was destroyed: new") != NULL, "%s", out);
 }
 
 static void test_fallback_and_strict(void)
