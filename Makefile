@@ -33,7 +33,7 @@ FAKERT_SRC := $(wildcard tests/fakecudart/*.c)
 PROG_SRC   := $(wildcard tests/progs/*.c)
 TEST_SRC   := $(wildcard tests/unit/test_*.c)
 HELPER_SRC := $(wildcard tests/unit/prog_*.c)
-FUZZ_TARGETS := registry ipc broker options
+FUZZ_TARGETS := registry ipc broker options names
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 CORE_A   := $(BUILD)/libvmmcore.a
@@ -108,6 +108,10 @@ $(BUILD)/progs/%: $(BUILD)/obj/tests/progs/%.o $(FAKERT_SO)
 	$(CC) $(LDFLAGS) -o $@ $< -L$(BUILD)/fakecuda -l:libcudart.so.13 -l:libcuda.so.1 $(LDLIBS)
 # Its function is exported, so the shim's dladdr names it (tests/progs/callsite.c).
 $(BUILD)/progs/callsite: LDFLAGS += -rdynamic
+# An owner naming its tensors: vmm_publish comes from the client library, and from the shim
+# when it runs under it (tests/progs/named.c).
+$(BUILD)/progs/named: $(CLIENT_SO)
+$(BUILD)/progs/named: LDLIBS := -L$(BUILD) -l:libvmmshim-client.so -Wl,-rpath,'$$ORIGIN/..' $(LDLIBS)
 
 $(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(CLIENT_A) $(CORE_A)
 	@mkdir -p $(dir $@)

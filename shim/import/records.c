@@ -68,6 +68,7 @@ const char *vmm__status_text(vmm_status status)
     case VMM_ERR_CUDA: return "a CUDA driver call failed";
     case VMM_ERR_NOMEM: return "out of memory";
     case VMM_ERR_IO: return "I/O error";
+    case VMM_ERR_NO_SHIM: return "not running under the shim (libvmmshim.so)";
     }
     return "unknown status";
 }

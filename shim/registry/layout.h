@@ -111,6 +111,37 @@
  * look in /proc/<pid>/maps.  The owner removes the file at exit; gc removes those of the dead
  * owners it reclaims.
  *
+ * NAMES (named tensors): an owner that publishes names for its tensors (vmm_publish, Python's
+ * vmmshim.publish) keeps them in a table of its own beside the registry, the shm object
+ * VMM_REG_NAMES_NAME (registry name, owner pid, owner start_time; as readable as the registry),
+ * made at its first publish (whole under that name with ".tmp" appended, then renamed into place:
+ * a reader finds a complete table or none) and removed at its exit (gc removes a dead owner's).
+ * No such object: the owner publishes no names.  The registry's own layout is untouched by it.
+ *   0                header_size
+ *   +----------------+------------------------------------------+
+ *   | vmm_names_header | capacity x vmm_names_entry (384 bytes)  |
+ *   +----------------+------------------------------------------+
+ * Open it read-only and refuse unless magic == VMM_NAMES_MAGIC, ready == 1, compat_version <= the
+ * version you implement, entry_size equals the size you know, header_size >= 128, the object
+ * holds header_size + capacity x entry_size bytes, used <= capacity, and pid and start_time are
+ * the owner's.  Read entries [0, used) only (the rest may be holes of the sparse object), each
+ * with the seq protocol of READING A RECORD.  An entry with state VMM_NAMES_LIVE names the tensor
+ * whose first element is at address in the owner: nbytes bytes from there hold it (shape and
+ * strides, in elements, as DLPack counts them: nbytes = itemsize x (1 + sum((shape[i] - 1) x
+ * strides[i])), itemsize = bits x lanes / 8; no negative strides; ndim <= VMM_NAMES_MAX_DIMS).
+ * dtype is DLPack's DLDataType (code as dlpack.h 1.1 numbers DLDataTypeCode).  A name is 1 to
+ * VMM_NAMES_NAME_MAX bytes (UTF-8, no byte below 0x20 nor 0x7f), NUL-terminated, unique among the
+ * live entries of one owner: publishing a name again rewrites its entry in place.
+ * A live entry counts only while (1) its owner is alive (OWNERS AND LIVENESS) and (2) the
+ * registry record at rec_slot, read with the seq protocol, is LIVE with the owner's pid and
+ * start_time, the entry's alloc_id, and address <= entry.address < address + extent.  The owner
+ * drops a name when any allocation under its nbytes is freed; (2) keeps a reader from serving a
+ * name its owner died holding, or one left by a publish racing a free.  changes counts the
+ * owner's changes to the table and is odd while one (a publish of several names, a drop of all
+ * the names of a freed allocation) is in progress: a reader wanting every name of one moment
+ * loads it (acquire) before the walk and (after an acquire fence) again after, and walks again
+ * if it was odd or moved, for some tens of milliseconds at most.  Only the owner writes the table.
+ *
  * LOCKS: readers take none.  Index writers exclude each other with index_lock, a word in the
  * header: 0 = free, else (holder's proc generation << 32) | (holder's proc index + 1), taken by CAS
  * and held for a few index stores.  A waiter may take it over when the holder's proc slot has moved
@@ -142,6 +173,11 @@
 #define VMM_REG_CHUNK_RECLAIMING (1ull << 63)
 #define VMM_REG_FRAMES_NAME "%s.frames.%u.%llu" /* registry name, pid, start_time (FRAMES) */
 #define VMM_REG_FRAMES_HEADER "# vmmshim frames 1: address offset function module"
+#define VMM_REG_NAMES_NAME "%s.names.%u.%llu" /* registry name, pid, start_time (NAMES) */
+#define VMM_NAMES_MAGIC 0x4d414e48534d4d56ull /* "VMMSHNAM" little-endian */
+#define VMM_NAMES_VERSION 1u
+#define VMM_NAMES_NAME_MAX 127u /* bytes of a name, without its NUL */
+#define VMM_NAMES_MAX_DIMS 8u
 
 /* vmm_reg_alloc.state */
 enum { VMM_REG_UNBOUND = 0, VMM_REG_BOUND = 1, VMM_REG_LIVE = 2 };
@@ -341,6 +377,85 @@ VMM_ASSERT_OFF(vmm_reg_alloc, chunk_offset, 304);
 VMM_ASSERT_OFF(vmm_reg_alloc, extent, 312);
 VMM_ASSERT_OFF(vmm_reg_alloc, n_handles, 320);
 VMM_ASSERT_OFF(vmm_reg_alloc, reserved, 324);
+
+/* NAMES: the header of an owner's name table, and one name. */
+enum { VMM_NAMES_FREE = 0, VMM_NAMES_LIVE = 1 };
+
+typedef struct vmm_names_header {
+    uint64_t magic;            /*   0 VMM_NAMES_MAGIC */
+    uint32_t version;          /*   8 */
+    uint32_t compat_version;   /*  12 lowest reader version that can read it */
+    uint32_t header_size;      /*  16 offset of entry 0 */
+    uint32_t entry_size;       /*  20 sizeof(vmm_names_entry) */
+    uint32_t capacity;         /*  24 entries */
+    uint32_t ready;            /*  28 1 once initialised (release store) */
+    uint32_t pid;              /*  32 the owner */
+    uint32_t max_dims;         /*  36 VMM_NAMES_MAX_DIMS */
+    uint64_t start_time;       /*  40 */
+    uint64_t pidns;            /*  48 */
+    uint64_t used;             /*  56 entries ever written: read [0, used) (atomic, release) */
+    uint64_t count;            /*  64 live names (atomic) */
+    uint64_t changes;          /*  72 odd while the owner changes the table (atomic, release) */
+    uint64_t created_ns;       /*  80 CLOCK_REALTIME */
+    uint8_t reserved[40];      /*  88 */
+} vmm_names_header;            /* 128 */
+
+typedef struct vmm_names_entry {
+    uint32_t seq;              /*   0 sequence counter; odd while written */
+    uint32_t state;            /*   4 VMM_NAMES_FREE / LIVE */
+    uint64_t generation;       /*   8 changes at every write of the entry */
+    uint64_t address;          /*  16 owner's device pointer of the first element */
+    uint64_t nbytes;           /*  24 bytes from address the tensor spans */
+    uint8_t alloc_id[16];      /*  32 the registry record holding address */
+    uint64_t rec_slot;         /*  48 that record's slot */
+    uint8_t dtype_code;        /*  56 DLPack DLDataTypeCode */
+    uint8_t dtype_bits;        /*  57 */
+    uint16_t dtype_lanes;      /*  58 */
+    uint32_t ndim;             /*  60 0..VMM_NAMES_MAX_DIMS */
+    int64_t shape[8];          /*  64 */
+    int64_t strides[8];        /* 128 in elements */
+    uint64_t published_ns;     /* 192 CLOCK_REALTIME */
+    char name[128];            /* 200 NUL-terminated */
+    uint8_t reserved[56];      /* 328 */
+} vmm_names_entry;             /* 384 */
+
+_Static_assert(sizeof(vmm_names_header) == 128, "names header size");
+VMM_ASSERT_OFF(vmm_names_header, magic, 0);
+VMM_ASSERT_OFF(vmm_names_header, version, 8);
+VMM_ASSERT_OFF(vmm_names_header, compat_version, 12);
+VMM_ASSERT_OFF(vmm_names_header, header_size, 16);
+VMM_ASSERT_OFF(vmm_names_header, entry_size, 20);
+VMM_ASSERT_OFF(vmm_names_header, capacity, 24);
+VMM_ASSERT_OFF(vmm_names_header, ready, 28);
+VMM_ASSERT_OFF(vmm_names_header, pid, 32);
+VMM_ASSERT_OFF(vmm_names_header, max_dims, 36);
+VMM_ASSERT_OFF(vmm_names_header, start_time, 40);
+VMM_ASSERT_OFF(vmm_names_header, pidns, 48);
+VMM_ASSERT_OFF(vmm_names_header, used, 56);
+VMM_ASSERT_OFF(vmm_names_header, count, 64);
+VMM_ASSERT_OFF(vmm_names_header, changes, 72);
+VMM_ASSERT_OFF(vmm_names_header, created_ns, 80);
+VMM_ASSERT_OFF(vmm_names_header, reserved, 88);
+
+_Static_assert(sizeof(vmm_names_entry) == 384, "names entry size");
+VMM_ASSERT_OFF(vmm_names_entry, seq, 0);
+VMM_ASSERT_OFF(vmm_names_entry, state, 4);
+VMM_ASSERT_OFF(vmm_names_entry, generation, 8);
+VMM_ASSERT_OFF(vmm_names_entry, address, 16);
+VMM_ASSERT_OFF(vmm_names_entry, nbytes, 24);
+VMM_ASSERT_OFF(vmm_names_entry, alloc_id, 32);
+VMM_ASSERT_OFF(vmm_names_entry, rec_slot, 48);
+VMM_ASSERT_OFF(vmm_names_entry, dtype_code, 56);
+VMM_ASSERT_OFF(vmm_names_entry, dtype_bits, 57);
+VMM_ASSERT_OFF(vmm_names_entry, dtype_lanes, 58);
+VMM_ASSERT_OFF(vmm_names_entry, ndim, 60);
+VMM_ASSERT_OFF(vmm_names_entry, shape, 64);
+VMM_ASSERT_OFF(vmm_names_entry, strides, 128);
+VMM_ASSERT_OFF(vmm_names_entry, published_ns, 192);
+VMM_ASSERT_OFF(vmm_names_entry, name, 200);
+VMM_ASSERT_OFF(vmm_names_entry, reserved, 328);
+_Static_assert(sizeof(((vmm_names_entry *)0)->name) == VMM_NAMES_NAME_MAX + 1, "name size");
+_Static_assert(sizeof(((vmm_names_entry *)0)->shape) == VMM_NAMES_MAX_DIMS * 8, "shape size");
 
 /* A record's level in the index: the smallest g >= 8 with extent <= 2^g. */
 static inline unsigned vmm_reg_level(uint64_t extent)

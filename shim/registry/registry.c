@@ -2,6 +2,8 @@
  * reader side (seq-checked copies, find by interior address) and reclamation of dead owners.
  * The protocol every reader follows is written down in layout.h. */
 #include "registry/registry.h"
+#include "registry/names.h"
+#include "registry/seq.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -17,9 +19,7 @@
 #include <unistd.h>
 
 #define PROC_CAPACITY 4096u
-#define READ_RETRIES 4096
 #define FIND_RETRY_S 0.05 /* longest a lookup retries while the index is rebuilt */
-#define BUSY_WAIT_S 0.05  /* longest one reader call waits on records mid-write, all of them together */
 #define PAGE 4096u
 
 /* Creation stamps only show ages: the coarse clock (a few ms) costs a fraction of the precise one. */
@@ -37,13 +37,6 @@ static uint64_t now_realtime_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static double monotonic_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 static uint64_t pow2_ceil(uint64_t v)
@@ -51,71 +44,6 @@ static uint64_t pow2_ceil(uint64_t v)
     uint64_t p = 1;
     while (p < v) p <<= 1;
     return p;
-}
-
-/* ---- seq-protected copies: 8-byte atomics, so neither side races in the C11 sense ---- */
-
-/* ThreadSanitizer follows no fences (GCC refuses them under -fsanitize=thread): there the
- * seqlocks take their fence-free form, every word stored with release and loaded with acquire
- * (Boehm, "Can seqlocks get along with programming language memory models?").  Elsewhere one
- * fence orders all the words: a single barrier on weakly ordered CPUs instead of one per word. */
-#ifdef __SANITIZE_THREAD__
-#define SEQ_WORD_STORE __ATOMIC_RELEASE
-#define SEQ_WORD_LOAD __ATOMIC_ACQUIRE
-#define SEQ_FENCE(order) ((void)0)
-#else
-#define SEQ_WORD_STORE __ATOMIC_RELAXED
-#define SEQ_WORD_LOAD __ATOMIC_RELAXED
-#define SEQ_FENCE(order) __atomic_thread_fence(order)
-#endif
-
-static void copy_words_in(void *dst, const void *src, size_t bytes)
-{
-    uint64_t *d = dst;
-    const uint64_t *s = src;
-    for (size_t i = 0; i < bytes / 8; i++) __atomic_store_n(&d[i], s[i], SEQ_WORD_STORE);
-}
-
-static void copy_words_out(void *dst, const void *src, size_t bytes)
-{
-    uint64_t *d = dst;
-    const uint64_t *s = src;
-    for (size_t i = 0; i < bytes / 8; i++) d[i] = __atomic_load_n(&s[i], SEQ_WORD_LOAD);
-}
-
-static void seq_begin(uint32_t *seq)
-{
-    uint32_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
-    __atomic_store_n(seq, (s | 1u) == s ? s + 2 : s + 1, __ATOMIC_RELAXED);
-    SEQ_FENCE(__ATOMIC_RELEASE);
-}
-
-static void seq_end(uint32_t *seq)
-{
-    uint32_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
-    __atomic_store_n(seq, (s + 1) & ~1u, __ATOMIC_RELEASE);
-}
-
-/* Copy `bytes` of a record whose first 4 bytes at seq_off are its sequence counter.  Past a short
- * spin, waiting for a writer draws on w, which the caller shares among the records it reads. */
-static int seq_read(const void *rec, size_t bytes, const uint32_t *seq, void *out, vmm__reg_wait *w)
-{
-    for (int i = 0; i < READ_RETRIES; i++) {
-        uint32_t s1 = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
-        if (s1 & 1u) {
-            if (i > 64) {
-                double now = monotonic_s();
-                if (w->until == 0) w->until = now + BUSY_WAIT_S;
-                else if (now > w->until) return -EAGAIN;
-                sched_yield();
-            }
-            continue;
-        }
-        copy_words_out(out, rec, bytes);
-        SEQ_FENCE(__ATOMIC_ACQUIRE);
-        if (__atomic_load_n(seq, __ATOMIC_RELAXED) == s1) return 0;
-    }
-    return -EAGAIN;
 }
 
 /* ---- layout arithmetic ---- */
@@ -366,6 +294,7 @@ void vmm__reg_close(vmm__reg *r)
 {
     if (!r->base) return;
     if (r->attached) vmm__reg_detach(r);
+    vmm__names_release(r, false);
     munmap(r->base, r->map_size);
     close(r->fd);
     free(r->free_slots);
@@ -495,6 +424,9 @@ int vmm__reg_attach(vmm__reg *r, const char *broker_path)
         if (getrandom(&r->id_nonce, sizeof r->id_nonce, 0) != sizeof r->id_nonce)
             r->id_nonce = now_realtime_ns() ^ ((uint64_t)pid << 40);
         r->attached = true;
+        /* a table of this (pid, start time) is an earlier image's (exec keeps both): it has
+         * published nothing yet */
+        vmm__names_unlink(r, pid, start);
         return 0;
     }
     return -ENOSPC;
@@ -527,6 +459,7 @@ void vmm__reg_forget_after_fork(vmm__reg *r)
     pthread_mutex_init(&gc_mutex, NULL);
     r->attached = false;
     r->n_free = r->n_chunks = 0;
+    vmm__names_forget_after_fork(r);
     /* The inherited fd shares the parent's open file description, so its OFD locks would not
      * exclude the parent's: open the same object again (by /proc/self/fd, no name lookup, works
      * if unlinked) for a description of our own, under the same fd number.  No snprintf: this
@@ -585,6 +518,7 @@ static unsigned chunk_release(vmm__reg *r, uint64_t c)
 void vmm__reg_detach(vmm__reg *r)
 {
     if (!r->attached) return;
+    vmm__names_release(r, true); /* names first: readers check them against the records */
     pthread_mutex_lock(&r->lock);
     for (size_t i = 0; i < r->n_chunks; i++) chunk_release(r, r->chunks[i]);
     r->n_chunks = r->n_free = 0;
@@ -797,6 +731,8 @@ int vmm__reg_remove(vmm__reg *r, uint32_t slot)
     index_lock(r);
     index_remove_locked(r, slot, r->pid, vmm_reg_key(address, extent));
     index_unlock(r);
+    /* the names in it go before the slot can be reused; with no names, one relaxed load */
+    if (__atomic_load_n(&r->names_live, __ATOMIC_RELAXED)) vmm__names_drop_slot(r, slot);
     pthread_mutex_lock(&r->lock);
     r->free_slots[r->n_free++] = slot; /* cap_free covers every slot of our chunks */
     pthread_mutex_unlock(&r->lock);
@@ -816,6 +752,7 @@ int vmm__reg_retract(vmm__reg *r, uint32_t slot)
     __atomic_store_n(&a->exported_fd, -1, __ATOMIC_RELAXED);
     __atomic_store_n(&a->handle_kinds, 0, __ATOMIC_RELAXED);
     seq_end(&a->seq);
+    if (__atomic_load_n(&r->names_live, __ATOMIC_RELAXED)) vmm__names_drop_slot(r, slot);
     vmm_reg_proc *p = proc_at(r, r->proc_index);
     __atomic_sub_fetch(&p->n_allocs, 1, __ATOMIC_RELAXED);
     __atomic_sub_fetch(&p->bytes_requested, req, __ATOMIC_RELAXED);
@@ -1142,6 +1079,7 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
         uint64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
         if ((uint32_t)(c >> 32) != gens[i]) continue;
         remove_frames_file(r, __atomic_load_n(&p->pid, __ATOMIC_RELAXED), __atomic_load_n(&p->start_time, __ATOMIC_RELAXED));
+        vmm__names_unlink(r, __atomic_load_n(&p->pid, __ATOMIC_RELAXED), __atomic_load_n(&p->start_time, __ATOMIC_RELAXED));
         seq_begin(&p->seq);
         __atomic_store_n(&p->pid, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&p->start_time, 0, __ATOMIC_RELAXED);
@@ -1150,6 +1088,7 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
         __atomic_compare_exchange_n(&p->claim, &c, (uint64_t)gens[i] << 32, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
     }
     __atomic_add_fetch(&r->hdr->stat_reclaimed, st->records_reclaimed, __ATOMIC_RELAXED);
+    st->names_removed = vmm__names_sweep(r); /* tables whose owners died with their slots reclaimed before */
     if (st->chunks_reclaimed || (__atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE) & 1u)) {
         /* sweep the tombstones (and whatever a writer that died mid-change left) */
         index_lock(r);

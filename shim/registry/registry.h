@@ -29,10 +29,15 @@ typedef struct vmm__reg {
     size_t n_free, cap_free;
     uint32_t *chunks;
     size_t n_chunks, cap_chunks;
+    /* this process's name table (names.c), made at its first publish; names_live counts its
+     * names, so that a remove with none to drop costs one relaxed load */
+    struct vmm__names *names;
+    uint64_t names_live;
 } vmm__reg;
 
 typedef struct vmm__reg_gc_stats {
     unsigned procs_dead, procs_unknown, procs_alive, records_reclaimed, chunks_reclaimed, index_rebuilt;
+    unsigned names_removed; /* name tables of dead owners removed (layout.h NAMES) */
 } vmm__reg_gc_stats;
 
 /* Open (and with VMM__REG_CREATE create) the registry.  `name` NULL means VMMSHIM_REGISTRY or

@@ -1,5 +1,5 @@
 /* Writes the fuzz targets' seed inputs (tests/fuzz/corpus/<target>/) from the real code: a
- * registry made by the shim's own writer, handles from the shim's encoder, requests in the
+ * registry and a name table made by the shim's own writer, handles from the shim's encoder, requests in the
  * broker's wire format, the sample config the options table generates.  Run once by
  * `make fuzz-seeds`; the seeds are committed, so `make fuzz` and `make check` never run it.
  *
@@ -7,6 +7,7 @@
 #include "backing/ipc.h"
 #include "broker/protocol.h"
 #include "core/options.h"
+#include "registry/names.h"
 #include "registry/registry.h"
 
 #include <errno.h>
@@ -140,6 +141,80 @@ static void registry_seeds(void)
     put_registry("torn-record", &r, r.pid, small);
 
     vmm__reg_close(&r);
+    shm_unlink(name);
+}
+
+/* ---- name tables: as fuzz_names.c reads them (size, flags, sparse patches) ---- */
+
+static void put_names(const char *name, const char *table, uint8_t flags, void (*damage)(uint8_t *img))
+{
+    int fd = shm_open(table, O_RDONLY, 0);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) exit(1);
+    /* the header page and the entries the fuzz target maps: a table's first 64 */
+    size_t size = (size_t)st.st_size < 4096 + 64 * 384 ? (size_t)st.st_size : 4096 + 64 * 384;
+    uint8_t *img = malloc(size);
+    if (!img || pread(fd, img, size, 0) != (ssize_t)size) exit(1);
+    close(fd);
+    ((vmm_names_header *)img)->capacity = 64; /* as much as the seed holds */
+    if (damage) damage(img);
+    buf b = {0};
+    add_u32(&b, (uint32_t)size);
+    add_u8(&b, flags);
+    for (size_t at = 0; at < size;) {
+        if (!img[at]) {
+            at++;
+            continue;
+        }
+        size_t end = at, zeros = 0;
+        while (end < size && end - at < 0xffff && zeros < GAP) zeros = img[end++] ? 0 : zeros + 1;
+        end -= zeros;
+        add_u32(&b, (uint32_t)at);
+        add_u16(&b, (uint16_t)(end - at));
+        add(&b, img + at, end - at);
+        at = end;
+    }
+    put("names", name, b.p, b.n);
+    free(b.p);
+    free(img);
+}
+
+static void torn_entry(uint8_t *img) { ((vmm_names_entry *)(img + 4096))[1].seq |= 1u; }
+static void changing(uint8_t *img) { ((vmm_names_header *)img)->changes |= 1u; }
+
+static void names_seeds(void)
+{
+    char name[64], err[256], table[300];
+    snprintf(name, sizeof name, "/vmmshim-seed-names-%d", (int)getpid());
+    vmm__reg r;
+    memset(&r, 0, sizeof r);
+    if (vmm__reg_open(&r, name, VMM__REG_CREATE, 64, NULL, err, sizeof err) != 0 || vmm__reg_attach(&r, NULL) != 0) {
+        fprintf(stderr, "gen_seeds: %s\n", err);
+        exit(1);
+    }
+    const uint64_t a = 0x7e0000000000ull, b2 = 0x7e0000200000ull;
+    add_alloc(&r, a, 2u << 20, 2u << 20, VMM_API_CUDA_MALLOC, 1, 0, 2u << 20, 0, "");
+    add_alloc(&r, b2, 2u << 20, 2u << 20, VMM_API_CUDA_MALLOC, 2, 0, 2u << 20, 0, "");
+    int64_t shape[2] = {256, 1024}, strides[2] = {1, 256}, one[1] = {16};
+    vmm__name_desc d[4] = {
+        {.name = "model.layers.0.self_attn.q_proj.weight", .address = a, .code = 4, .bits = 16, .lanes = 1, .ndim = 2, .shape = shape},
+        {.name = "transposed", .address = a + (1u << 20), .code = 2, .bits = 32, .lanes = 1, .ndim = 2, .shape = shape, .strides = strides},
+        {.name = "step", .address = b2, .code = 0, .bits = 64, .lanes = 1, .ndim = 0},
+        {.name = "bias", .address = b2 + 4096, .code = 2, .bits = 16, .lanes = 1, .ndim = 1, .shape = one},
+    };
+    /* entry 1 ("transposed") is published in the second record: rec_slot odd */
+    if (vmm__names_publish(&r, d, 4, err, sizeof err) != 0) {
+        fprintf(stderr, "gen_seeds: %s\n", err);
+        exit(1);
+    }
+    snprintf(table, sizeof table, VMM_REG_NAMES_NAME, name, r.pid, (unsigned long long)r.start_time);
+    put_names("live", table, 2, NULL);
+    put_names("other-records", table, 0, NULL); /* this registry's ids: no entry passes the record check */
+    put_names("torn-entry", table, 2, torn_entry);
+    put_names("changing", table, 2, changing);
+    if (vmm__names_unpublish(&r, "step", err, sizeof err) != 0) exit(1);
+    put_names("unpublished", table, 2, NULL);
+    vmm__reg_close(&r); /* detaches: the table goes too */
     shm_unlink(name);
 }
 
@@ -302,6 +377,7 @@ int main(int argc, char **argv)
     }
     g_root = argv[1];
     registry_seeds();
+    names_seeds();
     ipc_seeds();
     broker_seeds();
     options_seeds();

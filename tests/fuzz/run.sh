@@ -10,11 +10,11 @@ FUZZ_BUILD=${FUZZ_BUILD:-build-fuzz}
 secs=${FUZZ_SECONDS:-60}
 work=$FUZZ_BUILD/work
 
-# Inputs larger than the seeds need buy nothing: a registry seed is a few KiB of patches, an IPC
-# handle 64 bytes and two control bytes.
+# Inputs larger than the seeds need buy nothing: a registry or name table seed is a few KiB of
+# patches, an IPC handle 64 bytes and two control bytes.
 max_len() {
   case $1 in
-    registry) echo 16384 ;;
+    registry|names) echo 16384 ;;
     ipc) echo 80 ;;
     broker) echo 2048 ;;
     *) echo 4096 ;;

@@ -29,7 +29,8 @@ typedef enum vmm_status {
     VMM_ERR_OWNER_DEAD = 8, /* the owning process has exited */
     VMM_ERR_CUDA = 9,       /* a CUDA driver call failed (the message names it) */
     VMM_ERR_NOMEM = 10,
-    VMM_ERR_IO = 11
+    VMM_ERR_IO = 11,
+    VMM_ERR_NO_SHIM = 12    /* owner side: this process does not run under an active libvmmshim.so */
 } vmm_status;
 
 /* Liveness of an owner, judged by pid and process start time (never pid alone). */
@@ -319,6 +320,98 @@ vmm_status vmm_import_read(const vmm_imported *imp, uint64_t offset, void *dst, 
  * slower than copying it. */
 typedef int (*vmm_sink_fn)(void *ctx, const void *data, uint64_t length, uint64_t done);
 vmm_status vmm_import_copy(const vmm_imported *imp, uint64_t offset, uint64_t length, vmm_sink_fn sink, void *ctx);
+
+/* ---- Named tensors --------------------------------------------------------------------------
+ * An unmodified program publishes allocations, not tensors.  A program that wants its tensors
+ * found by name publishes them (owner side); a companion lists them and imports them by name.
+ *
+ * OWNER SIDE, in a process running under libvmmshim.so (LD_PRELOAD): vmm_publish,
+ * vmm_publish_many, vmm_unpublish and vmm_publish_error are the shim's own functions.  Link
+ * -lvmmshim-client to build against them: under the shim its definitions are the ones called;
+ * without it, the client library's answer VMM_ERR_NO_SHIM ("not running under the shim").  The
+ * reason for a failure is in vmm_publish_error() (not vmm_last_error(): the shim and the client
+ * library keep their own), one line, per thread.
+ *
+ * A name is 1 to VMM_NAME_MAX bytes of UTF-8 without control characters (bytes below 0x20, 0x7f),
+ * unique in its process.  Publishing a name that is published already replaces it, as assigning
+ * to a dict key does (the same tensor again changes nothing).  The tensor's bytes -- itemsize x
+ * (1 + sum((shape[i] - 1) x strides[i])) from address, itemsize = bits x lanes / 8, strides in
+ * elements, none negative; no element (a 0 in shape) is refused -- must lie in live, exportable
+ * allocations of this process that the shim published (cudaMalloc, cudaMallocAsync, cuMemAlloc,
+ * the program's own cuMemMap ranges).  A name lives until it is unpublished, published again, or
+ * any allocation under its bytes is freed (every free route of the shim drops it), and goes with
+ * the process.  A caching allocator's frees do not reach the shim: PyTorch keeps a freed tensor's
+ * block, so unpublish a tensor the program drops, or its name outlives it.  Failures (nothing
+ * changes): VMM_ERR_INVALID (a bad name, dtype, ndim, shape or strides; a name twice in one
+ * vmm_publish_many), VMM_ERR_NOT_FOUND (bytes not in the shim's live memory of this process; for
+ * vmm_unpublish, no such name), VMM_ERR_ACCESS (memory the shim could not make exportable: made
+ * during a stream capture or with the device full), VMM_ERR_NOMEM (also: the process's table of
+ * 262144 names is full), VMM_ERR_NO_SHIM, VMM_ERR_IO (the table beside the registry could not be
+ * made).  The names live in a table beside the registry (shim/registry/layout.h, NAMES). */
+#define VMM_NAME_MAX 127
+#define VMM_MAX_DIMS 8
+
+/* An element type: DLPack's DLDataType (dlpack.h), code as DLDataTypeCode numbers it. */
+typedef struct vmm_dtype {
+    uint8_t code; /* VMM_DTYPE_*, or any other DLDataTypeCode */
+    uint8_t bits; /* bits per lane */
+    uint16_t lanes; /* 1 for scalars */
+} vmm_dtype;
+enum {
+    VMM_DTYPE_INT = 0,
+    VMM_DTYPE_UINT = 1,
+    VMM_DTYPE_FLOAT = 2,
+    VMM_DTYPE_BFLOAT = 4,
+    VMM_DTYPE_COMPLEX = 5,
+    VMM_DTYPE_BOOL = 6,
+    VMM_DTYPE_FLOAT8_E4M3FN = 10,
+    VMM_DTYPE_FLOAT8_E5M2 = 12
+};
+
+/* One tensor of vmm_publish_many. */
+typedef struct vmm_tensor_desc {
+    const char *name;
+    uint64_t address;       /* the device pointer of its first element */
+    vmm_dtype dtype;
+    uint32_t ndim;          /* 0 (a scalar) .. VMM_MAX_DIMS */
+    const int64_t *shape;   /* ndim extents */
+    const int64_t *strides; /* ndim strides in elements; NULL: row-major, contiguous */
+} vmm_tensor_desc;
+
+/* Publish one tensor by name (owner side). */
+vmm_status vmm_publish(const char *name, uint64_t address, vmm_dtype dtype, uint32_t ndim, const int64_t *shape,
+                       const int64_t *strides);
+/* Publish n tensors at once, all or none (a state dict): one failure leaves every name as it was. */
+vmm_status vmm_publish_many(const vmm_tensor_desc *tensors, size_t n);
+/* Drop a name (owner side); VMM_ERR_NOT_FOUND when this process does not publish it. */
+vmm_status vmm_unpublish(const char *name);
+/* The calling thread's last failure of the three above, one line; "" when none. */
+const char *vmm_publish_error(void);
+
+/* COMPANION SIDE: the names a living owner publishes now, each checked against the live
+ * allocation it lies in (a name whose allocation was freed, or whose owner died, is never
+ * given).  Import them with vmm_import_many (address, nbytes). */
+typedef struct vmm_tensor_info {
+    char name[VMM_NAME_MAX + 1];
+    uint32_t pid;
+    vmm_dtype dtype;
+    uint32_t ndim;
+    uint64_t address;              /* the owner's device pointer of the first element */
+    uint64_t nbytes;               /* bytes from address the tensor spans */
+    int64_t shape[VMM_MAX_DIMS];
+    int64_t strides[VMM_MAX_DIMS]; /* in elements */
+    uint8_t alloc_id[16];          /* the allocation holding address (vmm_alloc_info.alloc_id) */
+    uint64_t published_ns;         /* CLOCK_REALTIME */
+} vmm_tensor_info;
+typedef int (*vmm_tensor_fn)(void *ctx, const vmm_tensor_info *tensor);
+/* Every name process `pid` publishes, as of one moment (when the owner is not changing its
+ * names for tens of milliseconds on end); the callback returns 0 to go on.  VMM_ERR_NOT_FOUND:
+ * pid has no record in the registry (it does not run under the shim, or under another
+ * registry); VMM_ERR_OWNER_DEAD: it has exited; a living owner that publishes no names: VMM_OK
+ * and no call.  VMM_ERR_CORRUPT, VMM_ERR_VERSION, VMM_ERR_ACCESS: its table cannot be read. */
+vmm_status vmm_foreach_tensor(vmm_registry *reg, uint32_t pid, vmm_tensor_fn fn, void *ctx);
+/* One name of pid; VMM_ERR_NOT_FOUND when pid publishes none by that name (or as above). */
+vmm_status vmm_find_tensor(vmm_registry *reg, uint32_t pid, const char *name, vmm_tensor_info *out);
 
 #ifdef __cplusplus
 }

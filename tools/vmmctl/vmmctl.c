@@ -30,8 +30,10 @@ static const char usage_text[] =
     "Shows the allocations that processes running under libvmmshim.so publish in the registry.\n"
     "\n"
     "commands:\n"
-    "  list [--pid PID] [--json] [--all]\n"
-    "                 one row per allocation; --all also shows those of dead processes\n"
+    "  list [--pid PID] [--json] [--all] [--names]\n"
+    "                 one row per allocation; --all also shows those of dead processes;\n"
+    "                 --names: one row per tensor a living process publishes by name\n"
+    "                 (vmm_publish, vmmshim.publish): name, dtype, shape, address, size\n"
     "  ps [--json]    one row per registered process: its live totals, and what became of its\n"
     "                 allocations since it started (made, backed, passed through and why)\n"
     "  check          validate the registry; exit 1 if dead owners' records, torn records\n"
@@ -292,7 +294,7 @@ int vmm__ctl_open_registry(vmm_registry **reg, bool writable)
 
 typedef struct {
     uint32_t pid; /* 0: every process */
-    bool json, all;
+    bool json, all, names;
     uint64_t now, n, requested, mapped, hidden;
 } list_ctx;
 
@@ -363,6 +365,8 @@ static int cmd_list(int argc, char **argv)
             c.json = true;
         else if (strcmp(argv[i], "--all") == 0)
             c.all = true;
+        else if (strcmp(argv[i], "--names") == 0)
+            c.names = true;
         else if (strcmp(argv[i], "--pid") == 0) {
             if (i + 1 >= argc) vmm__ctl_usage_error("--pid needs a pid");
             c.pid = vmm__ctl_parse_pid(argv[++i]);
@@ -371,6 +375,9 @@ static int cmd_list(int argc, char **argv)
         else
             vmm__ctl_usage_error("list: unknown option '%s'", argv[i]);
     }
+    if (c.names && c.all)
+        vmm__ctl_usage_error("list: --names shows living processes only (a dead one's names went with it); drop --all");
+    if (c.names) return vmm__ctl_list_names(c.pid, c.json);
     vmm_registry *reg;
     int rc = vmm__ctl_open_registry(&reg, false);
     if (rc) return rc;

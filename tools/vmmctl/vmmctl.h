@@ -46,6 +46,8 @@ uint64_t vmm__ctl_now_ns(void);
 /* The commands that live in files of their own. */
 int vmm__ctl_cmd_dump(int argc, char **argv);
 int vmm__ctl_cmd_watch(int argc, char **argv);
+/* list --names (names.c): the named tensors of pid (0: of every living process). */
+int vmm__ctl_list_names(uint32_t pid, bool json);
 
 /* FNV-1a 64 (what the shim's tests and companions compare bytes with): start from
  * VMM__FNV_BASIS, feed the bytes in order. */

@@ -14,6 +14,13 @@ libvmmshim-client.so; standard library only).
 
 A view, and a tensor taken with DLPack, keep the import alive after the buffer is closed, until
 they are freed.
+
+Named tensors: a trainer running under the shim names its tensors with one line, and a companion
+opens them by name (all at once, sharing each chunk's import):
+
+    vmmshim.publish_many(model.state_dict())                  # owner (also publish, unpublish)
+    views = vmmshim.Registry().open_tensors(pid)               # companion: {name: View}
+    model.load_state_dict({k: torch.from_dlpack(v) for k, v in views.items()})
 """
 import ctypes
 import operator
@@ -22,15 +29,17 @@ import weakref
 
 from . import _dlpack, _dtypes, _lib
 from ._errors import (BY_STATUS, Access, Busy, Corrupt, CudaError, Error, InvalidArgument, IOFailure, LibraryNotFound,
-                      NotFound, OutOfMemory, OwnerDead, Stale, VersionMismatch)
+                      NotFound, NotUnderShim, OutOfMemory, OwnerDead, Stale, VersionMismatch)
+from ._owner import publish, publish_many, unpublish
 from ._lib import (ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, KIND_BROKER, KIND_FABRIC, KIND_PIDFD,
                    OWNER_ALIVE, OWNER_DEAD, OWNER_UNKNOWN)
 
 __version__ = "0.1.0"
 
-__all__ = ["Registry", "Allocation", "Process", "Buffer", "View", "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
+__all__ = ["Registry", "Allocation", "Process", "Tensor", "Buffer", "View", "publish", "publish_many", "unpublish",
+           "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
            "Access", "Corrupt", "VersionMismatch", "Busy", "Stale", "OwnerDead", "CudaError", "OutOfMemory",
-           "IOFailure", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN", "KIND_BROKER", "KIND_PIDFD", "KIND_FABRIC",
+           "IOFailure", "NotUnderShim", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN", "KIND_BROKER", "KIND_PIDFD", "KIND_FABRIC",
            "ALLOC_NOT_EXPORTABLE", "ALLOC_SHARED_CHUNK", "ALLOC_MULTI_HANDLE"]
 
 _OWNER_NAMES = {OWNER_DEAD: "dead", OWNER_ALIVE: "alive"}
@@ -113,6 +122,32 @@ class Process:
         return f"<vmmshim.Process pid {self.pid} {self.state} {self.n_allocs} allocations {self.cmdline!r}>"
 
 
+class Tensor:
+    """A tensor another process publishes by name (Registry.tensors): name, pid, address (the
+    owner's pointer to its first element), nbytes (the bytes it spans from there), dtype (its
+    name, as Buffer.view takes it; "dlpack(code,bits,lanes)" for a type a view cannot take),
+    dlpack_dtype (code, bits, lanes), shape and strides (in elements), alloc_id (hex, of the
+    allocation holding address), published_ns."""
+
+    def __init__(self, info):
+        self.name = _text(info.name)
+        self.pid = info.pid
+        self.address = info.address
+        self.nbytes = info.nbytes
+        self.dlpack_dtype = (info.dtype.code, info.dtype.bits, info.dtype.lanes)
+        dt = _dtypes.from_dlpack(*self.dlpack_dtype)
+        self.dtype = dt.name if dt else "dlpack(%d,%d,%d)" % self.dlpack_dtype
+        n = min(info.ndim, _lib.MAX_DIMS)
+        self.shape = tuple(info.shape[:n])
+        self.strides = tuple(info.strides[:n])
+        self.alloc_id = bytes(info.alloc_id).hex()
+        self.published_ns = info.published_ns
+
+    def __repr__(self):
+        return (f"<vmmshim.Tensor {self.name!r} of pid {self.pid}: {self.dtype}{list(self.shape)} at "
+                f"0x{self.address:x}, {self.nbytes} bytes>")
+
+
 class Registry:
     """The registry named name ("/name"); None: $VMMSHIM_REGISTRY, else the per-user default."""
 
@@ -177,6 +212,61 @@ class Registry:
         info = _lib.ProcInfo()
         _check(_lib.lib().vmm_find_proc(self._h(), pid, ctypes.byref(info)))
         return Process(info)
+
+    def tensors(self, pid):
+        """{name: Tensor} of the tensors process pid publishes by name now (vmmshim.publish, or
+        vmm_publish in C), each checked against the live allocation it lies in.  {} for a living
+        owner that publishes none; NotFound when pid has no record in this registry (it does not
+        run under the shim); OwnerDead once it has exited."""
+        found = {}
+
+        def visit(_ctx, info):
+            t = Tensor(info.contents)
+            found[t.name] = t
+            return 0
+
+        _check(_lib.lib().vmm_foreach_tensor(self._h(), pid, _lib.TENSOR_FN(visit), None))
+        return found
+
+    def open_tensors(self, pid, names=None):
+        """{name: View} of pid's named tensors (all of them, or those named in names), imported with
+        one open_many, so tensors that share a chunk share its one import here.  Each View has the
+        tensor's dtype, shape and strides, and keeps its import alive until it (and every tensor
+        taken from it with DLPack) is gone.  NotFound names a tensor pid does not publish;
+        ValueError one whose dtype a view cannot take; Stale when an allocation was freed between
+        reading the names and importing them (open again)."""
+        published = self.tensors(pid)
+        if names is None:
+            wanted = list(published.values())
+        else:
+            if isinstance(names, str):
+                names = [names]
+            wanted = []
+            for name in names:
+                if name not in published:
+                    raise NotFound(f"pid {pid} publishes no tensor named {name!r}", _lib.NOT_FOUND)
+                wanted.append(published[name])
+        dtypes = {}
+        for t in wanted:
+            dtypes[t.name] = _dtypes.from_dlpack(*t.dlpack_dtype)
+            if dtypes[t.name] is None:
+                raise ValueError(f"vmmshim: tensor {t.name!r} of pid {pid} is of DLPack dtype {t.dlpack_dtype}, which "
+                                 f"a view cannot take (one of: {', '.join(_dtypes.DTYPES)})")
+        if not wanted:
+            return {}
+        buffers = self.open_many(pid, [(t.address, t.nbytes) for t in wanted])
+        views = {}
+        try:
+            for t, buf in zip(wanted, buffers):
+                # the allocation imported is the one the name was read from (ids are never reused)
+                if buf.allocation.id != t.alloc_id:
+                    raise Stale(f"pid {pid}'s allocation holding {t.name!r} was freed since its name was read",
+                                _lib.STALE)
+                views[t.name] = buf.view(t.shape, dtypes[t.name], 0, t.strides)
+        finally:
+            for buf in buffers:
+                buf.close()  # the views hold what they need
+        return views
 
     def open(self, pid, address, size=None):
         """Import pid's bytes at address: without size, the whole live allocation containing

@@ -71,6 +71,14 @@ def _name_of(dtype):
     raise TypeError(f"vmmshim: not a dtype: {dtype!r} (give a name such as 'float32', a torch or NumPy dtype)")
 
 
+BY_DLPACK = {d.dlpack: d for d in DTYPES.values()}
+
+
+def from_dlpack(code, bits, lanes):
+    """The DType of a DLPack (code, bits, lanes); None for one a view cannot take."""
+    return BY_DLPACK.get((code, bits, lanes))
+
+
 def resolve(dtype):
     """The DType that dtype names; ValueError for a type a view cannot take, TypeError for
     something that is no dtype."""

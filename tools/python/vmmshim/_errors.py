@@ -67,10 +67,15 @@ class IOFailure(Error):
     status = 11
 
 
+class NotUnderShim(Error):
+    """Owner side (vmmshim.publish): this process does not run under an active libvmmshim.so."""
+    status = 12
+
+
 # Tracebacks name them as the package exports them: vmmshim.NotFound.
 for _cls in (Error, LibraryNotFound, InvalidArgument, NotFound, Access, Corrupt, VersionMismatch, Busy, Stale,
-             OwnerDead, CudaError, OutOfMemory, IOFailure):
+             OwnerDead, CudaError, OutOfMemory, IOFailure, NotUnderShim):
     _cls.__module__ = "vmmshim"
 
 BY_STATUS = {cls.status: cls for cls in (InvalidArgument, NotFound, Access, Corrupt, VersionMismatch, Busy, Stale,
-                                         OwnerDead, CudaError, OutOfMemory, IOFailure)}
+                                         OwnerDead, CudaError, OutOfMemory, IOFailure, NotUnderShim)}

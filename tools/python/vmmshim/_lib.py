@@ -12,7 +12,7 @@ from ._errors import LibraryNotFound
 c_u8, c_u32, c_u64, c_i32, c_int = ctypes.c_uint8, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int
 
 # vmm_status
-OK, INVALID, NOT_FOUND, ACCESS, CORRUPT, VERSION, BUSY, STALE, OWNER_DEAD, CUDA, NOMEM, IO = range(12)
+OK, INVALID, NOT_FOUND, ACCESS, CORRUPT, VERSION, BUSY, STALE, OWNER_DEAD, CUDA, NOMEM, IO, NO_SHIM = range(13)
 
 OWNER_DEAD, OWNER_ALIVE, OWNER_UNKNOWN = 0, 1, 2
 KIND_BROKER, KIND_PIDFD, KIND_FABRIC = 1, 2, 4
@@ -79,8 +79,46 @@ class ProcInfo(ctypes.Structure):
     ]
 
 
+class DType(ctypes.Structure):
+    """vmm_dtype (DLPack's DLDataType)."""
+    _fields_ = [("code", c_u8), ("bits", c_u8), ("lanes", ctypes.c_uint16)]
+
+
+MAX_DIMS = 8
+NAME_MAX = 127
+
+
+class TensorInfo(ctypes.Structure):
+    """vmm_tensor_info."""
+    _fields_ = [
+        ("name", ctypes.c_char * (NAME_MAX + 1)),
+        ("pid", c_u32),
+        ("dtype", DType),
+        ("ndim", c_u32),
+        ("address", c_u64),
+        ("nbytes", c_u64),
+        ("shape", ctypes.c_int64 * MAX_DIMS),
+        ("strides", ctypes.c_int64 * MAX_DIMS),
+        ("alloc_id", c_u8 * 16),
+        ("published_ns", c_u64),
+    ]
+
+
+class TensorDesc(ctypes.Structure):
+    """vmm_tensor_desc (the owner side's, in the shim)."""
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("address", c_u64),
+        ("dtype", DType),
+        ("ndim", c_u32),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+    ]
+
+
 ALLOC_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(AllocInfo))
 PROC_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(ProcInfo))
+TENSOR_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(TensorInfo))
 
 _P = ctypes.c_void_p  # vmm_registry *, vmm_imported *: opaque
 _PROTOTYPES = {
@@ -102,6 +140,7 @@ _PROTOTYPES = {
     "vmm_import_release": (c_int, [_P]),
     "vmm_import_read": (c_int, [_P, c_u64, ctypes.c_void_p, c_u64]),
     "vmm_import_check": (c_int, [_P, _P]),
+    "vmm_foreach_tensor": (c_int, [_P, c_u32, TENSOR_FN, ctypes.c_void_p]),
 }
 
 SOURCE_TREE_LIB = pathlib.Path(__file__).resolve().parents[3] / "build" / "libvmmshim-client.so"

@@ -1,0 +1,94 @@
+/* The owner side of named tensors (vmmshim.h: vmm_publish, vmm_publish_many, vmm_unpublish,
+ * vmm_publish_error), exported by the shim so that a program running under it, or Python through
+ * ctypes.CDLL(None), can name its tensors.  Forwarding only: the table is shim/registry/names.c's,
+ * in the registry this process publishes in (backing's).  The client library defines the same
+ * names, answering VMM_ERR_NO_SHIM; a preloaded shim's come first in symbol lookup, so a program
+ * linked with the client library reaches these when it runs under the shim. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vmmshim.h"
+#include "backing/backing.h"
+#include "registry/names.h"
+
+#define VMM_HOOK __attribute__((visibility("default")))
+
+/* the table's limits are the header's */
+_Static_assert(sizeof(((vmm_tensor_desc *)0)->dtype) == 4 && VMM_NAME_MAX == VMM_NAMES_NAME_MAX &&
+                   VMM_MAX_DIMS == VMM_NAMES_MAX_DIMS,
+               "public limits match the table's");
+
+static _Thread_local char last_error[512];
+
+static vmm_status fail(vmm_status st, const char *fn, const char *why)
+{
+    snprintf(last_error, sizeof last_error, "%s: %s", fn, why);
+    for (char *p = last_error; *p; p++) /* one line, whatever a name held */
+        if ((unsigned char)*p < 0x20 || *p == 0x7f) *p = ' ';
+    return st;
+}
+
+static vmm_status status_of(int rc)
+{
+    switch (-rc) {
+    case 0: return VMM_OK;
+    case EINVAL: return VMM_ERR_INVALID;
+    case ENOENT: return VMM_ERR_NOT_FOUND;
+    case EACCES: return VMM_ERR_ACCESS;
+    case EAGAIN: return VMM_ERR_BUSY;
+    case ENOSPC:
+    case ENOMEM: return VMM_ERR_NOMEM;
+    default: return VMM_ERR_IO;
+    }
+}
+
+static vmm__reg *registry_or_fail(const char *fn)
+{
+    vmm__reg *r = vmm__registry();
+    if (!r)
+        fail(VMM_ERR_NO_SHIM, fn,
+             "the shim is not active in this process (VMMSHIM_ENABLE=0, or it could not start: see its warning)");
+    return r;
+}
+
+static vmm_status publish(const char *fn, const vmm_tensor_desc *t, size_t n)
+{
+    if (n && !t) return fail(VMM_ERR_INVALID, fn, "tensors is NULL");
+    vmm__reg *r = registry_or_fail(fn);
+    if (!r) return VMM_ERR_NO_SHIM;
+    vmm__name_desc one, *d = n == 1 ? &one : calloc(n ? n : 1, sizeof *d);
+    if (!d) return fail(VMM_ERR_NOMEM, fn, "out of memory");
+    for (size_t i = 0; i < n; i++)
+        d[i] = (vmm__name_desc){.name = t[i].name, .address = t[i].address, .code = t[i].dtype.code,
+                                .bits = t[i].dtype.bits, .lanes = t[i].dtype.lanes, .ndim = t[i].ndim,
+                                .shape = t[i].shape, .strides = t[i].strides};
+    char why[400];
+    int rc = vmm__names_publish(r, d, n, why, sizeof why);
+    if (d != &one) free(d);
+    return rc ? fail(status_of(rc), fn, why) : VMM_OK;
+}
+
+VMM_HOOK vmm_status vmm_publish(const char *name, uint64_t address, vmm_dtype dtype, uint32_t ndim, const int64_t *shape,
+                                const int64_t *strides)
+{
+    vmm_tensor_desc t = {.name = name, .address = address, .dtype = dtype, .ndim = ndim, .shape = shape, .strides = strides};
+    return publish("vmm_publish", &t, 1);
+}
+
+VMM_HOOK vmm_status vmm_publish_many(const vmm_tensor_desc *tensors, size_t n)
+{
+    return publish("vmm_publish_many", tensors, n);
+}
+
+VMM_HOOK vmm_status vmm_unpublish(const char *name)
+{
+    vmm__reg *r = registry_or_fail("vmm_unpublish");
+    if (!r) return VMM_ERR_NO_SHIM;
+    char why[400];
+    int rc = vmm__names_unpublish(r, name, why, sizeof why);
+    return rc ? fail(status_of(rc), "vmm_unpublish", why) : VMM_OK;
+}
+
+VMM_HOOK const char *vmm_publish_error(void) { return last_error; }

@@ -1,0 +1,750 @@
+/* Named tensors: each owner's name table beside the registry (layout.h, NAMES).
+ *
+ * Why a table per owner beside the registry rather than records in it: only the owner writes
+ * it, so it needs no lock shared between processes, no claiming of slots and no reclaiming
+ * inside the registry; it goes with its owner (unlinked at exit, by gc after a crash) as the
+ * frames file does; and the registry's layout, which every reader, the fuzzer and vmmctl check
+ * by version, stays as it is.  A reader in another language reads one more fixed-width file with
+ * the same seq protocol, and checks each name against the registry record it names.
+ *
+ * The writer keeps, process-locally, every name by its text (to replace or unpublish it) and by
+ * the registry slots its bytes lie in (to drop it when one is freed: the registry's remove and
+ * retract call vmm__names_drop_slot, so every free route is covered).  One mutex serialises the
+ * writer's threads; publish prepares everything that can fail (checks, the records, memory, the
+ * object's pages) before it writes the first entry, so a failed call changes nothing. */
+#include "registry/names.h"
+#include "registry/seq.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <uthash.h>
+#include <utlist.h>
+
+#define PAGE 4096u
+#define HEADER_SIZE PAGE
+#define MAX_SPAN (1ull << VMM_REG_MAX_LEVEL) /* no allocation is larger */
+#define SNAPSHOT_S 0.05                      /* longest a reader waits for one moment's names */
+
+typedef struct nm_name nm_name;
+typedef struct nm_rec nm_rec;
+
+/* A name's bytes lie in one record, or in several back to back (a program's own mappings). */
+typedef struct nm_link {
+    nm_name *name;
+    nm_rec *rec;
+    struct nm_link *prev, *next;
+} nm_link;
+
+struct nm_name {
+    char key[VMM_NAMES_NAME_MAX + 1];
+    uint32_t entry;
+    uint32_t n_links;
+    nm_link *links;
+    UT_hash_handle hh;
+};
+
+/* The names whose bytes lie in registry slot `slot`. */
+struct nm_rec {
+    uint32_t slot;
+    nm_link *head;
+    UT_hash_handle hh;
+};
+
+struct vmm__names {
+    int fd;
+    uint8_t *base;
+    size_t size;
+    vmm_names_header *hdr;
+    char path[sizeof(((vmm__reg *)0)->name) + 48];
+    nm_name *by_name;
+    nm_rec *by_rec;
+    uint32_t *free_entries; /* room for every entry used, so a drop never allocates */
+    uint32_t n_free, cap_free;
+    uint64_t backed; /* entries [0, backed) lie in backed pages */
+    uint64_t count;
+};
+
+/* One writer per process (one table per process); threads queue here. */
+static pthread_mutex_t names_mutex = PTHREAD_MUTEX_INITIALIZER;
+/* A fork child's copy of its parent's table state: never used or freed there, only kept
+ * reachable so a leak checker does not blame the child for it. */
+static struct vmm__names *volatile inherited;
+
+static uint64_t now_realtime_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int say(char *err, size_t errlen, int code, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static int say(char *err, size_t errlen, int code, const char *fmt, ...)
+{
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+static int table_path(const vmm__reg *r, uint32_t pid, uint64_t start_time, char *buf, size_t len)
+{
+    int n = snprintf(buf, len, VMM_REG_NAMES_NAME, r->name, pid, (unsigned long long)start_time);
+    return n > 0 && (size_t)n < len ? 0 : -ENAMETOOLONG;
+}
+
+static vmm_names_entry *entry_at(const struct vmm__names *t, uint64_t i)
+{
+    return (vmm_names_entry *)(t->base + HEADER_SIZE + i * sizeof(vmm_names_entry));
+}
+
+uint64_t vmm__names_span(uint32_t itemsize, uint32_t ndim, const int64_t *shape, const int64_t *strides)
+{
+    uint64_t last = 0; /* index of the last element, in elements */
+    for (uint32_t i = 0; i < ndim; i++) {
+        if (shape[i] == 0) return 0;
+        uint64_t step;
+        if (__builtin_mul_overflow((uint64_t)(shape[i] - 1), (uint64_t)strides[i], &step) ||
+            __builtin_add_overflow(last, step, &last))
+            return UINT64_MAX;
+    }
+    uint64_t bytes;
+    if (__builtin_add_overflow(last, 1, &last) || __builtin_mul_overflow(last, (uint64_t)itemsize, &bytes)) return UINT64_MAX;
+    return bytes;
+}
+
+/* ---- writer ---- */
+
+static void changes_step(struct vmm__names *t)
+{
+    __atomic_store_n(&t->hdr->changes, __atomic_load_n(&t->hdr->changes, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
+    SEQ_FENCE(__ATOMIC_RELEASE); /* the entries written next are seen only with the count moved */
+}
+
+static void entry_write(vmm_names_entry *e, const vmm_names_entry *v)
+{
+    seq_begin(&e->seq);
+    copy_words_in((uint8_t *)e + 8, (uint8_t *)v + 8, sizeof *v - 8);
+    __atomic_store_n(&e->state, VMM_NAMES_LIVE, __ATOMIC_RELAXED);
+    seq_end(&e->seq);
+}
+
+static void entry_clear(vmm_names_entry *e)
+{
+    seq_begin(&e->seq);
+    __atomic_store_n(&e->generation, __atomic_load_n(&e->generation, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->state, VMM_NAMES_FREE, __ATOMIC_RELAXED);
+    seq_end(&e->seq);
+}
+
+/* Back the pages of entries [t->backed, upto), so a full /dev/shm fails a publish, not a store. */
+static int back_entries(struct vmm__names *t, uint64_t upto)
+{
+    if (upto <= t->backed) return 0;
+    uint64_t a = (HEADER_SIZE + t->backed * sizeof(vmm_names_entry)) / PAGE * PAGE;
+    uint64_t e = (HEADER_SIZE + upto * sizeof(vmm_names_entry) + PAGE - 1) / PAGE * PAGE;
+    int rc = posix_fallocate(t->fd, (off_t)a, (off_t)(e - a));
+    if (rc && rc != EOPNOTSUPP && rc != EINVAL) return -rc;
+    t->backed = upto;
+    return 0;
+}
+
+static void table_free(struct vmm__names *t)
+{
+    nm_name *n, *tmp;
+    HASH_ITER(hh, t->by_name, n, tmp) {
+        HASH_DEL(t->by_name, n);
+        free(n->links);
+        free(n);
+    }
+    nm_rec *rc, *rtmp;
+    HASH_ITER(hh, t->by_rec, rc, rtmp) {
+        HASH_DEL(t->by_rec, rc);
+        free(rc);
+    }
+    if (t->base) munmap(t->base, t->size);
+    if (t->fd >= 0) close(t->fd);
+    free(t->free_entries);
+    free(t);
+}
+
+/* Linux keeps POSIX shared memory objects as files in /dev/shm ("/name" is /dev/shm/name). */
+static int shm_file(const char *name, char *buf, size_t len)
+{
+    int n = snprintf(buf, len, "/dev/shm/%s", name[0] == '/' ? name + 1 : name);
+    return n > 0 && (size_t)n < len ? 0 : -ENAMETOOLONG;
+}
+
+/* This process's table, made at its first publish: complete under a temporary name, then renamed
+ * into place (replacing one an earlier image of this process left: exec keeps pid and start
+ * time), so a reader finds a whole table or none. */
+static int table_make(vmm__reg *r, char *err, size_t errlen)
+{
+    struct vmm__names *t = calloc(1, sizeof *t);
+    if (!t) return say(err, errlen, -ENOMEM, "out of memory");
+    t->fd = -1;
+    char tmp[sizeof t->path + 8], tmp_file[sizeof tmp + 16], file[sizeof t->path + 16];
+    if (table_path(r, r->pid, r->start_time, t->path, sizeof t->path) ||
+        snprintf(tmp, sizeof tmp, "%s.tmp", t->path) >= (int)sizeof tmp || shm_file(tmp, tmp_file, sizeof tmp_file) ||
+        shm_file(t->path, file, sizeof file)) {
+        free(t);
+        return say(err, errlen, -ENAMETOOLONG, "the name table's object name (registry %s) is too long", r->name);
+    }
+    shm_unlink(tmp); /* a crash of this process's earlier image mid-make */
+    t->fd = shm_open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    t->size = HEADER_SIZE + (size_t)VMM__NAMES_CAPACITY * sizeof(vmm_names_entry);
+    struct stat reg;
+    int rc = t->fd < 0 ? -errno : 0;
+    const char *step = "shm_open";
+    /* whoever may read the registry may read the names (only the owner writes them) */
+    if (!rc && fstat(r->fd, &reg) == 0 && (reg.st_mode & 0060) && fchown(t->fd, (uid_t)-1, reg.st_gid) == 0)
+        (void)fchmod(t->fd, reg.st_mode & 0640);
+    if (!rc && ftruncate(t->fd, (off_t)t->size) != 0) rc = -errno, step = "ftruncate";
+    if (!rc) {
+        int f = posix_fallocate(t->fd, 0, HEADER_SIZE);
+        if (f && f != EOPNOTSUPP && f != EINVAL) rc = -f, step = "fallocate";
+    }
+    if (!rc) {
+        void *p = mmap(NULL, t->size, PROT_READ | PROT_WRITE, MAP_SHARED, t->fd, 0);
+        if (p == MAP_FAILED) rc = -errno, step = "mmap";
+        else t->base = p;
+    }
+    if (!rc) {
+        vmm_names_header *h = (vmm_names_header *)t->base;
+        h->magic = VMM_NAMES_MAGIC;
+        h->version = VMM_NAMES_VERSION;
+        h->compat_version = VMM_NAMES_VERSION;
+        h->header_size = HEADER_SIZE;
+        h->entry_size = sizeof(vmm_names_entry);
+        h->capacity = VMM__NAMES_CAPACITY;
+        h->pid = r->pid;
+        h->max_dims = VMM_NAMES_MAX_DIMS;
+        h->start_time = r->start_time;
+        h->pidns = r->pidns;
+        h->created_ns = now_realtime_ns();
+        __atomic_store_n(&h->ready, 1, __ATOMIC_RELEASE);
+        if (rename(tmp_file, file) != 0) rc = -errno, step = "rename";
+    }
+    if (rc) {
+        say(err, errlen, rc, "cannot make the name table %s: %s: %s", t->path, step, strerror(-rc));
+        if (t->fd >= 0) shm_unlink(tmp);
+        table_free(t);
+        return rc;
+    }
+    t->hdr = (vmm_names_header *)t->base;
+    r->names = t;
+    return 0;
+}
+
+static void unlink_from_recs(struct vmm__names *t, nm_name *n)
+{
+    for (uint32_t i = 0; i < n->n_links; i++) {
+        nm_rec *rec = n->links[i].rec;
+        DL_DELETE(rec->head, &n->links[i]);
+        if (!rec->head) {
+            HASH_DEL(t->by_rec, rec);
+            free(rec);
+        }
+    }
+}
+
+static void drop_name(vmm__reg *r, struct vmm__names *t, nm_name *n)
+{
+    unlink_from_recs(t, n);
+    entry_clear(entry_at(t, n->entry));
+    t->free_entries[t->n_free++] = n->entry;
+    HASH_DEL(t->by_name, n);
+    free(n->links);
+    free(n);
+    t->count--;
+    __atomic_store_n(&t->hdr->count, t->count, __ATOMIC_RELAXED);
+    __atomic_store_n(&r->names_live, t->count, __ATOMIC_RELAXED);
+}
+
+static int check_name(const char *name, char *err, size_t errlen)
+{
+    if (!name) return say(err, errlen, -EINVAL, "a name is NULL");
+    size_t len = strnlen(name, VMM_NAMES_NAME_MAX + 1);
+    if (len == 0) return say(err, errlen, -EINVAL, "a name is empty");
+    if (len > VMM_NAMES_NAME_MAX)
+        return say(err, errlen, -EINVAL, "name \"%.40s...\" is %zu bytes long; at most %u", name, strlen(name),
+                   VMM_NAMES_NAME_MAX);
+    for (size_t i = 0; i < len; i++)
+        if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
+            return say(err, errlen, -EINVAL, "name \"%.*s\" holds a control character (byte 0x%02x at %zu)", (int)i, name,
+                       (unsigned char)name[i], i);
+    return 0;
+}
+
+/* One tensor of a publish, checked and located, ready to be written. */
+typedef struct plan {
+    const vmm__name_desc *d;
+    vmm_names_entry v;  /* the entry to write */
+    uint32_t *slots;    /* the records its bytes lie in */
+    uint32_t n_slots;
+    nm_name *existing;  /* the name published before, replaced */
+    nm_name *fresh;     /* or a new one */
+    nm_link *links;
+    nm_rec **spare;     /* one per link, for records that have no names yet */
+    UT_hash_handle hh;  /* names of this call, to refuse one given twice */
+} plan;
+
+static int check_desc(plan *p, char *err, size_t errlen)
+{
+    const vmm__name_desc *d = p->d;
+    int rc = check_name(d->name, err, errlen);
+    if (rc) return rc;
+    const char *nm = d->name;
+    uint32_t bits = (uint32_t)d->bits * d->lanes;
+    if (d->bits == 0 || d->lanes == 0 || bits % 8)
+        return say(err, errlen, -EINVAL, "\"%s\": dtype (code %u, %u bits, %u lanes) is not a whole number of bytes", nm,
+                   d->code, d->bits, d->lanes);
+    if (d->ndim > VMM_NAMES_MAX_DIMS)
+        return say(err, errlen, -EINVAL, "\"%s\": %u dimensions; at most %u", nm, d->ndim, VMM_NAMES_MAX_DIMS);
+    if (d->ndim && !d->shape) return say(err, errlen, -EINVAL, "\"%s\": shape is NULL", nm);
+    vmm_names_entry *v = &p->v;
+    memset(v, 0, sizeof *v);
+    uint64_t step = 1;
+    bool too_big = false;
+    for (uint32_t i = d->ndim; i-- > 0;) {
+        if (d->shape[i] < 0) return say(err, errlen, -EINVAL, "\"%s\": negative extent %lld in dimension %u", nm, (long long)d->shape[i], i);
+        if (d->strides && d->strides[i] < 0)
+            return say(err, errlen, -EINVAL, "\"%s\": negative stride %lld in dimension %u (not supported)", nm,
+                       (long long)d->strides[i], i);
+        v->shape[i] = d->shape[i];
+        v->strides[i] = d->strides ? d->strides[i] : (int64_t)step;
+        if (!d->strides && (step > INT64_MAX || __builtin_mul_overflow(step, (uint64_t)(d->shape[i] ? d->shape[i] : 1), &step)))
+            too_big = true;
+    }
+    uint64_t nbytes = vmm__names_span(bits / 8, d->ndim, v->shape, v->strides);
+    if (nbytes == 0) return say(err, errlen, -EINVAL, "\"%s\": the tensor has no elements (nothing to share)", nm);
+    if (too_big || nbytes > MAX_SPAN || d->address > UINT64_MAX - nbytes)
+        return say(err, errlen, -EINVAL, "\"%s\": shape and strides span more than any allocation holds", nm);
+    v->address = d->address;
+    v->nbytes = nbytes;
+    v->dtype_code = d->code;
+    v->dtype_bits = d->bits;
+    v->dtype_lanes = d->lanes;
+    v->ndim = d->ndim;
+    memcpy(v->name, nm, strlen(nm) + 1);
+    return 0;
+}
+
+/* The live records of this process under [address, address + nbytes), each exportable. */
+static int locate(vmm__reg *r, plan *p, char *err, size_t errlen)
+{
+    const char *nm = p->d->name;
+    uint64_t at = p->v.address, end = p->v.address + p->v.nbytes;
+    uint32_t cap = 0;
+    while (at < end) {
+        vmm_reg_alloc rec;
+        uint64_t slot;
+        int rc = vmm__reg_find(r, r->pid, at, &rec, &slot);
+        if (rc == -ENOENT && at == p->v.address)
+            return say(err, errlen, -ENOENT, "\"%s\": 0x%llx is not in the shim's memory of this process (no live allocation holds it)",
+                       nm, (unsigned long long)at);
+        if (rc == -ENOENT)
+            return say(err, errlen, -ENOENT, "\"%s\": its %llu bytes from 0x%llx run past the shim's memory of this process at 0x%llx", nm,
+                       (unsigned long long)p->v.nbytes, (unsigned long long)p->v.address, (unsigned long long)at);
+        if (rc) return say(err, errlen, rc, "\"%s\": the registry's record at 0x%llx stayed mid-update", nm, (unsigned long long)at);
+        if (!(rec.handle_kinds & (VMM_HANDLE_BROKER | VMM_HANDLE_PIDFD)) || (rec.flags & VMM_REG_F_NOT_EXPORTABLE))
+            return say(err, errlen, -EACCES,
+                       "\"%s\": 0x%llx lies in memory the shim could not make exportable (allocated during a stream capture "
+                       "or with the device full), which no companion can open", nm, (unsigned long long)at);
+        if (rec.address + rec.extent <= at) return say(err, errlen, -EIO, "\"%s\": the registry's record for 0x%llx does not hold it", nm, (unsigned long long)at);
+        if (p->n_slots == cap) {
+            cap = cap ? cap * 2 : 1;
+            uint32_t *s = realloc(p->slots, cap * sizeof *s);
+            if (!s) return say(err, errlen, -ENOMEM, "out of memory");
+            p->slots = s;
+        }
+        if (p->n_slots == 0) {
+            memcpy(p->v.alloc_id, rec.alloc_id, sizeof p->v.alloc_id);
+            p->v.rec_slot = slot;
+        }
+        p->slots[p->n_slots++] = (uint32_t)slot;
+        at = rec.address + rec.extent;
+    }
+    return 0;
+}
+
+static int prepare_memory(plan *p, char *err, size_t errlen)
+{
+    p->links = calloc(p->n_slots, sizeof *p->links);
+    p->spare = calloc(p->n_slots, sizeof *p->spare);
+    if (!p->links || !p->spare) return say(err, errlen, -ENOMEM, "out of memory");
+    for (uint32_t i = 0; i < p->n_slots; i++)
+        if (!(p->spare[i] = calloc(1, sizeof **p->spare))) return say(err, errlen, -ENOMEM, "out of memory");
+    if (!p->existing && !(p->fresh = calloc(1, sizeof *p->fresh))) return say(err, errlen, -ENOMEM, "out of memory");
+    return 0;
+}
+
+static void plan_free(plan *p)
+{
+    free(p->slots);
+    free(p->links);
+    if (p->spare)
+        for (uint32_t i = 0; i < p->n_slots; i++) free(p->spare[i]);
+    free(p->spare);
+    free(p->fresh);
+}
+
+/* Write one prepared tensor: from here nothing fails. */
+static void commit(struct vmm__names *t, plan *p, uint32_t entry)
+{
+    nm_name *n = p->existing;
+    if (n) {
+        unlink_from_recs(t, n);
+        free(n->links);
+    } else {
+        n = p->fresh;
+        p->fresh = NULL;
+        memcpy(n->key, p->v.name, sizeof n->key);
+        n->entry = entry;
+        HASH_ADD_STR(t->by_name, key, n);
+        t->count++;
+    }
+    n->links = p->links;
+    n->n_links = p->n_slots;
+    p->links = NULL;
+    for (uint32_t i = 0; i < p->n_slots; i++) {
+        nm_rec *rec;
+        HASH_FIND(hh, t->by_rec, &p->slots[i], sizeof(uint32_t), rec);
+        if (!rec) {
+            rec = p->spare[i];
+            p->spare[i] = NULL;
+            rec->slot = p->slots[i];
+            HASH_ADD(hh, t->by_rec, slot, sizeof(uint32_t), rec);
+        }
+        n->links[i].name = n;
+        n->links[i].rec = rec;
+        DL_APPEND(rec->head, &n->links[i]);
+    }
+    vmm_names_entry *e = entry_at(t, n->entry);
+    p->v.generation = __atomic_load_n(&e->generation, __ATOMIC_RELAXED) + 1;
+    p->v.published_ns = now_realtime_ns();
+    entry_write(e, &p->v);
+}
+
+int vmm__names_publish(vmm__reg *r, const vmm__name_desc *d, size_t n, char *err, size_t errlen)
+{
+    if (!r->attached) return say(err, errlen, -EINVAL, "this process is not registered");
+    if (n == 0) return 0;
+    if (!d) return say(err, errlen, -EINVAL, "the tensors are NULL");
+    if (n > VMM__NAMES_CAPACITY) return say(err, errlen, -ENOSPC, "%zu names; a table holds %u", n, VMM__NAMES_CAPACITY);
+    plan *ps = calloc(n, sizeof *ps);
+    if (!ps) return say(err, errlen, -ENOMEM, "out of memory");
+    plan *seen = NULL;
+    int rc = 0;
+    pthread_mutex_lock(&names_mutex);
+    for (size_t i = 0; i < n && !rc; i++) {
+        ps[i].d = &d[i];
+        if ((rc = check_desc(&ps[i], err, errlen))) break;
+        plan *twice;
+        HASH_FIND_STR(seen, ps[i].v.name, twice);
+        if (twice) {
+            rc = say(err, errlen, -EINVAL, "\"%s\" is given twice in one call", ps[i].v.name);
+            break;
+        }
+        HASH_ADD_KEYPTR(hh, seen, ps[i].v.name, strlen(ps[i].v.name), &ps[i]);
+        rc = locate(r, &ps[i], err, errlen);
+    }
+    HASH_CLEAR(hh, seen);
+    if (!rc && !r->names) rc = table_make(r, err, errlen);
+    struct vmm__names *t = r->names;
+    uint64_t fresh = 0;
+    for (size_t i = 0; i < n && !rc; i++) {
+        HASH_FIND_STR(t->by_name, ps[i].v.name, ps[i].existing);
+        fresh += !ps[i].existing;
+        rc = prepare_memory(&ps[i], err, errlen);
+    }
+    /* entries for the new names: freed ones first, then never used ones */
+    uint64_t used = t ? __atomic_load_n(&t->hdr->used, __ATOMIC_RELAXED) : 0;
+    uint64_t from_free = 0, from_new = 0;
+    if (!rc) {
+        from_free = fresh < t->n_free ? fresh : t->n_free;
+        from_new = fresh - from_free;
+        if (used + from_new > VMM__NAMES_CAPACITY)
+            rc = say(err, errlen, -ENOSPC, "the name table is full (%u names)", VMM__NAMES_CAPACITY);
+    }
+    if (!rc && t->cap_free < used + from_new) {
+        uint32_t cap = t->cap_free ? t->cap_free : 1024;
+        while (cap < used + from_new) cap *= 2;
+        uint32_t *f = realloc(t->free_entries, (size_t)cap * sizeof *f);
+        if (!f) rc = say(err, errlen, -ENOMEM, "out of memory");
+        else t->free_entries = f, t->cap_free = cap;
+    }
+    if (!rc && (rc = back_entries(t, used + from_new)) != 0)
+        say(err, errlen, rc, "cannot back the name table %s: %s", t->path, strerror(-rc));
+    if (!rc) {
+        changes_step(t);
+        uint64_t next = used;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t entry = 0;
+            if (ps[i].existing) {
+            } else if (from_free) {
+                from_free--;
+                entry = t->free_entries[--t->n_free];
+            } else {
+                entry = (uint32_t)next++;
+            }
+            commit(t, &ps[i], entry);
+        }
+        __atomic_store_n(&t->hdr->used, next, __ATOMIC_RELEASE);
+        __atomic_store_n(&t->hdr->count, t->count, __ATOMIC_RELAXED);
+        __atomic_store_n(&r->names_live, t->count, __ATOMIC_RELAXED);
+        changes_step(t);
+    }
+    pthread_mutex_unlock(&names_mutex);
+    for (size_t i = 0; i < n; i++) plan_free(&ps[i]);
+    free(ps);
+    return rc;
+}
+
+int vmm__names_unpublish(vmm__reg *r, const char *name, char *err, size_t errlen)
+{
+    int rc = check_name(name, err, errlen);
+    if (rc) return rc;
+    pthread_mutex_lock(&names_mutex);
+    struct vmm__names *t = r->names;
+    nm_name *n = NULL;
+    if (t) HASH_FIND_STR(t->by_name, name, n);
+    if (n) {
+        changes_step(t);
+        drop_name(r, t, n);
+        changes_step(t);
+    } else {
+        rc = say(err, errlen, -ENOENT, "no tensor named \"%s\" is published by this process", name);
+    }
+    pthread_mutex_unlock(&names_mutex);
+    return rc;
+}
+
+void vmm__names_drop_slot(vmm__reg *r, uint32_t slot)
+{
+    pthread_mutex_lock(&names_mutex);
+    struct vmm__names *t = r->names;
+    nm_rec *rec = NULL;
+    if (t) HASH_FIND(hh, t->by_rec, &slot, sizeof slot, rec);
+    if (rec) {
+        changes_step(t);
+        /* drop_name frees the record's list once its last name goes: look it up again each time */
+        while (rec) {
+            drop_name(r, t, rec->head->name);
+            HASH_FIND(hh, t->by_rec, &slot, sizeof slot, rec);
+        }
+        changes_step(t);
+    }
+    pthread_mutex_unlock(&names_mutex);
+}
+
+void vmm__names_release(vmm__reg *r, bool unlink_table)
+{
+    pthread_mutex_lock(&names_mutex);
+    struct vmm__names *t = r->names;
+    r->names = NULL;
+    __atomic_store_n(&r->names_live, 0, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&names_mutex);
+    if (!t) return;
+    if (unlink_table) shm_unlink(t->path);
+    table_free(t);
+}
+
+void vmm__names_forget_after_fork(vmm__reg *r)
+{
+    pthread_mutex_init(&names_mutex, NULL);
+    if (r->names) inherited = r->names;
+    r->names = NULL;
+    r->names_live = 0;
+}
+
+void vmm__names_unlink(const vmm__reg *r, uint32_t pid, uint64_t start_time)
+{
+    char path[sizeof r->name + 48];
+    if (pid && start_time && table_path(r, pid, start_time, path, sizeof path) == 0) shm_unlink(path);
+}
+
+unsigned vmm__names_sweep(const vmm__reg *r)
+{
+    /* Linux keeps POSIX shared memory objects as files in /dev/shm ("/name" is /dev/shm/name) */
+    char prefix[sizeof r->name + 16];
+    int plen = snprintf(prefix, sizeof prefix, "%s.names.", r->name[0] == '/' ? r->name + 1 : r->name);
+    if (plen <= 0 || (size_t)plen >= sizeof prefix) return 0;
+    DIR *dir = opendir("/dev/shm");
+    if (!dir) return 0;
+    unsigned removed = 0;
+    struct dirent *de;
+    while ((de = readdir(dir)) != NULL) {
+        unsigned pid;
+        unsigned long long start;
+        int end = 0;
+        /* "<pid>.<start time>", or with ".tmp" one its owner died making */
+        if (strncmp(de->d_name, prefix, (size_t)plen) != 0 ||
+            sscanf(de->d_name + plen, "%u.%llu%n", &pid, &start, &end) != 2 ||
+            (de->d_name[plen + end] != 0 && strcmp(de->d_name + plen + end, ".tmp") != 0))
+            continue;
+        char path[sizeof r->name + 48];
+        if (snprintf(path, sizeof path, "/%s", de->d_name) >= (int)sizeof path) continue;
+        /* the header says which pid namespace the owner is in: one in another cannot be judged */
+        int fd = shm_open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0);
+        if (fd < 0) continue;
+        vmm_names_header h;
+        ssize_t got = pread(fd, &h, sizeof h, 0);
+        close(fd);
+        if (got != (ssize_t)sizeof h || h.magic != VMM_NAMES_MAGIC || h.pid != pid || h.start_time != start) continue;
+        if (vmm__reg_liveness(pid, start, h.pidns) == VMM__DEAD && shm_unlink(path) == 0) removed++;
+    }
+    closedir(dir);
+    return removed;
+}
+
+/* ---- reader ---- */
+
+int vmm__names_validate(const void *base, size_t size, uint32_t pid, uint64_t start_time, char *err, size_t errlen)
+{
+    const vmm_names_header *h = base;
+    if (size < sizeof *h) return say(err, errlen, -EPROTO, "name table: %zu bytes, shorter than its header", size);
+    if (h->magic != VMM_NAMES_MAGIC) return say(err, errlen, -EPROTO, "name table: wrong magic (not a vmmshim name table)");
+    if (__atomic_load_n(&h->ready, __ATOMIC_ACQUIRE) != 1)
+        return say(err, errlen, -EAGAIN, "name table: not initialised (its owner is still making it, or died doing so)");
+    if (h->compat_version > VMM_NAMES_VERSION)
+        return say(err, errlen, -ENOTSUP, "name table: layout version %u needs a reader of version %u; this one reads %u",
+                   h->version, h->compat_version, VMM_NAMES_VERSION);
+    if (h->entry_size != sizeof(vmm_names_entry) || h->header_size < sizeof *h || (h->header_size & 7) ||
+        h->capacity == 0 || h->capacity > (1u << 24) ||
+        h->header_size > size || (uint64_t)h->capacity * h->entry_size > size - h->header_size)
+        return say(err, errlen, -EPROTO, "name table: corrupt header (sizes)");
+    if (__atomic_load_n(&h->used, __ATOMIC_ACQUIRE) > h->capacity)
+        return say(err, errlen, -EPROTO, "name table: corrupt header (more entries used than it holds)");
+    if (h->pid != pid || h->start_time != start_time)
+        return say(err, errlen, -EPROTO, "name table: it is of pid %u (start time %llu), not of pid %u (start time %llu)",
+                   h->pid, (unsigned long long)h->start_time, pid, (unsigned long long)start_time);
+    return 0;
+}
+
+int vmm__names_open(const vmm__reg *r, uint32_t pid, uint64_t start_time, vmm__names_map *m, char *err, size_t errlen)
+{
+    memset(m, 0, sizeof *m);
+    m->fd = -1;
+    char path[sizeof r->name + 48];
+    if (table_path(r, pid, start_time, path, sizeof path)) return say(err, errlen, -ENAMETOOLONG, "name table name too long");
+    int fd = shm_open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0);
+    if (fd < 0) return say(err, errlen, -errno, "name table %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        return say(err, errlen, -e, "name table %s: %s", path, strerror(e));
+    }
+    if ((size_t)st.st_size < sizeof(vmm_names_header)) {
+        close(fd);
+        return say(err, errlen, st.st_size == 0 ? -EAGAIN : -EPROTO, "name table %s: %s", path,
+                   st.st_size == 0 ? "empty (its owner is still making it)" : "shorter than its header");
+    }
+    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        close(fd);
+        return say(err, errlen, -e, "name table %s: mmap: %s", path, strerror(e));
+    }
+    int rc = vmm__names_validate(p, (size_t)st.st_size, pid, start_time, err, errlen);
+    if (rc) {
+        munmap(p, (size_t)st.st_size);
+        close(fd);
+        return rc;
+    }
+    m->fd = fd;
+    m->base = p;
+    m->size = (size_t)st.st_size;
+    m->hdr = p;
+    return 0;
+}
+
+void vmm__names_close(vmm__names_map *m)
+{
+    if (m->base) munmap((void *)m->base, m->size);
+    if (m->fd >= 0) close(m->fd);
+    memset(m, 0, sizeof *m);
+    m->fd = -1;
+}
+
+/* layout.h NAMES (2): the registry record the entry names still holds it. */
+static bool entry_held(const vmm__reg *r, const vmm_names_header *h, const vmm_names_entry *e, vmm__reg_wait *w)
+{
+    if (e->rec_slot >= r->hdr->capacity) return false;
+    /* a record chunk nobody owns may be a hole of the sparse registry: reading it would back it */
+    const uint64_t *chunks = (const uint64_t *)(r->base + r->hdr->chunk_off);
+    if (__atomic_load_n(&chunks[e->rec_slot / VMM_REG_CHUNK_RECORDS], __ATOMIC_ACQUIRE) == 0) return false;
+    vmm_reg_alloc rec;
+    if (vmm__reg_read_alloc_within(r, e->rec_slot, &rec, w) != 0) return false;
+    return rec.state == VMM_REG_LIVE && rec.pid == h->pid && rec.start_time == h->start_time &&
+           memcmp(rec.alloc_id, e->alloc_id, sizeof rec.alloc_id) == 0 && rec.address <= e->address &&
+           e->address - rec.address < rec.extent;
+}
+
+/* An entry read from another process's memory is checked before anyone uses its fields. */
+static bool entry_sane(vmm_names_entry *e)
+{
+    e->name[sizeof e->name - 1] = 0;
+    if (!e->name[0] || e->ndim > VMM_NAMES_MAX_DIMS || !e->dtype_bits || !e->dtype_lanes || !e->nbytes ||
+        e->address > UINT64_MAX - e->nbytes)
+        return false;
+    for (uint32_t i = 0; i < e->ndim; i++)
+        if (e->shape[i] < 0 || e->strides[i] < 0) return false;
+    return true;
+}
+
+int vmm__names_for_each(const vmm__reg *r, const vmm__names_map *m, vmm__names_fn fn, void *ctx)
+{
+    const vmm_names_header *h = m->hdr;
+    const uint8_t *entries = m->base + h->header_size;
+    vmm_names_entry *got = NULL;
+    size_t n = 0, cap = 0;
+    vmm__reg_wait w = {0};
+    double give_up = monotonic_s() + SNAPSHOT_S;
+    for (int attempt = 0;; attempt++) {
+        uint64_t c1 = __atomic_load_n(&h->changes, __ATOMIC_ACQUIRE);
+        bool late = monotonic_s() > give_up;
+        if ((c1 & 1u) && !late) {
+            if (attempt > 64) sched_yield();
+            continue;
+        }
+        n = 0;
+        uint64_t used = __atomic_load_n(&h->used, __ATOMIC_ACQUIRE);
+        if (used > h->capacity) used = h->capacity;
+        for (uint64_t i = 0; i < used; i++) {
+            const vmm_names_entry *src = (const vmm_names_entry *)(entries + i * sizeof(vmm_names_entry));
+            vmm_names_entry e = {0};
+            if (seq_read(src, sizeof e, &src->seq, &e, &w) != 0 || e.state != VMM_NAMES_LIVE || !entry_sane(&e)) continue;
+            if (!entry_held(r, h, &e, &w)) continue;
+            if (n == cap) {
+                size_t nc = cap ? cap * 2 : 64;
+                vmm_names_entry *g = realloc(got, nc * sizeof *g);
+                if (!g) {
+                    free(got);
+                    return -ENOMEM;
+                }
+                got = g, cap = nc;
+            }
+            got[n++] = e;
+        }
+        SEQ_FENCE(__ATOMIC_ACQUIRE);
+        /* one moment's names; past the wait, each entry consistent on its own will do (an owner
+         * in another pid namespace that died mid-change leaves changes odd for good) */
+        if ((__atomic_load_n(&h->changes, __ATOMIC_RELAXED) == c1 && !(c1 & 1u)) || late) break;
+    }
+    int rc = 0;
+    for (size_t i = 0; i < n && !rc; i++) rc = fn(ctx, &got[i]) ? 1 : 0;
+    free(got);
+    return 0;
+}

@@ -1,0 +1,317 @@
+"""Named tensors from Python: vmmshim.publish / publish_many / unpublish in an owner and
+Registry.tensors / open_tensors in a companion.  The owner is tests/python/named_owner.py, a Python
+program under the shim over the emulated runtime, publishing stand-ins for tensors: one with
+__cuda_array_interface__ only, one with __dlpack__ only (its __cuda_array_interface__ raising, as a
+torch bfloat16 tensor's does), one that needs detach() (a tensor that requires grad), a model's
+state_dict().  Checks: every field as published; a DLPack capsule read and not consumed; bad input
+refused with a clear error and nothing changed (a name of 128 bytes, with a NUL, not a str; memory
+that is not the shim's; an object that is no tensor, one on the CPU, an unknown typestr, a masked
+array, no elements; a bad entry in publish_many); publishing a name again replaces it;
+open_tensors reads the owner's bytes through views of the published dtype, shape and strides,
+importing each chunk once; names vanish when their memory is freed and when unpublished;
+tensors() of a process not under the shim, of a dead owner; publish outside the shim and with the
+shim disabled; `vmmctl list --names` shows a Python owner's names; and the README's two examples
+run as they stand.  Ends with "N passed, N failed"."""
+import ctypes
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import harness
+from harness import BUILD, PACKAGE, ROOT
+
+harness.setup()
+import vmmshim  # noqa: E402  (after setup: sys.path, the client library)
+from vmmshim import _dlpack  # noqa: E402
+
+T = harness.Tally()
+MiB = 1 << 20
+K = 0x9E3779B97F4A7C15
+MASK = (1 << 64) - 1
+
+
+def words(seed, first, count):
+    return b"".join((((seed * K) + k) & MASK).to_bytes(8, "little") for k in range(first, first + count))
+
+
+class PyOwner:
+    """tests/python/named_owner.py under the shim; run(src) is one line of Python there."""
+
+    def __init__(self, extra_env=None):
+        env = dict(os.environ)
+        env["LD_PRELOAD"] = " ".join(p for p in (os.environ.get("LD_PRELOAD", ""), str(BUILD / "libvmmshim.so")) if p)
+        env.update(extra_env or {})
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "python" / "named_owner.py"), str(PACKAGE)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
+        self._pending = b""
+        line = self.readline(60)
+        if not line.startswith("ready "):
+            self.kill()
+            raise RuntimeError(f"the Python owner did not start: {line!r}")
+        self.pid = int(line.split()[1])
+
+    def readline(self, timeout=30):
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                return ""
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                return ""
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode()
+
+    def run(self, src):
+        """("ok", repr) or ("error", "Type message")."""
+        self.proc.stdin.write(src.encode() + b"\n")
+        line = self.readline()
+        status, _, rest = line.partition(" ")
+        return status, rest
+
+    def ok(self, src):
+        status, rest = self.run(src)
+        T.check(status == "ok", f"owner: {src}: {status} {rest}")
+        return rest
+
+    def fails(self, src, exc, reason):
+        status, rest = self.run(src)
+        T.check(status == "error" and rest.startswith(exc + " ") and reason in rest,
+                f"owner: {src}: wanted {exc} with {reason!r}, got {status} {rest}")
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def end(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(b"quit\n")
+                self.proc.wait(timeout=30)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+
+class Capsules:
+    """torch.from_dlpack as far as the README's example needs it: takes the capsule as a consumer
+    does (renamed "used_dltensor") and keeps its fields and deleter."""
+    _api = ctypes.PyDLL(None)
+    _get = _api.PyCapsule_GetPointer
+    _get.restype, _get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    _rename = _api.PyCapsule_SetName
+    _rename.restype, _rename.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+
+    class Tensor:
+        def __init__(self, data, shape, strides, dtype, delete):
+            self.data, self.shape, self.strides, self.dtype, self.delete = data, shape, strides, dtype, delete
+
+    @classmethod
+    def from_dlpack(cls, obj):
+        capsule = obj.__dlpack__()
+        address = cls._get(capsule, b"dltensor")
+        cls._rename(capsule, b"used_dltensor")
+        m = _dlpack.DLManagedTensor.from_address(address)
+        t = m.dl_tensor
+        return cls.Tensor(t.data, tuple(t.shape[i] for i in range(t.ndim)), tuple(t.strides[i] for i in range(t.ndim)),
+                          (t.dtype.code, t.dtype.bits, t.dtype.lanes), lambda: m.deleter(address))
+
+
+class StandInModel:
+    def __init__(self):
+        self.loaded = None
+
+    def load_state_dict(self, state, assign=False):
+        self.loaded, self.assign = state, assign
+
+
+def test_not_under_shim():
+    T.raises(vmmshim.NotUnderShim, lambda: vmmshim.publish("w", object()), "publish in a process without the shim",
+             "vmmshim.publish: not running under the shim")
+    T.raises(vmmshim.NotUnderShim, lambda: vmmshim.unpublish("w"), "unpublish without the shim", "not running under the shim")
+    own = PyOwner({"VMMSHIM_ENABLE": "0"})
+    try:
+        own.ok("a = alloc(1 << 20)")
+        own.fails("vmmshim.publish('w', CAI(a, (4,), '<f4'))", "NotUnderShim", "the shim is not active")
+    finally:
+        own.end()
+
+
+def main():
+    try:
+        test_not_under_shim()
+        own = PyOwner()
+        try:
+            own.ok("A = alloc(1 << 20); fill(A, 1 << 20, 3)")  # the shim starts, and makes the registry
+            own.ok("B = alloc(1 << 20); fill(B, 1 << 20, 4)")
+            reg = vmmshim.Registry()
+            with_owner(reg, own)
+            own.kill()  # SIGKILL: its records and its table stay until gc
+            T.raises(vmmshim.OwnerDead, lambda: reg.tensors(own.pid), "tensors() of a killed owner", "has exited")
+            T.raises(vmmshim.OwnerDead, lambda: reg.open_tensors(own.pid), "open_tensors() of a killed owner",
+                     "has exited")
+            tables = [n for n in os.listdir("/dev/shm") if n.startswith(f"{os.environ['VMMSHIM_REGISTRY'][1:]}.names.{own.pid}.")]
+            T.check(len(tables) == 1, f"the killed owner's table stays: {tables}")
+            gc = subprocess.run([str(BUILD / "vmmctl"), "gc"], capture_output=True, text=True)
+            T.check(gc.returncode == 0 and not os.path.exists(f"/dev/shm/{tables[0] if tables else ''}"),
+                    f"vmmctl gc removed it: {gc.stdout} {gc.stderr}")
+        finally:
+            own.end()
+        readme(reg)
+        T.raises(vmmshim.NotFound, lambda: reg.tensors(os.getpid()), "tensors() of a process not under the shim",
+                 "does not run under the shim")
+        reg.close()
+    finally:
+        harness.cleanup()
+    T.done()
+
+
+def with_owner(reg, own):
+    pid = own.pid
+    A = int(own.ok("A"))
+    B = int(own.ok("B"))
+    T.check(reg.tensors(pid) == {}, "a living owner without names: {}")
+
+    # every kind of tensor stand-in
+    own.ok("vmmshim.publish('w', CAI(A, (64, 32), '<f4'))")
+    own.ok("bf = DL(A + 8192, (16, 16))")
+    own.ok("vmmshim.publish('bf', bf)")
+    T.check(own.ok("(bf.exported, bf.freed)") == "(1, 1)", "the DLPack capsule was read and let go, not consumed")
+    own.ok("vmmshim.publish('g', Grad(CAI(A + 16384, (8, 8), '<f8', (8, 64))))")  # column-major, byte strides
+    own.ok("vmmshim.publish('s', CAI(A + 32768, (), '<i8'))")
+    got = reg.tensors(pid)
+    w, bf, g, s = got.get("w"), got.get("bf"), got.get("g"), got.get("s")
+    T.check(set(got) == {"w", "bf", "g", "s"}, f"four names: {sorted(got)}")
+    alloc_a = reg.find(pid, A)
+    T.check(w is not None and (w.address, w.nbytes, w.dtype, w.dlpack_dtype, w.shape, w.strides, w.pid, w.alloc_id) ==
+            (A, 8192, "float32", (2, 32, 1), (64, 32), (32, 1), pid, alloc_a.id) and w.published_ns > 0,
+            f"w as published: {w and vars(w)}")
+    T.check(bf is not None and (bf.address, bf.dtype, bf.shape, bf.nbytes) == (A + 8192, "bfloat16", (16, 16), 512),
+            f"bf, through DLPack: {bf and vars(bf)}")
+    T.check(g is not None and (g.dtype, g.shape, g.strides, g.nbytes) == ("float64", (8, 8), (1, 8), 512),
+            f"g, through detach(), byte strides as elements: {g and vars(g)}")
+    T.check(s is not None and (s.shape, s.strides, s.nbytes, s.dtype) == ((), (), 8, "int64"), f"a scalar: {s and vars(s)}")
+    T.check(repr(w).startswith("<vmmshim.Tensor 'w' of pid"), repr(w))
+
+    # bad input: a clear error, nothing changed
+    before = set(reg.tensors(pid))
+    own.fails("vmmshim.publish('x' * 128, CAI(A, (4,), '<f4'))", "InvalidArgument",
+              "vmmshim.publish: name \"xxxx")
+    own.fails("vmmshim.publish('x' * 128, CAI(A, (4,), '<f4'))", "InvalidArgument", "128 bytes long; at most 127")
+    own.ok("vmmshim.publish('y' * 127, CAI(A, (4,), '<f4')); vmmshim.unpublish('y' * 127)")
+    own.fails("vmmshim.publish('a\\0b', CAI(A, (4,), '<f4'))", "InvalidArgument", "NUL")
+    own.fails("vmmshim.publish(5, CAI(A, (4,), '<f4'))", "TypeError", "a name is a str")
+    own.ok("host = ctypes.create_string_buffer(4096)")
+    own.fails("vmmshim.publish('host', CAI(ctypes.addressof(host), (16,), '<f4'))", "NotFound",
+              "not in the shim's memory of this process")
+    own.fails("vmmshim.publish('past', CAI(A, (1 << 20,), '<f4'))", "NotFound", "run past")
+    own.fails("vmmshim.publish('none', object())", "TypeError", "neither __cuda_array_interface__ nor __dlpack__")
+    own.fails("vmmshim.publish('cpu', DL(A, (4,), device=(1, 0)))", "ValueError", "not CUDA")
+    own.fails("vmmshim.publish('void', CAI(A, (4,), '<V2'))", "ValueError", "no number type")
+    own.fails("vmmshim.publish('masked', CAI(A, (4,), '<f4', mask=CAI(B, (4,), '|b1')))", "ValueError", "masked")
+    own.fails("vmmshim.publish('empty', CAI(A, (0, 4), '<f4'))", "InvalidArgument", "no elements")
+    own.fails("vmmshim.publish_many({'fine': CAI(A, (4,), '<f4'), 'host': CAI(ctypes.addressof(host), (4,), '<f4')})",
+              "NotFound", "vmmshim.publish_many: \"host\"")
+    own.fails("vmmshim.publish_many([('fine', CAI(A, (4,), '<f4')), ('cpu', DL(A, (4,), device=(1, 0)))])", "ValueError",
+              "(tensor 'cpu')")
+    own.fails("vmmshim.publish_many([1, 2])", "TypeError", "mapping or (name, tensor) pairs")
+    own.fails("vmmshim.unpublish('never')", "NotFound", "vmmshim.unpublish: no tensor named \"never\"")
+    T.check(set(reg.tensors(pid)) == before, f"the failures changed nothing: {sorted(reg.tensors(pid))}")
+
+    # a state dict, and a name published again
+    own.ok("model = Model({f'layer{i}.weight': CAI(B + i * 4096, (32, 32), '<f4') for i in range(20)})")
+    own.ok("vmmshim.publish_many(model.state_dict())")
+    own.ok("vmmshim.publish('w', CAI(A + 65536, (8,), '<i8'))")
+    got = reg.tensors(pid)
+    T.check(len(got) == 24 and got["layer19.weight"].address == B + 19 * 4096, f"24 names: {len(got)}")
+    T.check((got["w"].address, got["w"].dtype, got["w"].shape) == (A + 65536, "int64", (8,)), "w replaced")
+
+    # open them: the owner's bytes, each chunk imported once
+    chunks = {(a.chunk_id, a.slot if a.multi_handle else 0): a.n_handles for a in (reg.find(pid, A), reg.find(pid, B))}
+    imports = _imports()
+    views = reg.open_tensors(pid)
+    T.check(_imports() - imports == sum(chunks.values()),
+            f"{_imports() - imports} imports for {len(chunks)} chunks of {sum(chunks.values())} handles")
+    T.check(set(views) == set(got), "a view per name")
+    v = views["w"]
+    T.check((v.dtype, v.shape, v.strides, v.nbytes) == ("int64", (8,), (1,), 64), f"w's view: {v!r}")
+    T.check(ctypes.string_at(v.ptr, 64) == words(3, 65536 // 8, 8), "w's view reads the owner's bytes")
+    v = views["layer7.weight"]
+    T.check(ctypes.string_at(v.ptr, 4096) == words(4, 7 * 512, 512) and v.shape == (32, 32), "layer7.weight's bytes")
+    v = views["g"]
+    T.check(v.strides == (1, 8) and v.__cuda_array_interface__["strides"] == (8, 64), "g keeps its strides")
+    T.check(views["bf"].dtype == "bfloat16" and views["bf"].dlpack_dtype == (4, 16, 1), "bf's view is bfloat16")
+    some = reg.open_tensors(pid, ["w", "bf"])
+    T.check(set(some) == {"w", "bf"}, f"by names: {sorted(some)}")
+    T.check(set(reg.open_tensors(pid, "s")) == {"s"}, "one name as a str")
+    T.raises(vmmshim.NotFound, lambda: reg.open_tensors(pid, ["w", "missing"]), "open_tensors of a name not published",
+             "publishes no tensor named 'missing'")
+    del views, some, v
+
+    # vmmctl sees them
+    out = subprocess.run([str(BUILD / "vmmctl"), "list", "--names", "--pid", str(pid)], capture_output=True, text=True)
+    T.check(out.returncode == 0 and re.search(r"\bbf\s+bfloat16\s+16x16\b", out.stdout) and "24 names in 1 process" in out.stdout,
+            f"vmmctl list --names: {out.returncode} {out.stdout} {out.stderr}")
+
+    # freeing B drops its 20 names; unpublish drops one
+    own.ok("free(B)")
+    got = reg.tensors(pid)
+    T.check(set(got) == {"w", "bf", "g", "s"}, f"freeing B dropped the state dict: {sorted(got)}")
+    T.raises(vmmshim.NotFound, lambda: reg.open_tensors(pid, ["layer0.weight"]), "a name whose memory was freed",
+             "layer0.weight")
+    own.ok("vmmshim.unpublish('bf')")
+    T.check(set(reg.tensors(pid)) == {"w", "g", "s"}, "unpublished")
+    own.fails("vmmshim.unpublish('bf')", "NotFound", "no tensor named")
+
+
+def _imports():
+    lib = ctypes.CDLL("libcuda.so.1")
+    text = (ROOT / "tests" / "fakecuda" / "fakecuda.h").read_text()
+    block = re.search(r"#define FAKECUDA_COUNTER_FIELDS\(X\)(.*?)\n\n", text, re.S).group(1)
+    names = re.findall(r"X\((\w+)\)", re.sub(r"/\*.*?\*/", "", block, flags=re.S))
+    counters = type("C", (ctypes.Structure,), {"_fields_": [(n, ctypes.c_ulonglong) for n in names]})()
+    lib.fakecuda_counters(ctypes.byref(counters))
+    return counters.imports
+
+
+def readme(reg):
+    """The README's two examples as they stand: the owner's line in a Python owner under the shim,
+    the companion's three lines here with stand-ins for torch and the model."""
+    text = (ROOT / "README.md").read_text()
+    owner = re.findall(r"<!-- names-owner -->\n```python\n(.*?)```\n", text, re.S)
+    companion = re.findall(r"<!-- names-companion -->\n```python\n(.*?)```\n", text, re.S)
+    if not T.check(len(owner) == 1 and len(companion) == 1, "README.md has one names-owner and one names-companion block"):
+        return
+    T.check(len(owner[0].splitlines()) == 1 and len(companion[0].splitlines()) == 3,
+            "the owner's example is one line, the companion's three")
+    own = PyOwner()
+    try:
+        own.ok("P = alloc(1 << 20); fill(P, 1 << 20, 9)")
+        own.ok("model = Model({'fc.weight': CAI(P, (128, 256), '<f4'), 'fc.bias': DL(P + 131072, (128,), (2, 32, 1))})")
+        own.ok(owner[0].strip())
+        space = {"vmmshim": vmmshim, "torch": Capsules, "model": StandInModel(), "pid": own.pid}
+        try:
+            exec(compile(companion[0], "README.md (names-companion)", "exec"), space)
+        except Exception as e:
+            T.check(False, f"the README's companion raised {type(e).__name__}: {e}")
+            return
+        loaded = space["model"].loaded
+        T.check(set(loaded) == {"fc.weight", "fc.bias"} and space["model"].assign, f"loaded: {loaded}")
+        wt = loaded["fc.weight"]
+        T.check(wt.shape == (128, 256) and wt.strides == (256, 1) and wt.dtype == (2, 32, 1) and
+                ctypes.string_at(wt.data, 64) == words(9, 0, 8), "fc.weight zero-copy, with the owner's bytes")
+        T.check(ctypes.string_at(loaded["fc.bias"].data, 16) == words(9, 131072 // 8, 2), "fc.bias")
+        for t in loaded.values():
+            t.delete()
+    finally:
+        own.end()
+
+
+if __name__ == "__main__":
+    main()

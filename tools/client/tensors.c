@@ -1,0 +1,141 @@
+/* libvmmshim-client: named tensors (vmmshim.h).  The companion side lists the names a living
+ * owner publishes, read from its table beside the registry and checked against the records they
+ * lie in (shim/registry/names.c; layout.h NAMES).  The owner side's functions are the shim's
+ * (shim/hooks/publish.c); the ones here are what a program linked with this library gets when
+ * it does not run under the shim: VMM_ERR_NO_SHIM. */
+#include "vmmshim.h"
+#include "import/import.h"
+
+#include "registry/names.h"
+
+#include <errno.h>
+#include <stdbool.h>
+#include <string.h>
+
+#define VMM_PUBLIC __attribute__((visibility("default")))
+
+_Static_assert(sizeof(((vmm_tensor_info *)0)->name) == sizeof(((vmm_names_entry *)0)->name), "name size");
+_Static_assert(sizeof(((vmm_tensor_info *)0)->shape) == sizeof(((vmm_names_entry *)0)->shape), "shape size");
+_Static_assert(sizeof(((vmm_tensor_info *)0)->strides) == sizeof(((vmm_names_entry *)0)->strides), "strides size");
+_Static_assert(sizeof(((vmm_tensor_info *)0)->alloc_id) == sizeof(((vmm_names_entry *)0)->alloc_id), "alloc_id size");
+
+#define NEED(cond, what)                                                                          \
+    do {                                                                                          \
+        if (!(cond)) return vmm__error(VMM_ERR_INVALID, "%s: %s", __func__, what);               \
+    } while (0)
+
+static void info_from(vmm_tensor_info *o, uint32_t pid, const vmm_names_entry *e)
+{
+    memset(o, 0, sizeof *o);
+    memcpy(o->name, e->name, sizeof o->name);
+    o->name[sizeof o->name - 1] = 0;
+    o->pid = pid;
+    o->dtype = (vmm_dtype){.code = e->dtype_code, .bits = e->dtype_bits, .lanes = e->dtype_lanes};
+    o->ndim = e->ndim;
+    o->address = e->address;
+    o->nbytes = e->nbytes;
+    memcpy(o->shape, e->shape, e->ndim * sizeof o->shape[0]);
+    memcpy(o->strides, e->strides, e->ndim * sizeof o->strides[0]);
+    memcpy(o->alloc_id, e->alloc_id, sizeof o->alloc_id);
+    o->published_ns = e->published_ns;
+}
+
+typedef struct {
+    uint32_t pid;
+    vmm_tensor_fn fn;  /* vmm_foreach_tensor */
+    void *ctx;
+    const char *want;  /* vmm_find_tensor */
+    vmm_tensor_info *out;
+    bool found;
+} tensor_walk;
+
+static int visit(void *ctx, const vmm_names_entry *e)
+{
+    tensor_walk *w = ctx;
+    if (w->want) {
+        if (strcmp(e->name, w->want) != 0) return 0;
+        info_from(w->out, w->pid, e);
+        w->found = true;
+        return 1;
+    }
+    vmm_tensor_info info;
+    info_from(&info, w->pid, e);
+    return w->fn(w->ctx, &info);
+}
+
+static vmm_status walk(vmm_registry *reg, const char *fn, uint32_t pid, tensor_walk *w)
+{
+    vmm_proc_info p;
+    if (vmm__find_proc(reg, pid, &p) != VMM_OK)
+        return vmm__error(VMM_ERR_NOT_FOUND,
+                          "%s: pid %u has no record in registry %s (it does not run under the shim, or publishes in "
+                          "another registry)",
+                          fn, pid, reg->r.name);
+    if (p.alive == VMM_OWNER_DEAD)
+        return vmm__error(VMM_ERR_OWNER_DEAD, "%s: pid %u has exited; its names went with it", fn, pid);
+    vmm__names_map m;
+    char why[300];
+    int rc = vmm__names_open(&reg->r, pid, p.start_time, &m, why, sizeof why);
+    if (rc == -ENOENT) return VMM_OK; /* it publishes no names */
+    if (rc) {
+        vmm_status st = rc == -ENOTSUP  ? VMM_ERR_VERSION
+                        : rc == -EPROTO ? VMM_ERR_CORRUPT
+                        : rc == -EAGAIN ? VMM_ERR_BUSY
+                                        : vmm__status_of(rc, false);
+        return vmm__error(st, "%s: pid %u: %s", fn, pid, why);
+    }
+    w->pid = pid;
+    rc = vmm__names_for_each(&reg->r, &m, visit, w);
+    vmm__names_close(&m);
+    if (rc) return vmm__error(VMM_ERR_NOMEM, "%s: out of memory", fn);
+    return VMM_OK;
+}
+
+VMM_PUBLIC vmm_status vmm_foreach_tensor(vmm_registry *reg, uint32_t pid, vmm_tensor_fn fn, void *ctx)
+{
+    NEED(reg, "reg is NULL");
+    NEED(fn, "fn is NULL");
+    NEED(pid != 0, "pid is 0");
+    tensor_walk w = {.fn = fn, .ctx = ctx};
+    return walk(reg, "vmm_foreach_tensor", pid, &w);
+}
+
+VMM_PUBLIC vmm_status vmm_find_tensor(vmm_registry *reg, uint32_t pid, const char *name, vmm_tensor_info *out)
+{
+    NEED(reg, "reg is NULL");
+    NEED(name, "name is NULL");
+    NEED(out, "out is NULL");
+    NEED(pid != 0, "pid is 0");
+    tensor_walk w = {.want = name, .out = out};
+    vmm_status st = walk(reg, "vmm_find_tensor", pid, &w);
+    if (st == VMM_OK && !w.found)
+        return vmm__error(VMM_ERR_NOT_FOUND, "vmm_find_tensor: pid %u publishes no tensor named \"%.*s\"", pid,
+                          VMM_NAME_MAX, name);
+    return st;
+}
+
+/* ---- the owner side, without the shim ---- */
+
+#define NO_SHIM(fn)                                                                                                  \
+    vmm__error(VMM_ERR_NO_SHIM, "%s: not running under the shim (start the program with LD_PRELOAD=libvmmshim.so)", fn)
+
+VMM_PUBLIC vmm_status vmm_publish(const char *name, uint64_t address, vmm_dtype dtype, uint32_t ndim, const int64_t *shape,
+                                  const int64_t *strides)
+{
+    (void)name, (void)address, (void)dtype, (void)ndim, (void)shape, (void)strides;
+    return NO_SHIM("vmm_publish");
+}
+
+VMM_PUBLIC vmm_status vmm_publish_many(const vmm_tensor_desc *tensors, size_t n)
+{
+    (void)tensors, (void)n;
+    return NO_SHIM("vmm_publish_many");
+}
+
+VMM_PUBLIC vmm_status vmm_unpublish(const char *name)
+{
+    (void)name;
+    return NO_SHIM("vmm_unpublish");
+}
+
+VMM_PUBLIC const char *vmm_publish_error(void) { return vmm__error_text(); }
