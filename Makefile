@@ -88,7 +88,8 @@ $(CLIENT_A): $(call obj,$(CLIENT_SRC))
 $(IMPORT_A): $(call obj,$(IMPORT_SRC))
 	@rm -f $@; ar rcs $@ $^
 
-$(VMMCTL): $(call obj,$(CTL_SRC)) $(CLIENT_A) $(CORE_A)
+# vmmctl keep serves a kept process's broker requests with the owner's own broker code.
+$(VMMCTL): $(call obj,$(CTL_SRC)) $(BUILD)/obj/shim/broker/broker.o $(CLIENT_A) $(CORE_A)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 # Test equipment only: an emulated libcuda.so.1, never installed.

@@ -101,6 +101,7 @@ CUresult vmm__adopt_create(vmm__mem_create_fn real, CUmemGenericAllocationHandle
     int exportable = 1;
     vmm__enter();
     rc = real(handle, size, &with_fd, flags);
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY && vmm__keep_let_go()) rc = real(handle, size, &with_fd, flags);
     if (rc != CUDA_SUCCESS && rc != CUDA_ERROR_OUT_OF_MEMORY && with_fd.requestedHandleTypes != prop->requestedHandleTypes) {
         CUresult first = rc;
         rc = real(handle, size, prop, flags);

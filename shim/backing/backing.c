@@ -28,6 +28,7 @@
 #include "core/options.h"
 #include "hooks/real.h"
 #include "pool/pool.h"
+#include "registry/keep.h"
 #include "registry/registry.h"
 
 #define MAX_DEVICES 64
@@ -199,6 +200,8 @@ static void print_coverage(const vmm_reg_proc *c)
                     human_size(__atomic_load_n(&c->peak_requested, __ATOMIC_RELAXED), peak, sizeof peak));
 }
 
+static int exit_status; /* what exit() was given (on_exit): a keeper keeps what a failed process leaves */
+
 static void at_exit(void)
 {
     pthread_mutex_lock(&S.lock);
@@ -216,8 +219,12 @@ static void at_exit(void)
         for (size_t i = 0; i < sizeof to / sizeof to[0]; i++)
             __atomic_store_n(to[i], __atomic_load_n(from[i], __ATOMIC_RELAXED), __ATOMIC_RELAXED);
         __atomic_store_n(&coverage, &local_coverage, __ATOMIC_RELEASE);
-        vmm__reg_detach(&S.reg);
-        vmm__frames_exit();
+        /* A process that a keeper keeps and that fails leaves its records (names, frames) as a
+         * crash leaves them, for the keeper to keep (registry/layout.h KEEP). */
+        if (!vmm__keep_exiting(&S.reg, exit_status)) {
+            vmm__reg_detach(&S.reg);
+            vmm__frames_exit();
+        }
     }
     if (vmm__opt_bool(VMM__OPT_STATS)) print_coverage(&local_coverage);
     if (vmm__opt_bool(VMM__OPT_VERBOSE))
@@ -287,6 +294,13 @@ static void after_fork_child(void)
     }
 }
 
+static void at_exit_status(int status, void *arg)
+{
+    (void)arg;
+    exit_status = status;
+    at_exit();
+}
+
 static void purge_cond_init(void)
 {
     pthread_condattr_t ca;
@@ -300,7 +314,7 @@ static void init(void)
 {
     int opt_rc = vmm__opt_init();
     /* Before anything can make the shim pass calls through: those are counted too. */
-    atexit(at_exit);
+    on_exit(at_exit_status, NULL); /* atexit's, with the status: a keeper learns it */
     pthread_atfork(NULL, NULL, coverage_after_fork);
     if (vmm__opt_bool(VMM__OPT_VERBOSE)) vmm__log(VMM__LOG_INFO, "backing allocations with exportable VMM memory");
     if (opt_rc != 0) {
@@ -521,6 +535,9 @@ static void seg_destroy(void *ctx, vmm__seg *ps)
     if (c->broker_fd >= 0) close(c->broker_fd);
     seg_undo(ps->base, ps->size, c->handle, 1);
     free(c);
+    /* a keeper holding this segment lets go of it now rather than at its next tick (one relaxed
+     * load when nobody keeps this process) */
+    if (S.registry_ok) vmm__keep_ring(&S.reg, 0);
 }
 
 static int arena_reserve(void *ctx, uint64_t size, uint64_t *base)
@@ -911,6 +928,28 @@ static vmm__block *alloc_locked(device_state *d, size_t size, int ordered, uint6
     return vmm__pool_alloc(&d->pool[ordered], size, ordered, stream, err);
 }
 
+int vmm__keep_let_go(void)
+{
+    vmm_reg_proc *self = S.ready && S.registry_ok ? vmm__reg_self(&S.reg) : NULL;
+    if (!self || !__atomic_load_n(&self->keeper_pid, __ATOMIC_RELAXED)) return 0;
+    vmm__keep_ring(&S.reg, VMM__KEEP_LET_GO_MS);
+    return 1;
+}
+
+/* alloc_locked, and when the device is full for it and a keeper keeps this process: the keeper
+ * may still hold segments given back a moment ago, so ask it to let go (outside the lock; at most
+ * VMM__KEEP_LET_GO_MS) and try once more. */
+static vmm__block *alloc_kept_locked(device_state *d, size_t size, int ordered, uint64_t stream, int *err)
+{
+    vmm__block *b = alloc_locked(d, size, ordered, stream, err);
+    vmm_reg_proc *self = S.registry_ok ? vmm__reg_self(&S.reg) : NULL;
+    if (b || *err != -ENOMEM || !self || !__atomic_load_n(&self->keeper_pid, __ATOMIC_RELAXED)) return b;
+    pthread_mutex_unlock(&S.lock);
+    vmm__keep_ring(&S.reg, VMM__KEEP_LET_GO_MS);
+    pthread_mutex_lock(&S.lock);
+    return vmm__pool_alloc(&d->pool[ordered], size, ordered, stream, err);
+}
+
 vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream stream, void **ptr)
 {
     if (!ensure_init()) return S.failed && vmm__opt_bool(VMM__OPT_STRICT) ? VMM__REFUSED : VMM__DISABLED;
@@ -929,7 +968,7 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     pthread_mutex_lock(&S.lock);
     pools_ready_locked(d);
     int err;
-    vmm__block *b = alloc_locked(d, size, stream_ordered, (uint64_t)(uintptr_t)stream, &err);
+    vmm__block *b = alloc_kept_locked(d, size, stream_ordered, (uint64_t)(uintptr_t)stream, &err);
     if (!b) {
         pthread_mutex_unlock(&S.lock);
         if (err == -ENOMEM) return VMM__NOMEM;

@@ -109,6 +109,10 @@ uint64_t vmm__free_mark(void);
 void vmm__synchronized(int whole_context, CUstream stream, uint64_t mark);
 /* `stream` is about to be destroyed: the frees on it still without an event get one now. */
 void vmm__stream_destroying(CUstream stream);
+/* The device is full for the program's own cuMemCreate: when a keeper keeps this process, ask it
+ * to let go of what the process gave back (registry/layout.h KEEP) and return 1 (try again once);
+ * 0 when nobody keeps it. */
+int vmm__keep_let_go(void);
 /* The program mapped a range of a handle the shim made exportable (maps_adopted, layout.h). */
 void vmm__count_adopted(void);
 /* True when stream is being captured into a graph. */

@@ -1287,7 +1287,7 @@ static vmm_status still_live(vmm_registry *reg, const vmm_alloc_info *a, const o
 {
     vmm_status st = record_unchanged(reg, a);
     if (st != VMM_OK) return st;
-    if (owner_exited(owner)) return owner_dead(a);
+    if (owner_exited(owner) && !vmm__kept_now(reg, a)) return owner_dead(a); /* a keeper serves a kept one */
     return VMM_OK;
 }
 
@@ -1604,7 +1604,7 @@ vmm_status vmm__import_check(vmm_registry *reg, const vmm_imported *imp)
     vmm_status st = record_unchanged(reg, &imp->alloc);
     if (st == VMM_ERR_STALE && owner_liveness(&imp->alloc) == VMM__DEAD) return owner_dead(&imp->alloc);
     if (st != VMM_OK) return st;
-    if (owner_exited(imp->c->owner)) return owner_dead(&imp->alloc);
+    if (owner_exited(imp->c->owner) && !vmm__kept_now(reg, &imp->alloc)) return owner_dead(&imp->alloc);
     return VMM_OK;
 }
 
@@ -2089,4 +2089,89 @@ vmm_status vmm__import_release(vmm_imported *imp)
     vmm_status st = imp->range ? range_unmap(imp->range) : chunk_unref(imp->c);
     free(imp);
     return st;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Every handle's fd (vmm_import_fds)                                                           */
+
+/* A MULTI-HANDLE record's handles as fds, asked of its owner's broker as multi_fetch asks (v2,
+ * up to 64 a reply), not imported: for a companion that keeps or maps them itself (vmmctl keep). */
+vmm_status vmm__import_fds(vmm_registry *reg, const vmm_alloc_info *a, int *fds, uint64_t *sizes, uint32_t max,
+                           uint32_t *n)
+{
+    NEED(n, "n is NULL");
+    *n = 0;
+    NEED(reg, "reg is NULL");
+    NEED(a, "alloc is NULL");
+    NEED(fds && sizes, "fds or sizes is NULL");
+    NEED(a->pid != 0, "alloc->pid is 0");
+    uint32_t want = (a->flags & VMM_ALLOC_MULTI_HANDLE) ? a->n_handles : 1;
+    if (want > max)
+        return set_err(VMM_ERR_INVALID, "the allocation spans %u handles; room for %u was given", want, max);
+    if (!(a->flags & VMM_ALLOC_MULTI_HANDLE)) {
+        vmm_status st = fetch_fd(reg, a, &fds[0]);
+        if (st != VMM_OK) return st;
+        sizes[0] = a->mapped_size;
+        *n = 1;
+        return VMM_OK;
+    }
+    if (want < 2 || !(a->handle_kinds & VMM_KIND_BROKER))
+        return set_err(VMM_ERR_INVALID, "a multi-handle record with %u handles and no broker", want);
+    owner_ref *o;
+    vmm_status st = owner_get(a, &o);
+    if (st != VMM_OK) return st;
+    uint32_t have = 0;
+    uint64_t bytes = 0;
+    while (st == VMM_OK && have < want) {
+        vmm_broker_request2 req;
+        memset(&req, 0, sizeof req);
+        req.magic = VMM_BROKER_MAGIC;
+        req.version = VMM_BROKER_VERSION2;
+        req.slot = a->slot;
+        req.generation = a->generation;
+        memcpy(req.alloc_id, a->alloc_id, sizeof req.alloc_id);
+        req.first = have;
+        req.max = VMM_BROKER_MAX_FDS;
+        vmm_broker_reply2 rep;
+        int got[VMM_BROKER_MAX_FDS];
+        v2_recv r = {.rep = &rep, .fds = got};
+        pthread_mutex_lock(&o->io);
+        int rc = broker_roundtrip(reg, a, o, &req, sizeof req, recv_v2, &r, &st);
+        pthread_mutex_unlock(&o->io);
+        if (st != VMM_OK) break;
+        if (rc) {
+            st = exchange_failed(a, rc);
+            break;
+        }
+        if (rep.status == -ERANGE)
+            st = set_err(VMM_ERR_STALE, "owner pid %u's allocation no longer has the %u handles its record says", a->pid,
+                         want);
+        else if (rep.status != 0)
+            st = reply_failed(a, rep.status);
+        else if (rep.n_total != want || rep.n_here == 0 || rep.n_here != r.n_fds || rep.n_here > want - have)
+            st = set_err(VMM_ERR_IO, "owner pid %u's broker sent %u fds of %u handles from handle %u; the record says %u",
+                         a->pid, r.n_fds, rep.n_total, have, want);
+        for (uint32_t i = 0; i < r.n_fds; i++) {
+            if (st == VMM_OK && (rep.sizes[i] == 0 || rep.sizes[i] > a->mapped_size - bytes))
+                st = set_err(VMM_ERR_IO, "owner pid %u's broker sent handles of more bytes than the record's %llu",
+                             a->pid, (unsigned long long)a->mapped_size);
+            if (st == VMM_OK) {
+                fds[have] = got[i];
+                sizes[have++] = rep.sizes[i];
+                bytes += rep.sizes[i];
+            } else {
+                close(got[i]);
+            }
+        }
+    }
+    owner_put(o);
+    if (st == VMM_OK && bytes != a->mapped_size)
+        st = set_err(VMM_ERR_IO, "owner pid %u's broker sent %u handles of %llu bytes; the record says %llu", a->pid,
+                     have, (unsigned long long)bytes, (unsigned long long)a->mapped_size);
+    if (st != VMM_OK) {
+        while (have) close(fds[--have]);
+        return st;
+    }
+    *n = have;
+    return VMM_OK;
 }

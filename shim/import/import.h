@@ -58,11 +58,17 @@ vmm_status vmm__find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_allo
  * slot holds no live allocation, VMM_ERR_BUSY when it stayed mid-write.  import.c uses it to check
  * a cached chunk's allocation without asking the owner's broker. */
 vmm_status vmm__read_slot(vmm_registry *reg, uint64_t slot, vmm_alloc_info *out);
+/* The owner of a has died and a living keeper holds a's memory now (layout.h KEEP): its record
+ * is still that live allocation, flagged kept, and the keeper's lock is held.  import.c asks it
+ * before it calls a dead owner's cached chunk gone. */
+bool vmm__kept_now(vmm_registry *reg, const vmm_alloc_info *a);
 
 /* ---- imports (import.c): the vmm_import* functions of vmmshim.h under vmm__ names ---- */
 
 vmm_status vmm__import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out);
 vmm_status vmm__import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd);
+vmm_status vmm__import_fds(vmm_registry *reg, const vmm_alloc_info *alloc, int *fds, uint64_t *sizes, uint32_t max,
+                           uint32_t *n);
 vmm_status vmm__import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
                              vmm_imported **out);
 vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *lengths,

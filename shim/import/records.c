@@ -10,6 +10,7 @@
 #include "vmmshim.h"
 #include "import/import.h"
 
+#include "registry/keep.h"
 #include "registry/registry.h"
 
 #include <errno.h>
@@ -34,13 +35,13 @@ _Static_assert(SAME(VMM_FROM_UNKNOWN, VMM_API_UNKNOWN) && SAME(VMM_FROM_CUDA_MAL
                    SAME(VMM_FROM_CU_MEM_MAP, VMM_API_CU_MEM_MAP) && SAME(VMM_FROM_TEST, VMM_API_TEST),
                "vmm_alloc_info.api mirrors vmm_reg_alloc.api");
 _Static_assert(SAME(VMM_ALLOC_NOT_EXPORTABLE, VMM_REG_F_NOT_EXPORTABLE) && SAME(VMM_ALLOC_SHARED_CHUNK, VMM_REG_F_SHARED_CHUNK) &&
-                   SAME(VMM_ALLOC_MULTI_HANDLE, VMM_REG_F_MULTI_HANDLE),
+                   SAME(VMM_ALLOC_MULTI_HANDLE, VMM_REG_F_MULTI_HANDLE) && SAME(VMM_ALLOC_KEPT, VMM_REG_F_KEPT),
                "alloc flags match the registry's");
 _Static_assert(SAME(VMM_KIND_BROKER, VMM_HANDLE_BROKER) && SAME(VMM_KIND_PIDFD, VMM_HANDLE_PIDFD) &&
                    SAME(VMM_KIND_FABRIC, VMM_HANDLE_FABRIC),
                "vmm_alloc_info.handle_kinds mirrors vmm_reg_alloc.handle_kinds");
 _Static_assert(SAME(VMM_OWNER_DEAD, VMM__DEAD) && SAME(VMM_OWNER_ALIVE, VMM__ALIVE) &&
-                   SAME(VMM_OWNER_UNKNOWN, VMM__UNKNOWN),
+                   SAME(VMM_OWNER_UNKNOWN, VMM__UNKNOWN) && SAME(VMM_OWNER_KEPT, VMM__KEPT),
                "owner liveness values");
 _Static_assert(sizeof(((vmm_registry_info *)0)->name) == sizeof(((vmm__reg *)0)->name), "registry name size");
 _Static_assert(sizeof(((vmm_proc_info *)0)->broker_path) == sizeof(((vmm_reg_proc *)0)->broker_path),
@@ -196,6 +197,7 @@ typedef struct {
     uint64_t start_time, pidns;
     uint32_t pid;
     int alive; /* -1: empty */
+    int kept;  /* a dead owner's: -1 not judged yet, else whether a living keeper keeps it */
 } live_entry;
 
 typedef struct {
@@ -207,15 +209,39 @@ static void live_cache_init(live_cache *c)
     for (size_t i = 0; i < LIVE_CACHE; i++) c->e[i].alive = -1;
 }
 
-static int live_cached(live_cache *c, uint32_t pid, uint64_t start_time, uint64_t pidns)
+/* A record's owner as a reader sees it: a dead owner's record that a living keeper holds is
+ * kept (layout.h KEEP), its memory served by the keeper. */
+static int live_cached(live_cache *c, const vmm__reg *r, const vmm_reg_alloc *a)
 {
-    live_entry *e = &c->e[(vmm_reg_hash(pid, start_time ^ pidns) >> 7) % LIVE_CACHE];
-    if (e->alive >= 0 && e->pid == pid && e->start_time == start_time && e->pidns == pidns) return e->alive;
-    e->pid = pid;
-    e->start_time = start_time;
-    e->pidns = pidns;
-    e->alive = vmm__reg_liveness(pid, start_time, pidns);
-    return e->alive;
+    live_entry *e = &c->e[(vmm_reg_hash(a->pid, a->start_time ^ a->pidns) >> 7) % LIVE_CACHE];
+    if (e->alive < 0 || e->pid != a->pid || e->start_time != a->start_time || e->pidns != a->pidns) {
+        e->pid = a->pid;
+        e->start_time = a->start_time;
+        e->pidns = a->pidns;
+        e->alive = vmm__reg_liveness(a->pid, a->start_time, a->pidns);
+        e->kept = -1;
+    }
+    if (e->alive != VMM__DEAD || !(a->flags & VMM_REG_F_KEPT)) return e->alive;
+    if (e->kept < 0) e->kept = vmm__keep_held(r, a->pid, a->start_time);
+    return e->kept ? VMM__KEPT : VMM__DEAD;
+}
+
+static int record_owner(const vmm__reg *r, const vmm_reg_alloc *a)
+{
+    int l = vmm__reg_liveness(a->pid, a->start_time, a->pidns);
+    if (l == VMM__DEAD && (a->flags & VMM_REG_F_KEPT) && vmm__keep_held(r, a->pid, a->start_time)) return VMM__KEPT;
+    return l;
+}
+
+bool vmm__kept_now(vmm_registry *reg, const vmm_alloc_info *a)
+{
+    vmm_reg_alloc rec;
+    if (a->slot >= reg->r.hdr->capacity ||
+        __atomic_load_n(&vmm__chunk_table(&reg->r)[a->slot / reg->r.hdr->chunk_records], __ATOMIC_ACQUIRE) == 0 ||
+        vmm__reg_read_alloc(&reg->r, a->slot, &rec) != 0)
+        return false;
+    return rec.state == VMM_REG_LIVE && rec.generation == a->generation && rec.pid == a->pid &&
+           rec.start_time == a->owner_start_time && record_owner(&reg->r, &rec) == VMM__KEPT;
 }
 
 bool vmm__pid_exists(uint32_t pid)
@@ -254,7 +280,7 @@ static void alloc_info_from(vmm_alloc_info *o, uint64_t slot, const vmm_reg_allo
     o->chunk_id = a->chunk_id;
     o->chunk_offset = a->chunk_offset;
     o->extent = a->extent;
-    o->flags = a->flags & (VMM_REG_F_NOT_EXPORTABLE | VMM_REG_F_SHARED_CHUNK | VMM_REG_F_MULTI_HANDLE);
+    o->flags = a->flags & (VMM_REG_F_NOT_EXPORTABLE | VMM_REG_F_SHARED_CHUNK | VMM_REG_F_MULTI_HANDLE | VMM_REG_F_KEPT);
     /* a record of an older layout has zeros at n_handles: one handle */
     o->n_handles = (a->flags & VMM_REG_F_MULTI_HANDLE) && a->n_handles > 1 ? a->n_handles : 1;
     o->tag[sizeof o->tag - 1] = 0;
@@ -334,6 +360,7 @@ int vmm__read_claimed_proc(const vmm__reg *r, uint32_t index, uint64_t claim, vm
     if (p->pid == cpid && p->start_time != 0) {
         *pid = p->pid;
         *alive = vmm__reg_liveness(p->pid, p->start_time, p->pidns);
+        if (*alive == VMM__DEAD && p->keeper_pid && vmm__keep_held(r, p->pid, p->start_time)) *alive = VMM__KEPT;
     } else {
         /* claimed but its identity not (yet) written: the claimer died in between, or is there */
         *pid = cpid;
@@ -359,7 +386,7 @@ static int alloc_visit(void *ctx, uint64_t slot, const vmm_reg_alloc *rec, int r
     alloc_walk *w = ctx;
     if (read_rc != 0 || rec->state != VMM_REG_LIVE) return 0; /* busy, or a bare reservation */
     vmm_alloc_info info;
-    alloc_info_from(&info, slot, rec, live_cached(&w->live, rec->pid, rec->start_time, rec->pidns));
+    alloc_info_from(&info, slot, rec, live_cached(&w->live, w->r, rec));
     return w->fn(w->ctx, &info) ? WALK_STOPPED : 0;
 }
 
@@ -435,7 +462,7 @@ vmm_status vmm__find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_allo
         return set_error(VMM_ERR_BUSY, "registry %s: the index or record for pid %u at 0x%llx stayed mid-update",
                          reg->r.name, pid, (unsigned long long)address);
     if (rc) return vmm__reg_error(rc, NULL, false);
-    alloc_info_from(out, slot, &rec, vmm__reg_liveness(rec.pid, rec.start_time, rec.pidns));
+    alloc_info_from(out, slot, &rec, record_owner(&reg->r, &rec));
     return VMM_OK;
 }
 

@@ -142,6 +142,37 @@
  * loads it (acquire) before the walk and (after an acquire fence) again after, and walks again
  * if it was odd or moved, for some tens of milliseconds at most.  Only the owner writes the table.
  *
+ * KEEP (layout version 5): a keeper (`vmmctl keep`) is a companion that holds an owner's memory (the
+ * fds of its chunks, fetched from the owner's broker as any companion fetches them) so that it
+ * outlives the owner.  For each owner it keeps, it makes the shm object VMM_REG_KEEP_NAME (registry
+ * name, owner pid, owner start_time; as readable and writable as the registry), a vmm_keep_file,
+ * and holds an open-file-description write lock (F_OFD_SETLK) on its byte 0 for as long as it
+ * keeps that owner.  The kernel drops the lock when the keeper dies, so "a living keeper keeps this
+ * owner" reads: the object exists, names the owner, and F_OFD_GETLK on its byte 0 finds a write
+ * lock (pid reuse cannot fake it).  A second keeper of the same owner finds the lock taken.  While
+ * it keeps the owner the keeper stores its pid in the owner's vmm_reg_proc.keeper_pid (an atomic
+ * store outside the seq protocol, like the counters; 0 = none; a value left by a keeper that died
+ * is judged by the lock), so that the owner tells with one load whether anybody keeps it.
+ * While the owner lives, memory it gives back must reach the device as it would without a keeper:
+ * the keeper drops (closes the fds of) a chunk within its tick (10 ms) of the registry showing no
+ * live allocation in it.  The owner rings the keeper (bell += 1, FUTEX_WAKE on bell: a shared
+ * futex) when it gives a segment back, and before it fails for lack of memory it rings and waits
+ * (FUTEX_WAIT on done, some tens of milliseconds at most) until done reaches its ring: the keeper
+ * stores in done the bell value it read before a pass over the registry that dropped every chunk
+ * without a live allocation.  An owner waits only while heartbeat_ns (CLOCK_MONOTONIC, stored by
+ * the keeper every tick) is less than a second old.  When an owner that a living keeper keeps
+ * calls exit() with a status other than 0, it stores exit_status (and exit_seen = 1) and leaves
+ * its records, its name table and its frames file in place, as a crash leaves them.
+ * When the owner has died, the keeper sets VMM_REG_F_KEPT (seq protocol) on each of its records
+ * whose memory it holds, rewrites the owner's vmm_reg_proc.broker_path (seq protocol) to its own
+ * socket, which answers the broker protocol (shim/broker/protocol.h) for those records, and sets
+ * state VMM_KEEP_KEPT with how the owner ended.  A reader judges a dead owner's record with
+ * VMM_REG_F_KEPT whose keep file is locked "kept": it imports it through broker_path as from a
+ * living owner.  gc reclaims none of a kept owner's records, nor its proc slot, name table or
+ * frames file; it removes the keep file of an owner it reclaims, and every keep file beside the
+ * registry that no keeper locks.  Only the keeper writes the file, except bell and exit_* (the
+ * owner) and bell and release (`vmmctl release`, asking the keeper to let go).
+ *
  * LOCKS: readers take none.  Index writers exclude each other with index_lock, a word in the
  * header: 0 = free, else (holder's proc generation << 32) | (holder's proc index + 1), taken by CAS
  * and held for a few index stores.  A waiter may take it over when the holder's proc slot has moved
@@ -160,8 +191,9 @@
  * version-2 reader reads a version-3 segment as it always did, so compat_version stays 2.  The
  * version still moves on so that a reader can tell a segment made by a writer that knows them;
  * since writers of both versions may share one segment, each record says for itself
- * (stats_generation).  4: MULTI-HANDLE records (n_handles at 320, in bytes that were reserved). */
-#define VMM_REG_VERSION 4u
+ * (stats_generation).  4: MULTI-HANDLE records (n_handles at 320, in bytes that were reserved).
+ * 5: KEEP (keeper_pid at 500 of the proc record, VMM_REG_F_KEPT, the keep files). */
+#define VMM_REG_VERSION 5u
 #define VMM_REG_COMPAT_VERSION 2u /* 2: one record per pooled allocation, index by level */
 #define VMM_REG_CHUNK_RECORDS 64u
 #define VMM_REG_MIN_LEVEL 8u  /* 256 bytes */
@@ -174,6 +206,9 @@
 #define VMM_REG_FRAMES_NAME "%s.frames.%u.%llu" /* registry name, pid, start_time (FRAMES) */
 #define VMM_REG_FRAMES_HEADER "# vmmshim frames 1: address offset function module"
 #define VMM_REG_NAMES_NAME "%s.names.%u.%llu" /* registry name, pid, start_time (NAMES) */
+#define VMM_REG_KEEP_NAME "%s.keep.%u.%llu"   /* registry name, owner pid, owner start_time (KEEP) */
+#define VMM_KEEP_MAGIC 0x5045454b534d4d56ull /* "VMMSKEEP" little-endian */
+#define VMM_KEEP_VERSION 1u
 #define VMM_NAMES_MAGIC 0x4d414e48534d4d56ull /* "VMMSHNAM" little-endian */
 #define VMM_NAMES_VERSION 1u
 #define VMM_NAMES_NAME_MAX 127u /* bytes of a name, without its NUL */
@@ -193,7 +228,8 @@ enum {
 enum {
     VMM_REG_F_NOT_EXPORTABLE = 1u << 0, /* passed through (e.g. during stream capture) */
     VMM_REG_F_SHARED_CHUNK = 1u << 1,   /* its chunk may hold other allocations of the same owner */
-    VMM_REG_F_MULTI_HANDLE = 1u << 2    /* its chunk is n_handles handles back to back (MULTI-HANDLE) */
+    VMM_REG_F_MULTI_HANDLE = 1u << 2,   /* its chunk is n_handles handles back to back (MULTI-HANDLE) */
+    VMM_REG_F_KEPT = 1u << 3            /* its owner died and a keeper holds its memory (KEEP) */
 };
 
 /* vmm_reg_alloc.api: the call that made the allocation */
@@ -260,7 +296,8 @@ typedef struct vmm_reg_proc {
     uint64_t maps_adopted;     /* 480 */
     uint64_t peak_requested;   /* 488 highest bytes_requested, in bytes */
     uint32_t stats_generation; /* 496 == generation when the counters 440..495 are this owner's */
-    uint8_t reserved[12];      /* 500 */
+    uint32_t keeper_pid;       /* 500 the keeper that keeps this process (KEEP), 0 = none; atomic, outside seq */
+    uint8_t reserved[8];       /* 504 */
 } vmm_reg_proc;                /* 512 */
 
 typedef struct vmm_reg_alloc {
@@ -346,7 +383,8 @@ VMM_ASSERT_OFF(vmm_reg_proc, passed_unsupported, 472);
 VMM_ASSERT_OFF(vmm_reg_proc, maps_adopted, 480);
 VMM_ASSERT_OFF(vmm_reg_proc, peak_requested, 488);
 VMM_ASSERT_OFF(vmm_reg_proc, stats_generation, 496);
-VMM_ASSERT_OFF(vmm_reg_proc, reserved, 500);
+VMM_ASSERT_OFF(vmm_reg_proc, keeper_pid, 500);
+VMM_ASSERT_OFF(vmm_reg_proc, reserved, 504);
 
 _Static_assert(sizeof(vmm_reg_alloc) == 384, "alloc record size");
 VMM_ASSERT_OFF(vmm_reg_alloc, seq, 0);
@@ -456,6 +494,66 @@ VMM_ASSERT_OFF(vmm_names_entry, name, 200);
 VMM_ASSERT_OFF(vmm_names_entry, reserved, 328);
 _Static_assert(sizeof(((vmm_names_entry *)0)->name) == VMM_NAMES_NAME_MAX + 1, "name size");
 _Static_assert(sizeof(((vmm_names_entry *)0)->shape) == VMM_NAMES_MAX_DIMS * 8, "shape size");
+
+/* KEEP: the file a keeper keeps beside the registry for one owner. */
+enum { VMM_KEEP_WATCHING = 1, VMM_KEEP_KEPT = 2, VMM_KEEP_RELEASED = 3 };
+/* vmm_keep_file.end_kind: how the owner ended, as the keeper learnt it */
+enum { VMM_KEEP_END_NONE = 0, VMM_KEEP_END_EXIT = 1, VMM_KEEP_END_SIGNAL = 2, VMM_KEEP_END_UNKNOWN = 3 };
+
+typedef struct vmm_keep_file {
+    uint64_t magic;            /*   0 VMM_KEEP_MAGIC */
+    uint32_t version;          /*   8 VMM_KEEP_VERSION */
+    uint32_t size;             /*  12 sizeof(vmm_keep_file) */
+    uint32_t ready;            /*  16 1 once the keeper filled it (release store) */
+    uint32_t state;            /*  20 VMM_KEEP_* (atomic) */
+    uint32_t owner_pid;        /*  24 */
+    uint32_t keeper_pid;       /*  28 */
+    uint64_t owner_start_time; /*  32 */
+    uint64_t keeper_start_time;/*  40 */
+    uint64_t pidns;            /*  48 the owner's (the keeper shares it) */
+    uint32_t bell;             /*  56 rung by the owner and by vmmctl release (atomic add, FUTEX_WAKE) */
+    uint32_t done;             /*  60 the bell a full pass of the keeper began with (atomic, FUTEX_WAKE) */
+    uint64_t heartbeat_ns;     /*  64 CLOCK_MONOTONIC of the keeper's last pass (atomic) */
+    uint32_t release;          /*  72 1: vmmctl release asks the keeper to let go (atomic) */
+    int32_t exit_status;       /*  76 the status the owner passed to exit() (written by the owner) */
+    uint32_t exit_seen;        /*  80 1 once the owner wrote exit_status (release store) */
+    uint32_t end_kind;         /*  84 VMM_KEEP_END_*: how the owner ended (keeper) */
+    int32_t end_value;         /*  88 the exit code or the signal */
+    uint32_t reserved0;        /*  92 */
+    uint64_t ended_ns;         /*  96 CLOCK_REALTIME when the keeper found the owner gone */
+    uint64_t since_ns;         /* 104 CLOCK_REALTIME when keeping began */
+    uint64_t held_allocs;      /* 112 allocations whose memory the keeper holds (atomic) */
+    uint64_t held_bytes;       /* 120 bytes of the chunks it holds (atomic) */
+    char socket[112];          /* 128 the keeper's broker socket */
+    uint8_t reserved[16];      /* 240 */
+} vmm_keep_file;               /* 256 */
+
+_Static_assert(sizeof(vmm_keep_file) == 256, "keep file size");
+VMM_ASSERT_OFF(vmm_keep_file, magic, 0);
+VMM_ASSERT_OFF(vmm_keep_file, version, 8);
+VMM_ASSERT_OFF(vmm_keep_file, size, 12);
+VMM_ASSERT_OFF(vmm_keep_file, ready, 16);
+VMM_ASSERT_OFF(vmm_keep_file, state, 20);
+VMM_ASSERT_OFF(vmm_keep_file, owner_pid, 24);
+VMM_ASSERT_OFF(vmm_keep_file, keeper_pid, 28);
+VMM_ASSERT_OFF(vmm_keep_file, owner_start_time, 32);
+VMM_ASSERT_OFF(vmm_keep_file, keeper_start_time, 40);
+VMM_ASSERT_OFF(vmm_keep_file, pidns, 48);
+VMM_ASSERT_OFF(vmm_keep_file, bell, 56);
+VMM_ASSERT_OFF(vmm_keep_file, done, 60);
+VMM_ASSERT_OFF(vmm_keep_file, heartbeat_ns, 64);
+VMM_ASSERT_OFF(vmm_keep_file, release, 72);
+VMM_ASSERT_OFF(vmm_keep_file, exit_status, 76);
+VMM_ASSERT_OFF(vmm_keep_file, exit_seen, 80);
+VMM_ASSERT_OFF(vmm_keep_file, end_kind, 84);
+VMM_ASSERT_OFF(vmm_keep_file, end_value, 88);
+VMM_ASSERT_OFF(vmm_keep_file, reserved0, 92);
+VMM_ASSERT_OFF(vmm_keep_file, ended_ns, 96);
+VMM_ASSERT_OFF(vmm_keep_file, since_ns, 104);
+VMM_ASSERT_OFF(vmm_keep_file, held_allocs, 112);
+VMM_ASSERT_OFF(vmm_keep_file, held_bytes, 120);
+VMM_ASSERT_OFF(vmm_keep_file, socket, 128);
+VMM_ASSERT_OFF(vmm_keep_file, reserved, 240);
 
 /* A record's level in the index: the smallest g >= 8 with extent <= 2^g. */
 static inline unsigned vmm_reg_level(uint64_t extent)

@@ -12,6 +12,7 @@
  * retract call vmm__names_drop_slot, so every free route is covered).  One mutex serialises the
  * writer's threads; publish prepares everything that can fail (checks, the records, memory, the
  * object's pages) before it writes the first entry, so a failed call changes nothing. */
+#include "registry/keep.h"
 #include "registry/names.h"
 #include "registry/seq.h"
 
@@ -602,7 +603,10 @@ unsigned vmm__names_sweep(const vmm__reg *r)
         ssize_t got = pread(fd, &h, sizeof h, 0);
         close(fd);
         if (got != (ssize_t)sizeof h || h.magic != VMM_NAMES_MAGIC || h.pid != pid || h.start_time != start) continue;
-        if (vmm__reg_liveness(pid, start, h.pidns) == VMM__DEAD && shm_unlink(path) == 0) removed++;
+        /* a dead owner a living keeper keeps still has its names (layout.h KEEP) */
+        if (vmm__reg_liveness(pid, start, h.pidns) == VMM__DEAD && !vmm__keep_held(r, pid, start) &&
+            shm_unlink(path) == 0)
+            removed++;
     }
     closedir(dir);
     return removed;

@@ -2,6 +2,7 @@
  * reader side (seq-checked copies, find by interior address) and reclamation of dead owners.
  * The protocol every reader follows is written down in layout.h. */
 #include "registry/registry.h"
+#include "registry/keep.h"
 #include "registry/names.h"
 #include "registry/seq.h"
 
@@ -366,6 +367,7 @@ static void counters_clear(vmm_reg_proc *p)
                      &p->allocs_backed, &p->passed_capture,     &p->passed_device_full, &p->passed_unsupported,
                      &p->maps_adopted,  &p->peak_requested};
     for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) __atomic_store_n(c[i], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->keeper_pid, 0, __ATOMIC_RELAXED); /* an earlier owner's keeper is not this one's */
 }
 
 static uint64_t chunk_tag(const vmm__reg *r) { return ((uint64_t)r->proc_gen << 32) | (r->proc_index + 1); }
@@ -460,6 +462,7 @@ void vmm__reg_forget_after_fork(vmm__reg *r)
     r->attached = false;
     r->n_free = r->n_chunks = 0;
     vmm__names_forget_after_fork(r);
+    vmm__keep_forget_after_fork();
     /* The inherited fd shares the parent's open file description, so its OFD locks would not
      * exclude the parent's: open the same object again (by /proc/self/fd, no name lookup, works
      * if unlinked) for a description of our own, under the same fd number.  No snprintf: this
@@ -1044,12 +1047,20 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
         }
         vmm_reg_proc p;
         int live = VMM__UNKNOWN;
-        if (vmm__reg_read_proc_within(r, i, &p, &w) == 0 && p.start_time != 0)
+        bool known = vmm__reg_read_proc_within(r, i, &p, &w) == 0 && p.start_time != 0;
+        if (known)
             live = vmm__reg_liveness(p.pid, p.start_time, p.pidns);
         else /* died (or is) between claiming the slot and writing its identity: judge by pid */
             live = pid_exists((uint32_t)c) ? VMM__UNKNOWN : VMM__DEAD;
         if (live == VMM__ALIVE) st->procs_alive++;
         if (live == VMM__UNKNOWN) st->procs_unknown++;
+        /* a dead owner whose memory a living keeper holds stays, records, names and all, until
+         * the keeper lets go (layout.h KEEP) */
+        if (live == VMM__DEAD && known && __atomic_load_n(&proc_at(r, i)->keeper_pid, __ATOMIC_ACQUIRE) &&
+            vmm__keep_held(r, p.pid, p.start_time)) {
+            st->procs_kept++;
+            continue;
+        }
         if (live == VMM__DEAD) {
             st->procs_dead++;
             state[i] = 1;
@@ -1080,6 +1091,7 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
         if ((uint32_t)(c >> 32) != gens[i]) continue;
         remove_frames_file(r, __atomic_load_n(&p->pid, __ATOMIC_RELAXED), __atomic_load_n(&p->start_time, __ATOMIC_RELAXED));
         vmm__names_unlink(r, __atomic_load_n(&p->pid, __ATOMIC_RELAXED), __atomic_load_n(&p->start_time, __ATOMIC_RELAXED));
+        vmm__keep_unlink_unheld(r, __atomic_load_n(&p->pid, __ATOMIC_RELAXED), __atomic_load_n(&p->start_time, __ATOMIC_RELAXED));
         seq_begin(&p->seq);
         __atomic_store_n(&p->pid, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&p->start_time, 0, __ATOMIC_RELAXED);
@@ -1089,6 +1101,7 @@ int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st)
     }
     __atomic_add_fetch(&r->hdr->stat_reclaimed, st->records_reclaimed, __ATOMIC_RELAXED);
     st->names_removed = vmm__names_sweep(r); /* tables whose owners died with their slots reclaimed before */
+    st->keep_removed = vmm__keep_sweep(r);   /* keep files no keeper holds, of dead owners */
     if (st->chunks_reclaimed || (__atomic_load_n(&r->hdr->index_seq, __ATOMIC_ACQUIRE) & 1u)) {
         /* sweep the tombstones (and whatever a writer that died mid-change left) */
         index_lock(r);

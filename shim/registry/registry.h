@@ -11,7 +11,7 @@
 #include "registry/layout.h"
 
 enum { VMM__REG_READ = 0, VMM__REG_WRITE = 1, VMM__REG_CREATE = 3 };
-enum { VMM__DEAD = 0, VMM__ALIVE = 1, VMM__UNKNOWN = 2 };
+enum { VMM__DEAD = 0, VMM__ALIVE = 1, VMM__UNKNOWN = 2, VMM__KEPT = 3 /* dead, its memory kept (layout.h KEEP) */ };
 
 typedef struct vmm__reg {
     int fd;
@@ -38,6 +38,8 @@ typedef struct vmm__reg {
 typedef struct vmm__reg_gc_stats {
     unsigned procs_dead, procs_unknown, procs_alive, records_reclaimed, chunks_reclaimed, index_rebuilt;
     unsigned names_removed; /* name tables of dead owners removed (layout.h NAMES) */
+    unsigned procs_kept;    /* dead owners a living keeper keeps: left alone (layout.h KEEP) */
+    unsigned keep_removed;  /* keep files no keeper holds removed */
 } vmm__reg_gc_stats;
 
 /* Open (and with VMM__REG_CREATE create) the registry.  `name` NULL means VMMSHIM_REGISTRY or

@@ -15,6 +15,7 @@
 #include "vmmshim.h"
 #include "import/import.h"
 
+#include "registry/keep.h"
 #include "registry/registry.h"
 
 #include <errno.h>
@@ -37,6 +38,7 @@ VMM_PUBLIC const char *vmm_strerror(vmm_status status) { return vmm__status_text
 VMM_PUBLIC const char *vmm_last_error(void) { return vmm__error_text(); }
 
 #define set_error vmm__error
+#define SAME(a, b) ((int)(a) == (int)(b))
 
 #define NEED(cond, what)                                                                          \
     do {                                                                                          \
@@ -237,6 +239,42 @@ VMM_PUBLIC vmm_status vmm_find_proc(vmm_registry *reg, uint32_t pid, vmm_proc_in
     NEED(out, "out is NULL");
     NEED(pid != 0, "pid is 0");
     return vmm__find_proc(reg, pid, out);
+}
+
+_Static_assert(SAME(VMM_KEEPER_WATCHING, VMM_KEEP_WATCHING) && SAME(VMM_KEEPER_KEPT, VMM_KEEP_KEPT) &&
+                   SAME(VMM_END_NONE, VMM_KEEP_END_NONE) && SAME(VMM_END_EXIT, VMM_KEEP_END_EXIT) &&
+                   SAME(VMM_END_SIGNAL, VMM_KEEP_END_SIGNAL) && SAME(VMM_END_UNKNOWN, VMM_KEEP_END_UNKNOWN),
+               "keeper states mirror the keep file's");
+_Static_assert(sizeof(((vmm_keeper_info *)0)->socket) == sizeof(((vmm_keep_file *)0)->socket), "keeper socket size");
+
+VMM_PUBLIC vmm_status vmm_keeper_of(vmm_registry *reg, uint32_t pid, vmm_keeper_info *out)
+{
+    NEED(reg, "reg is NULL");
+    NEED(out, "out is NULL");
+    NEED(pid != 0, "pid is 0");
+    memset(out, 0, sizeof *out);
+    vmm_proc_info p;
+    vmm_status st = vmm__find_proc(reg, pid, &p);
+    if (st != VMM_OK) return st;
+    vmm_keep_file f;
+    int rc = vmm__keep_read(&reg->r, pid, p.start_time, &f);
+    if (rc == -ENOENT || rc == -ESRCH || (rc == 0 && f.state == VMM_KEEP_RELEASED))
+        return set_error(VMM_ERR_NOT_FOUND, "pid %u is not kept (no keeper holds it)", pid);
+    if (rc == -EPROTO)
+        return set_error(VMM_ERR_CORRUPT, "pid %u: its keep file beside registry %s is not valid", pid, reg->r.name);
+    if (rc) return vmm__reg_error(rc, NULL, false);
+    out->owner_pid = pid;
+    out->keeper_pid = f.keeper_pid;
+    out->state = (int)f.state;
+    out->end_kind = (int)f.end_kind;
+    out->end_value = f.end_value;
+    out->since_ns = f.since_ns;
+    out->ended_ns = f.ended_ns;
+    out->held_allocs = f.held_allocs;
+    out->held_bytes = f.held_bytes;
+    memcpy(out->socket, f.socket, sizeof out->socket);
+    out->socket[sizeof out->socket - 1] = 0;
+    return VMM_OK;
 }
 
 VMM_PUBLIC vmm_status vmm_find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_alloc_info *out)

@@ -16,6 +16,12 @@ VMM_PUBLIC vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *all
     return vmm__import_fd(reg, alloc, fd);
 }
 
+VMM_PUBLIC vmm_status vmm_import_fds(vmm_registry *reg, const vmm_alloc_info *alloc, int *fds, uint64_t *sizes,
+                                     uint32_t max, uint32_t *n)
+{
+    return vmm__import_fds(reg, alloc, fds, sizes, max, n);
+}
+
 VMM_PUBLIC vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
                                        vmm_imported **out)
 {

@@ -33,8 +33,10 @@ typedef enum vmm_status {
     VMM_ERR_NO_SHIM = 12    /* owner side: this process does not run under an active libvmmshim.so */
 } vmm_status;
 
-/* Liveness of an owner, judged by pid and process start time (never pid alone). */
-enum { VMM_OWNER_DEAD = 0, VMM_OWNER_ALIVE = 1, VMM_OWNER_UNKNOWN = 2 /* other pid namespace */ };
+/* Liveness of an owner, judged by pid and process start time (never pid alone).  KEPT: it has
+ * exited, and a keeper (vmmctl keep; see Keepers below) holds this allocation's memory and serves
+ * its imports, so import it as from a living owner. */
+enum { VMM_OWNER_DEAD = 0, VMM_OWNER_ALIVE = 1, VMM_OWNER_UNKNOWN = 2 /* other pid namespace */, VMM_OWNER_KEPT = 3 };
 
 /* How a companion may obtain an allocation's memory (vmm_alloc_info.handle_kinds). */
 enum { VMM_KIND_BROKER = 1u << 0, VMM_KIND_PIDFD = 1u << 1, VMM_KIND_FABRIC = 1u << 2 };
@@ -96,7 +98,9 @@ typedef struct vmm_alloc_info {
 enum {
     VMM_ALLOC_NOT_EXPORTABLE = 1u << 0, /* made by the real allocator (device full, stream capture) */
     VMM_ALLOC_SHARED_CHUNK = 1u << 1,   /* its chunk may hold other allocations of the same owner */
-    VMM_ALLOC_MULTI_HANDLE = 1u << 2    /* its chunk is n_handles handles back to back (broker only) */
+    VMM_ALLOC_MULTI_HANDLE = 1u << 2,   /* its chunk is n_handles handles back to back (broker only) */
+    VMM_ALLOC_KEPT = 1u << 3            /* its owner died and a keeper holds its memory (owner_alive says
+                                           VMM_OWNER_KEPT while that keeper lives) */
 };
 
 typedef struct vmm_proc_info {
@@ -221,6 +225,15 @@ vmm_status vmm_import_release(vmm_imported *imp);
  * asks the owner again; the caller closes the fd.  VMM_ERR_INVALID for a VMM_ALLOC_MULTI_HANDLE
  * record: one fd cannot carry its handles. */
 vmm_status vmm_import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd);
+/* Every handle of the allocation's chunk as an fd (close-on-exec), in address order, with each
+ * handle's size in sizes: one for a one-handle record (as vmm_import_fd, sizes[0] its mapped_size),
+ * alloc->n_handles for a VMM_ALLOC_MULTI_HANDLE one (from the owner's broker, protocol v2).  max is
+ * the room in fds and sizes: less than the handles the record names is VMM_ERR_INVALID.  *n says
+ * how many were given; the caller closes them.  Each call asks the owner again.  An fd keeps its
+ * handle's memory alive until it is closed, after the owner frees it or exits too: what a keeper
+ * (vmmctl keep) holds. */
+vmm_status vmm_import_fds(vmm_registry *reg, const vmm_alloc_info *alloc, int *fds, uint64_t *sizes, uint32_t max,
+                          uint32_t *n);
 
 /* Map the owner's bytes [address, address+length) of process `pid` here as one contiguous range,
  * also when they lie in several allocations: a program that maps memory itself with the driver's
@@ -285,6 +298,35 @@ int vmm_import_device(const vmm_imported *imp);
 vmm_status vmm_import_check(vmm_registry *reg, const vmm_imported *imp);
 /* Unmap every imported chunk no vmm_imported holds now. */
 vmm_status vmm_import_drop_idle(void);
+
+/* ---- Keepers ------------------------------------------------------------------------------
+ * A keeper (`vmmctl keep`) holds the memory of processes it keeps, as a companion holding their
+ * chunks' fds, so that it outlives them.  While such a process lives, the keeper holds what it
+ * publishes and lets go of what it frees.  When it dies (a signal, or exit() with a status other
+ * than 0), its records stay in the registry with VMM_ALLOC_KEPT, owner_alive (and vmm_proc_info's
+ * alive) read VMM_OWNER_KEPT while the keeper lives, and the keeper answers the owner's broker
+ * requests: vmm_import, vmm_import_range, vmm_import_many, vmm_foreach_tensor work on them as on
+ * a living owner's.  vmm_gc leaves them until the keeper lets go (vmmctl release, or the keeper
+ * stops or dies). */
+enum { VMM_KEEPER_WATCHING = 1 /* the process lives */, VMM_KEEPER_KEPT = 2 /* it died: its memory is kept */ };
+/* How the kept process ended, as the keeper learnt it. */
+enum { VMM_END_NONE = 0 /* not yet */, VMM_END_EXIT = 1 /* exit code end_value */,
+       VMM_END_SIGNAL = 2 /* killed by signal end_value */, VMM_END_UNKNOWN = 3 /* vanished */ };
+typedef struct vmm_keeper_info {
+    uint32_t owner_pid;
+    uint32_t keeper_pid;
+    int state;             /* VMM_KEEPER_* */
+    int end_kind;          /* VMM_END_* */
+    int end_value;
+    uint64_t since_ns;     /* CLOCK_REALTIME when keeping began */
+    uint64_t ended_ns;     /* CLOCK_REALTIME when the keeper found the process gone; 0 while it lives */
+    uint64_t held_allocs;  /* allocations whose memory the keeper holds */
+    uint64_t held_bytes;   /* bytes of the chunks it holds */
+    char socket[112];      /* the keeper's broker socket */
+} vmm_keeper_info;
+/* The living keeper that keeps process `pid` (the living process of that pid, else a dead one
+ * with a record).  VMM_ERR_NOT_FOUND: no such process, or nobody keeps it. */
+vmm_status vmm_keeper_of(vmm_registry *reg, uint32_t pid, vmm_keeper_info *out);
 
 /* Where the calling thread's last successful vmm_import spent its time, in nanoseconds (for
  * `vmmctl import-test` and benchmarks).  Steps not taken are 0. */

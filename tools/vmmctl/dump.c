@@ -207,6 +207,12 @@ static void import_target(vmm_registry *reg, target *t)
                        "being captured)");
         return;
     }
+    if (a->owner_alive == VMM_OWNER_DEAD) { /* of a kept process, but not held by its keeper */
+        t->state = SKIPPED;
+        snprintf(t->reason, sizeof t->reason, "its owner died before a keeper held it (vmmctl keep holds an "
+                                              "allocation once it has lived for its settle time)");
+        return;
+    }
     vmm_status st = vmm_import(reg, a, &t->imp);
     if (st == VMM_OK) return;
     t->state = st == VMM_ERR_STALE ? SKIPPED : FAILED;
@@ -257,7 +263,28 @@ static void manifest_entry(FILE *f, const target *t, bool last)
     fputs(last ? "\n" : ",\n", f);
 }
 
-static int write_manifest(int dir, const char *path, const dump_job *j, const dump_totals *tot, bool owner_alive)
+/* A kept process (vmmctl keep): who keeps it, and how it ended. */
+static void manifest_keeper(FILE *f, vmm_registry *reg, const dump_job *j)
+{
+    vmm_keeper_info k;
+    if (vmm_keeper_of(reg, j->pid, &k) != VMM_OK) {
+        fputs("  \"kept_by\": null,\n  \"owner_ended\": null,\n  \"owner_ended_at\": null,\n", f);
+        return;
+    }
+    char how[80], when[32] = "";
+    vmm__ctl_end_text(k.end_kind, k.end_value, how, sizeof how);
+    fprintf(f, "  \"kept_by\": %u,\n  \"owner_ended\": ", k.keeper_pid);
+    if (k.state == VMM_KEEPER_KEPT) vmm__ctl_json_str(f, how);
+    else fputs("null", f);
+    if (k.ended_ns) iso_time(k.ended_ns, when, sizeof when);
+    fprintf(f, ",\n  \"owner_ended_at\": ");
+    if (k.ended_ns) fprintf(f, "\"%s\"", when);
+    else fputs("null", f);
+    fputs(",\n", f);
+}
+
+static int write_manifest(vmm_registry *reg, int dir, const char *path, const dump_job *j, const dump_totals *tot,
+                          bool owner_alive)
 {
     char when[32];
     iso_time(tot->taken_ns, when, sizeof when);
@@ -270,11 +297,13 @@ static int write_manifest(int dir, const char *path, const dump_job *j, const du
     }
     fprintf(f, "{\n  \"pid\": %u,\n  \"cmdline\": ", j->pid);
     vmm__ctl_json_str(f, j->proc.cmdline);
-    fprintf(f, ",\n  \"owner_start_time\": %llu,\n  \"owner_alive_after\": %s,\n  \"taken\": \"%s\",\n"
+    fprintf(f, ",\n  \"owner_start_time\": %llu,\n  \"owner_alive_after\": %s,\n", (unsigned long long)j->proc.start_time,
+            owner_alive ? "true" : "false");
+    manifest_keeper(f, reg, j);
+    fprintf(f, "  \"taken\": \"%s\",\n"
                "  \"taken_ns\": %llu,\n  \"seconds\": %.3f,\n  \"bytes\": %llu,\n  \"dumped\": %zu,\n"
                "  \"skipped\": %zu,\n  \"failed\": %zu,\n  \"allocations\": [\n",
-            (unsigned long long)j->proc.start_time, owner_alive ? "true" : "false", when,
-            (unsigned long long)tot->taken_ns, tot->seconds, (unsigned long long)tot->bytes, tot->dumped,
+            when, (unsigned long long)tot->taken_ns, tot->seconds, (unsigned long long)tot->bytes, tot->dumped,
             tot->skipped, tot->failed);
     for (size_t i = 0; i < j->n; i++) manifest_entry(f, &j->t[i], i + 1 == j->n);
     fputs("  ]\n}\n", f);
@@ -425,8 +454,8 @@ static int dump_all(vmm_registry *reg, dump_job *j, const char *path, progress *
     }
     vmm_proc_info after;
     bool alive = vmm_find_proc(reg, j->pid, &after) == VMM_OK && after.start_time == j->proc.start_time &&
-                 after.alive != VMM_OWNER_DEAD;
-    rc = write_manifest(dir, path, j, &tot, alive);
+                 after.alive != VMM_OWNER_DEAD && after.alive != VMM_OWNER_KEPT;
+    rc = write_manifest(reg, dir, path, j, &tot, alive);
     close(dir);
     if (rc) return rc;
     print_summary(j, path, &tot, import_s);

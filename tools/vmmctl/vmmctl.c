@@ -58,6 +58,16 @@ static const char usage_text[] =
     "                 every S seconds (default 1) each process's allocations and bytes and\n"
     "                 their change since the tick before: a redrawn table on a terminal, else\n"
     "                 one JSON line per tick; stops after N ticks, or on SIGINT/SIGTERM\n"
+    "  keep PID... | --all [--tag T] [--on-exit dump DIR] [--settle MS] [--daemon [--log FILE]]\n"
+    "                 hold the memory of the processes named (--all: of every process under the\n"
+    "                 shim, now and later; --tag: only allocations with tag T) so that it\n"
+    "                 outlives them: what they free is let go of at once; when one dies (a\n"
+    "                 signal, or exit with a status other than 0) its allocations stay, kept,\n"
+    "                 and list --all, dump, import-test and the client library serve them;\n"
+    "                 --on-exit dump DIR: dump it to DIR/PID then.  One line per event; stops\n"
+    "                 (letting go of everything) on SIGINT/SIGTERM, or when nothing is left\n"
+    "                 to keep.  A process kept by another keeper is refused\n"
+    "  release PID    ask the keeper of PID to let go of it, and wait until it has\n"
     "  config         every VMMSHIM_* option: its value and where it came from\n"
     "\n"
     "options:\n"
@@ -148,6 +158,7 @@ const char *vmm__ctl_owner_name(int alive, bool json)
 {
     if (alive == VMM_OWNER_ALIVE) return "alive";
     if (alive == VMM_OWNER_DEAD) return "dead";
+    if (alive == VMM_OWNER_KEPT) return "kept";
     return json ? "unknown" : "?";
 }
 
@@ -296,7 +307,25 @@ typedef struct {
     uint32_t pid; /* 0: every process */
     bool json, all, names;
     uint64_t now, n, requested, mapped, hidden;
+    vmm_registry *reg;
+    uint32_t kept[64], n_kept; /* kept processes met, named after the table */
+    uint32_t last_kept, last_keeper;
 } list_ctx;
+
+/* The keeper of a kept allocation's owner (0: none), asked once per owner in a row. */
+static uint32_t keeper_of(list_ctx *c, const vmm_alloc_info *a)
+{
+    if (a->owner_alive != VMM_OWNER_KEPT) return 0;
+    if (c->last_kept != a->pid) {
+        vmm_keeper_info k;
+        c->last_kept = a->pid;
+        c->last_keeper = vmm_keeper_of(c->reg, a->pid, &k) == VMM_OK ? k.keeper_pid : 0;
+        bool seen = false;
+        for (uint32_t i = 0; i < c->n_kept; i++) seen |= c->kept[i] == a->pid;
+        if (!seen && c->n_kept < 64) c->kept[c->n_kept++] = a->pid;
+    }
+    return c->last_keeper;
+}
 
 /* The bytes an allocation holds: its extent of a shared chunk (the whole chunk is mapped_size,
  * and adding that up would count a shared chunk once per allocation in it). */
@@ -333,7 +362,11 @@ static int list_row(void *ctx, const vmm_alloc_info *a)
         if (a->handle_kinds & VMM_KIND_BROKER) printf("%s\"broker\"", sep), sep = ", ";
         if (a->handle_kinds & VMM_KIND_PIDFD) printf("%s\"pidfd\"", sep), sep = ", ";
         if (a->handle_kinds & VMM_KIND_FABRIC) printf("%s\"fabric\"", sep);
-        printf("], \"exported_fd\": %d, \"frames\": [", a->exported_fd);
+        uint32_t keeper = keeper_of(c, a);
+        printf("], \"exported_fd\": %d, \"kept_by\": ", a->exported_fd);
+        if (keeper) printf("%u", keeper);
+        else printf("null");
+        printf(", \"frames\": [");
         for (uint32_t i = 0; i < a->n_frames && i < 8; i++) printf("%s%llu", i ? ", " : "", (unsigned long long)a->frames[i]);
         printf("], \"tag\": ");
         vmm__ctl_json_str(stdout, a->tag);
@@ -341,6 +374,7 @@ static int list_row(void *ctx, const vmm_alloc_info *a)
     } else {
         hbuf req, map;
         char age[24];
+        (void)keeper_of(c, a);
         snprintf(age, sizeof age, "%llus", (unsigned long long)age_s(a->created_ns, c->now));
         /* The short id is the last 8 bytes: the registry makes the first 8 a per-process nonce,
          * the same on every row of a process. */
@@ -386,20 +420,25 @@ static int cmd_list(int argc, char **argv)
     else
         printf("%7s %3s %-14s %10s %10s %-15s %-19s %-5s %7s %-16s %s\n", "PID", "DEV", "ADDRESS", "SIZE", "MAPPED",
                "API", "KINDS", "OWNER", "AGE", "TAG", "ID");
+    c.reg = reg;
     vmm_status st = vmm_foreach_alloc(reg, list_row, &c);
-    vmm_close(reg);
-    if (st != VMM_OK) return vmm__ctl_api_error(st);
+    if (st != VMM_OK) {
+        vmm_close(reg);
+        return vmm__ctl_api_error(st);
+    }
     if (c.json) {
         printf("%s]\n", c.n ? "\n" : "");
     } else {
         hbuf req, map;
         printf("%llu allocation%s, %s requested, %s mapped\n", (unsigned long long)c.n, c.n == 1 ? "" : "s",
                vmm__ctl_human(c.requested, &req), vmm__ctl_human(c.mapped, &map));
+        for (uint32_t i = 0; i < c.n_kept; i++) vmm__ctl_keeper_line(reg, c.kept[i]);
         if (c.hidden)
             printf("(%llu more of dead processes not shown: `vmmctl list --all` shows them, `vmmctl gc` reclaims "
                    "them)\n",
                    (unsigned long long)c.hidden);
     }
+    vmm_close(reg);
     return fflush(stdout) == 0 ? EXIT_OK : vmm__ctl_error("writing the output: %s", strerror(errno));
 }
 
@@ -409,7 +448,7 @@ static int cmd_list(int argc, char **argv)
 typedef struct {
     bool json;
     uint64_t n, allocs, requested, mapped;
-    unsigned alive, dead, unknown;
+    unsigned alive, dead, unknown, kept;
 } ps_ctx;
 
 /* The coverage counters in ps's order: made, backed, passed for capture, full device, unsupported,
@@ -465,6 +504,7 @@ static int ps_row(void *ctx, const vmm_proc_info *p)
     c->mapped += p->bytes_mapped;
     if (p->alive == VMM_OWNER_ALIVE) c->alive++;
     else if (p->alive == VMM_OWNER_DEAD) c->dead++;
+    else if (p->alive == VMM_OWNER_KEPT) c->kept++;
     else c->unknown++;
     return 0;
 }
@@ -494,8 +534,10 @@ static int cmd_ps(int argc, char **argv)
         printf("%s]\n", c.n ? "\n" : "");
     } else {
         hbuf req, map;
-        printf("%llu process%s (%u alive, %u dead, %u unknown), %llu allocation%s, %s requested, %s mapped\n",
-               (unsigned long long)c.n, c.n == 1 ? "" : "es", c.alive, c.dead, c.unknown,
+        char kept[32] = "";
+        if (c.kept) snprintf(kept, sizeof kept, ", %u kept", c.kept);
+        printf("%llu process%s (%u alive, %u dead, %u unknown%s), %llu allocation%s, %s requested, %s mapped\n",
+               (unsigned long long)c.n, c.n == 1 ? "" : "es", c.alive, c.dead, c.unknown, kept,
                (unsigned long long)c.allocs, c.allocs == 1 ? "" : "s", vmm__ctl_human(c.requested, &req),
                vmm__ctl_human(c.mapped, &map));
     }
@@ -509,6 +551,12 @@ static int count_alloc(void *ctx, const vmm_alloc_info *a)
 {
     (void)a;
     ++*(uint64_t *)ctx;
+    return 0;
+}
+
+static int count_kept(void *ctx, const vmm_proc_info *p)
+{
+    if (p->alive == VMM_OWNER_KEPT) ++*(unsigned *)ctx;
     return 0;
 }
 
@@ -557,7 +605,11 @@ static int cmd_check(int argc, char **argv)
            vmm__ctl_human(info.total_bytes, &total));
     printf("  totals: %llu published, %llu retracted, %llu reclaimed\n", (unsigned long long)info.publishes,
            (unsigned long long)info.retracts, (unsigned long long)info.reclaimed);
-    printf("  processes: %u alive, %u dead, %u unknown\n", rep.procs_alive, rep.procs_dead, rep.procs_unknown);
+    unsigned kept = 0;
+    vmm_foreach_proc(reg, count_kept, &kept);
+    printf("  processes: %u alive, %u dead, %u unknown", rep.procs_alive, rep.procs_dead, rep.procs_unknown);
+    if (kept) printf(", %u kept (dead, their memory held by a keeper: not a problem)", kept);
+    printf("\n");
     unsigned dead_listed = 0;
     if (rep.procs_dead) vmm_foreach_proc(reg, dead_row, &dead_listed);
     vmm_close(reg);
@@ -591,10 +643,13 @@ static int cmd_gc(int argc, char **argv)
     if (rc) return rc;
     vmm_gc_report rep;
     vmm_status st = vmm_gc(reg, &rep);
+    unsigned kept = 0;
+    if (st == VMM_OK) vmm_foreach_proc(reg, count_kept, &kept);
     vmm_close(reg);
     if (st != VMM_OK) return vmm__ctl_api_error(st);
     printf("reclaimed %u record%s from %u dead process%s", rep.records_reclaimed,
            rep.records_reclaimed == 1 ? "" : "s", rep.procs_dead, rep.procs_dead == 1 ? "" : "es");
+    if (kept) printf("; left %u kept process%s to %s keeper", kept, kept == 1 ? "" : "es", kept == 1 ? "its" : "their");
     if (rep.index_rebuilt) printf("; rebuilt the index");
     printf("\n");
     fflush(stdout);
@@ -941,6 +996,8 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "import-test") == 0) return cmd_import_test(n, rest);
     if (strcmp(cmd, "dump") == 0) return vmm__ctl_cmd_dump(n, rest);
     if (strcmp(cmd, "watch") == 0) return vmm__ctl_cmd_watch(n, rest);
+    if (strcmp(cmd, "keep") == 0) return vmm__ctl_cmd_keep(n, rest);
+    if (strcmp(cmd, "release") == 0) return vmm__ctl_cmd_release(n, rest);
     if (strcmp(cmd, "help") == 0) {
         fputs(usage_text, stdout);
         return EXIT_OK;

@@ -32,7 +32,8 @@ typedef struct {
 /* 512 B, 4.0 KiB, 2.0 MiB, 1.50 GiB. */
 const char *vmm__ctl_human(uint64_t v, hbuf *b);
 const char *vmm__ctl_api_name(uint32_t api);
-/* alive, dead, and "?" (json: "unknown") for an owner in another pid namespace. */
+/* alive, dead, kept (dead, its memory held by a keeper), and "?" (json: "unknown") for an owner
+ * in another pid namespace. */
 const char *vmm__ctl_owner_name(int alive, bool json);
 /* s for a table cell: control characters as '?', "-" when empty. */
 const char *vmm__ctl_cell(const char *s, char *buf, size_t len);
@@ -46,6 +47,13 @@ uint64_t vmm__ctl_now_ns(void);
 /* The commands that live in files of their own. */
 int vmm__ctl_cmd_dump(int argc, char **argv);
 int vmm__ctl_cmd_watch(int argc, char **argv);
+/* keep.c: vmmctl keep (a keeper, shim/registry/layout.h KEEP) and vmmctl release. */
+int vmm__ctl_cmd_keep(int argc, char **argv);
+int vmm__ctl_cmd_release(int argc, char **argv);
+/* "pid N: kept by keeper pid K since T; it <ended how>" for a kept process (nothing otherwise). */
+void vmm__ctl_keeper_line(vmm_registry *reg, uint32_t pid);
+/* How a kept process ended (VMM_END_*), in words: "killed by signal 9 (SIGKILL)". */
+const char *vmm__ctl_end_text(int kind, int value, char *buf, size_t len);
 /* list --names (names.c): the named tensors of pid (0: of every living process). */
 int vmm__ctl_list_names(uint32_t pid, bool json);
 
