@@ -7,9 +7,12 @@
  *                      (cudaMemcpy); answers "ok"
  *   "f <index>"      cudaFree; answers "ok"
  *   "d <device>"     cudaSetDevice: later allocations are that device's; answers "ok"
+ *   "x <code>"       exit(code), answering nothing (tests/unit/test_keep.c: how an owner ended)
+ *   "s"              raises SIGSEGV, as a crash would (no handler of its own)
  *   "q"              exits
  * A failure answers "error <what>". */
 #include <cuda_runtime_api.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +30,8 @@ int main(void)
         unsigned long long a = 0, b = 0;
         cudaError_t e = cudaSuccess;
         if (line[0] == 'q') break;
+        if (line[0] == 'x' && sscanf(line + 1, "%llu", &a) == 1) exit((int)a);
+        if (line[0] == 's') raise(SIGSEGV);
         if ((line[0] == 'a' || line[0] == 'A') && sscanf(line + 1, "%llu", &a) == 1 && n < MAX_BUFS) {
             size[n] = (size_t)a;
             e = line[0] == 'a' ? cudaMalloc(&buf[n], size[n]) : cudaMallocAsync(&buf[n], size[n], 0);

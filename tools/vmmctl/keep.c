@@ -835,8 +835,8 @@ static int daemonize(const char *log, int *relay_out)
     if (nul >= 0) dup2(nul, 0);
     dup2(pfd[1], 1);
     dup2(pfd[1], 2);
-    close(pfd[1]);
-    if (nul >= 0) close(nul);
+    /* nothing else of the parent's stays open here: whoever waits for its output gets EOF */
+    close_range(3, ~0u, 0);
     int logfd = log ? open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600) : open("/dev/null", O_WRONLY | O_CLOEXEC);
     if (logfd < 0) return vmm__ctl_error("cannot open the log %s: %s", log, strerror(errno));
     *relay_out = logfd;
@@ -875,7 +875,10 @@ int vmm__ctl_cmd_keep(int argc, char **argv)
     if (log && !daemon) vmm__ctl_usage_error("--log goes with --daemon");
     if (g_tag && strlen(g_tag) >= sizeof(((vmm_alloc_info *)0)->tag))
         vmm__ctl_usage_error("--tag: a tag is at most 31 bytes");
-    int rc = vmm__ctl_open_registry(&g_reg, false);
+    /* the background process does everything, its setup's lines (and errors) relayed */
+    int logfd = -1, rc;
+    if (daemon && (rc = daemonize(log, &logfd)) != EXIT_OK) return rc;
+    rc = vmm__ctl_open_registry(&g_reg, false);
     if (rc) return rc;
     vmm_registry_info info;
     vmm_status st = vmm_registry_describe(g_reg, &info);
@@ -888,8 +891,6 @@ int vmm__ctl_cmd_keep(int argc, char **argv)
     char why[300];
     if (vmm__reg_open(&g_wreg, info.name, VMM__REG_WRITE, 0, getenv("VMMSHIM_REGISTRY_GROUP"), why, sizeof why) != 0)
         return vmm__ctl_error("cannot open registry %s for writing: %s", info.name, why);
-    int logfd = -1;
-    if (daemon && (rc = daemonize(log, &logfd)) != EXIT_OK) return rc;
 
     /* Signals go to the main thread's sigtimedwait; every thread starts with them blocked. */
     sigset_t stop;
