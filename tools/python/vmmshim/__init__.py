@@ -31,18 +31,19 @@ from . import _dlpack, _dtypes, _lib
 from ._errors import (BY_STATUS, Access, Busy, Corrupt, CudaError, Error, InvalidArgument, IOFailure, LibraryNotFound,
                       NotFound, NotUnderShim, OutOfMemory, OwnerDead, Stale, VersionMismatch)
 from ._owner import publish, publish_many, unpublish
-from ._lib import (ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, KIND_BROKER, KIND_FABRIC, KIND_PIDFD,
-                   OWNER_ALIVE, OWNER_DEAD, OWNER_UNKNOWN)
+from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, KIND_BROKER, KIND_FABRIC,
+                   KIND_PIDFD, OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, OWNER_UNKNOWN)
 
 __version__ = "0.1.0"
 
 __all__ = ["Registry", "Allocation", "Process", "Tensor", "Buffer", "View", "publish", "publish_many", "unpublish",
            "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
            "Access", "Corrupt", "VersionMismatch", "Busy", "Stale", "OwnerDead", "CudaError", "OutOfMemory",
-           "IOFailure", "NotUnderShim", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN", "KIND_BROKER", "KIND_PIDFD", "KIND_FABRIC",
-           "ALLOC_NOT_EXPORTABLE", "ALLOC_SHARED_CHUNK", "ALLOC_MULTI_HANDLE"]
+           "IOFailure", "NotUnderShim", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN", "OWNER_KEPT", "KIND_BROKER",
+           "KIND_PIDFD", "KIND_FABRIC", "ALLOC_NOT_EXPORTABLE", "ALLOC_SHARED_CHUNK", "ALLOC_MULTI_HANDLE", "ALLOC_KEPT"]
 
-_OWNER_NAMES = {OWNER_DEAD: "dead", OWNER_ALIVE: "alive"}
+# kept: the owner has exited, and a keeper (vmmctl keep) holds its memory and serves it as the owner did
+_OWNER_NAMES = {OWNER_DEAD: "dead", OWNER_ALIVE: "alive", OWNER_KEPT: "kept"}
 
 
 def _check(status):
@@ -212,6 +213,16 @@ class Registry:
         info = _lib.ProcInfo()
         _check(_lib.lib().vmm_find_proc(self._h(), pid, ctypes.byref(info)))
         return Process(info)
+
+    def keeper_of(self, pid):
+        """The pid of the keeper (vmmctl keep) that keeps process pid, or None when nobody does.
+        A kept process that has died reads as OWNER_KEPT, and its memory opens as a living one's."""
+        info = _lib.KeeperInfo()
+        status = _lib.lib().vmm_keeper_of(self._h(), pid, ctypes.byref(info))
+        if status == _lib.NOT_FOUND:
+            return None
+        _check(status)
+        return info.keeper_pid
 
     def tensors(self, pid):
         """{name: Tensor} of the tensors process pid publishes by name now (vmmshim.publish, or

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from . import OWNER_ALIVE, OWNER_DEAD, KIND_BROKER, KIND_FABRIC, KIND_PIDFD, Error, Registry
+from . import OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, KIND_BROKER, KIND_FABRIC, KIND_PIDFD, Error, Registry
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,7 +65,7 @@ def _held(a):
     return a.extent or a.mapped_size
 
 
-def _json_row(a, now):
+def _json_row(a, now, kept_by=None):
     age = (now - a.created_ns) // 1_000_000_000 if a.created_ns and a.created_ns < now else 0
     kinds = ", ".join(f'"{k}"' for k in _kinds(a.handle_kinds))
     frames = ", ".join(str(f) for f in a.frames)
@@ -76,13 +76,14 @@ def _json_row(a, now):
             f'"chunk_id": {a.chunk_id}, "chunk_offset": {a.chunk_offset}, "extent": {_held(a)}, '
             f'"shared_chunk": {"true" if a.shared_chunk else "false"}, "n_handles": {a.n_handles}, "stream": {a.stream}, '
             f'"created_ns": {a.created_ns}, "age_s": {age}, "api": "{a.api}", "handle_kinds": [{kinds}], '
-            f'"exported_fd": {a.exported_fd}, "frames": [{frames}], "tag": {_json_str(a._info.tag)}}}')
+            f'"exported_fd": {a.exported_fd}, "kept_by": {"null" if kept_by is None else kept_by}, '
+            f'"frames": [{frames}], "tag": {_json_str(a._info.tag)}}}')
 
 
 def _table_row(a, now):
     age = (now - a.created_ns) // 1_000_000_000 if a.created_ns and a.created_ns < now else 0
     tag = "".join("?" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch for ch in a.tag) or "-"
-    owner = {OWNER_ALIVE: "alive", OWNER_DEAD: "dead"}.get(a.owner_alive, "?")
+    owner = {OWNER_ALIVE: "alive", OWNER_DEAD: "dead", OWNER_KEPT: "kept"}.get(a.owner_alive, "?")
     return (f"{a.pid:7} {a.device:3} 0x{a.address:012x} {_human(a.size):>10} {_human(_held(a)):>10} {a.api:<15} "
             f"{','.join(_kinds(a.handle_kinds)) or '-':<19} {owner:<5} {str(age) + 's':>7} {tag:<16} {a.id[16:]}")
 
@@ -91,9 +92,11 @@ def _list(args):
     now = time.time_ns()
     with Registry(args.registry) as reg:
         allocs = reg.allocations(args.pid)
+        keepers = {a.pid: reg.keeper_of(a.pid) for a in allocs if a.owner_alive == OWNER_KEPT}
     shown = [a for a in allocs if args.all or a.owner_alive != OWNER_DEAD]
     if args.json:
-        body = ",\n".join(_json_row(a, now) for a in shown)
+        body = ",\n".join(_json_row(a, now, keepers.get(a.pid) if a.owner_alive == OWNER_KEPT else None)
+                          for a in shown)
         return "[" + ("\n" + body + "\n" if shown else "") + "]\n"
     lines = [f"{'PID':>7} {'DEV':>3} {'ADDRESS':<14} {'SIZE':>10} {'MAPPED':>10} {'API':<15} {'KINDS':<19} "
              f"{'OWNER':<5} {'AGE':>7} {'TAG':<16} ID"]

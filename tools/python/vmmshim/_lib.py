@@ -14,9 +14,10 @@ c_u8, c_u32, c_u64, c_i32, c_int = ctypes.c_uint8, ctypes.c_uint32, ctypes.c_uin
 # vmm_status
 OK, INVALID, NOT_FOUND, ACCESS, CORRUPT, VERSION, BUSY, STALE, OWNER_DEAD, CUDA, NOMEM, IO, NO_SHIM = range(13)
 
-OWNER_DEAD, OWNER_ALIVE, OWNER_UNKNOWN = 0, 1, 2
+# KEPT: the owner has exited and a keeper (vmmctl keep) holds the memory and serves its imports
+OWNER_DEAD, OWNER_ALIVE, OWNER_UNKNOWN, OWNER_KEPT = 0, 1, 2, 3
 KIND_BROKER, KIND_PIDFD, KIND_FABRIC = 1, 2, 4
-ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, ALLOC_MULTI_HANDLE = 1, 2, 4
+ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, ALLOC_MULTI_HANDLE, ALLOC_KEPT = 1, 2, 4, 8
 
 # vmm_alloc_info.api, named as vmmctl names them
 API_NAMES = {1: "cudaMalloc", 2: "cudaMallocAsync", 3: "cuMemAlloc", 4: "cuMemAllocAsync",
@@ -76,6 +77,22 @@ class ProcInfo(ctypes.Structure):
         ("passed_unsupported", c_u64),
         ("maps_adopted", c_u64),
         ("peak_requested", c_u64),
+    ]
+
+
+class KeeperInfo(ctypes.Structure):
+    """vmm_keeper_info."""
+    _fields_ = [
+        ("owner_pid", c_u32),
+        ("keeper_pid", c_u32),
+        ("state", c_int),
+        ("end_kind", c_int),
+        ("end_value", c_int),
+        ("since_ns", c_u64),
+        ("ended_ns", c_u64),
+        ("held_allocs", c_u64),
+        ("held_bytes", c_u64),
+        ("socket", ctypes.c_char * 112),
     ]
 
 
@@ -141,6 +158,7 @@ _PROTOTYPES = {
     "vmm_import_read": (c_int, [_P, c_u64, ctypes.c_void_p, c_u64]),
     "vmm_import_check": (c_int, [_P, _P]),
     "vmm_foreach_tensor": (c_int, [_P, c_u32, TENSOR_FN, ctypes.c_void_p]),
+    "vmm_keeper_of": (c_int, [_P, c_u32, ctypes.POINTER(KeeperInfo)]),
 }
 
 SOURCE_TREE_LIB = pathlib.Path(__file__).resolve().parents[3] / "build" / "libvmmshim-client.so"
