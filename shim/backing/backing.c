@@ -201,6 +201,16 @@ static void print_coverage(const vmm_reg_proc *c)
 }
 
 static int exit_status; /* what exit() was given (on_exit): a keeper keeps what a failed process leaves */
+static int keep_at_exit = -1; /* keep_exiting's answer, once it ran: leave the records for a keeper */
+
+/* exit() handlers run last registered first: this one, registered once the broker runs, comes
+ * before the broker's own (which unlinks its socket), so that a keeper can still take what it has
+ * not yet (registry/layout.h KEEP). */
+static void keep_exiting(int status, void *arg)
+{
+    (void)arg;
+    if (S.registry_ok) __atomic_store_n(&keep_at_exit, vmm__keep_exiting(&S.reg, status), __ATOMIC_RELEASE);
+}
 
 static void at_exit(void)
 {
@@ -221,7 +231,9 @@ static void at_exit(void)
         __atomic_store_n(&coverage, &local_coverage, __ATOMIC_RELEASE);
         /* A process that a keeper keeps and that fails leaves its records (names, frames) as a
          * crash leaves them, for the keeper to keep (registry/layout.h KEEP). */
-        if (!vmm__keep_exiting(&S.reg, exit_status)) {
+        int keep = __atomic_load_n(&keep_at_exit, __ATOMIC_ACQUIRE);
+        if (keep < 0) keep = vmm__keep_exiting(&S.reg, exit_status);
+        if (!keep) {
             vmm__reg_detach(&S.reg);
             vmm__frames_exit();
         }
@@ -835,6 +847,7 @@ static void start_broker(void)
     if (!S.broker_started) {
         int rc = vmm__broker_start(broker_export_many, S.broker_path, sizeof S.broker_path);
         if (rc == 0) vmm__reg_set_broker(&S.reg, S.broker_path);
+        if (rc == 0) on_exit(keep_exiting, NULL);
         else vmm__log(VMM__LOG_WARNING, "broker did not start (%s); companions can import only via pidfd", strerror(-rc));
         __atomic_store_n(&S.broker_started, rc == 0 ? 1 : -1, __ATOMIC_RELEASE);
     }

@@ -120,10 +120,8 @@ static bool beating(const vmm_keep_file *f)
     return hb && mono_ns() - hb < VMM__KEEP_HEARTBEAT_NS;
 }
 
-void vmm__keep_ring(vmm__reg *r, unsigned wait_ms)
+static void ring_wait(vmm_keep_file *f, unsigned wait_ms)
 {
-    vmm_keep_file *f = own_file(r);
-    if (!f) return;
     uint32_t b = __atomic_add_fetch(&f->bell, 1, __ATOMIC_ACQ_REL);
     futex_wake(&f->bell);
     if (!wait_ms || !beating(f)) return;
@@ -137,14 +135,20 @@ void vmm__keep_ring(vmm__reg *r, unsigned wait_ms)
     }
 }
 
+void vmm__keep_ring(vmm__reg *r, unsigned wait_ms)
+{
+    vmm_keep_file *f = own_file(r);
+    if (f) ring_wait(f, wait_ms);
+}
+
 bool vmm__keep_exiting(vmm__reg *r, int status)
 {
     vmm_keep_file *f = own_file(r);
     if (!f || !beating(f) || __atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != VMM_KEEP_WATCHING) return false;
     f->exit_status = status;
     __atomic_store_n(&f->exit_seen, 1, __ATOMIC_RELEASE);
-    __atomic_add_fetch(&f->bell, 1, __ATOMIC_ACQ_REL);
-    futex_wake(&f->bell);
+    /* with a failure, its memory is to be kept: the keeper takes what it has not yet, now */
+    ring_wait(f, status != 0 ? VMM__KEEP_EXIT_WAIT_MS : 0);
     return status != 0;
 }
 

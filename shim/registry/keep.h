@@ -13,6 +13,8 @@
 
 /* The owner waits for its keeper this long at most before it fails for lack of memory. */
 #define VMM__KEEP_LET_GO_MS 100u
+/* An owner exiting with a failure waits this long at most for its keeper to take what it holds. */
+#define VMM__KEEP_EXIT_WAIT_MS 2000u
 /* An owner waits only for a keeper whose heartbeat is this recent. */
 #define VMM__KEEP_HEARTBEAT_NS 1000000000ull
 
@@ -24,7 +26,8 @@
 void vmm__keep_ring(vmm__reg *r, unsigned wait_ms);
 /* exit(status) runs: a keeper that keeps this process learns the status; true when the process
  * should leave its records (and name table, frames file) for the keeper, as a crash would:
- * a living keeper keeps it and status is not 0. */
+ * a living keeper keeps it and status is not 0.  Then it also waits (VMM__KEEP_EXIT_WAIT_MS at
+ * most) for the keeper to take every chunk it has not taken yet, while the broker still serves. */
 bool vmm__keep_exiting(vmm__reg *r, int status);
 /* vmmctl release: ask the keeper of (pid, start_time) to let go, and wait wait_ms at most until
  * it has.  0; -ENOENT or -ESRCH when no keeper keeps it; -ETIMEDOUT; another -errno. */

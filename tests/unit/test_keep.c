@@ -703,6 +703,41 @@ static void t_two_owners(void)
     CHECK(strstr(R.out, "reclaimed 2 records from 2 dead processes"), "gc: %s", R.out);
 }
 
+/* The settle time: an allocation younger than it is not held when its owner is killed, but an
+ * owner exiting with a failure waits for its keeper to take everything. */
+static void t_settle(void)
+{
+    owner o1, o2;
+    if (!owner_start(&o1, "spans", NULL) || !owner_start(&o2, "spans", NULL)) {
+        CHECK(false, "cannot start the owners");
+        return;
+    }
+    char p1[16], p2[16];
+    pid_str(o1.pid, p1);
+    pid_str(o2.pid, p2);
+    uint64_t a;
+    CHECK(alloc_fill(&o1, 'a', 2 * MIB, 71, &a) >= 0 && alloc_fill(&o2, 'a', 2 * MIB, 72, &a) >= 0, "allocations");
+    keeper k;
+    KEEPER(&k, "settle", p1, p2, "--settle", "60000");
+    CHECK(keeper_says(&k, "keeping (", 2, 5000), "kept from now on");
+    CHECK(alloc_fill(&o1, 'a', 4 * MIB, 73, &a) >= 0, "another allocation");
+    sleep_ms(100);
+    char buf[4096];
+    slurp(k.out, buf, sizeof buf);
+    CHECK(!strstr(buf, "holding"), "nothing held before the settle time: %s", buf);
+    fprintf(o1.to, "x 5\n");
+    fflush(o1.to);
+    CHECK(keeper_says(&k, "exited with code 5: keeping 2 allocations", 1, 5000), "exit(5): all taken as it exits");
+    reap(&o1);
+    kill(o2.pid, SIGKILL);
+    CHECK(keeper_says(&k, "killed by signal 9 (SIGKILL): nothing of it was held", 1, 5000), "killed unsettled");
+    reap(&o2);
+    kill(k.pid, SIGTERM);
+    CHECK(keeper_wait(&k, 5000) == 0, "stopped");
+    CTL("gc");
+    CHECK(strstr(R.out, "reclaimed 3 records from 2 dead processes"), "gc: %s", R.out);
+}
+
 /* Named tensors survive their owner. */
 static void t_names(void)
 {
@@ -844,7 +879,7 @@ int main(void)
         const char *name;
         void (*fn)(void);
     } cases[] = {{"killed", t_killed},     {"churn", t_churn},   {"oom_handshake", t_oom_handshake},
-                 {"keeper_killed", t_keeper_killed}, {"two_owners", t_two_owners}, {"names", t_names},
+                 {"keeper_killed", t_keeper_killed}, {"two_owners", t_two_owners}, {"settle", t_settle}, {"names", t_names},
                  {"all_daemon_full", t_all_daemon_full}, {"bad_input", t_bad_input}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         int f0 = check__failed;

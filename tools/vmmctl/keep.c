@@ -31,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -324,13 +325,14 @@ static void settle_locked(owner *o, const cur_set *s, bool pend, uint64_t now)
     }
 }
 
-/* Take the chunks that settled: their fds from the owner's broker (outside g_lock). */
-static void take_settled(owner *o, uint64_t now)
+/* Take the chunks that settled (all of them, `all`: the owner is exiting with a failure): their
+ * fds from the owner's broker (outside g_lock). */
+static void take_settled(owner *o, uint64_t now, bool all)
 {
     pending *p, *tmp;
     HASH_ITER(hh, o->pend, p, tmp)
     {
-        if (now - p->first_ns < (uint64_t)g_settle_ms * 1000000u) continue;
+        if (!all && now - p->first_ns < (uint64_t)g_settle_ms * 1000000u) continue;
         uint32_t want = p->key.multi ? p->key.n_handles : 1, n = 0;
         int *fds = calloc(want ? want : 1, sizeof *fds);
         uint64_t *sizes = calloc(want ? want : 1, sizeof *sizes);
@@ -379,15 +381,18 @@ static void pass_alive(owner *o, uint32_t bell)
     pthread_mutex_lock(&g_lock);
     settle_locked(o, &s, true, now);
     pthread_mutex_unlock(&g_lock);
-    vmm__keep_done(&o->k, bell);
+    /* an owner exiting with a failure waits for this pass to take everything: done comes after */
+    bool exiting = __atomic_load_n(&o->k.f->exit_seen, __ATOMIC_ACQUIRE) && o->k.f->exit_status != 0;
+    if (!exiting) vmm__keep_done(&o->k, bell);
     if (o->pend) {
-        take_settled(o, now);
+        take_settled(o, now, exiting);
         pthread_mutex_lock(&g_lock);
         settle_locked(o, &s, true, now); /* the allocations in chunks just taken */
         pthread_mutex_unlock(&g_lock);
     }
     free(s.a);
     publish_counts(o);
+    if (exiting) vmm__keep_done(&o->k, bell);
     if (o->n_held != before_held || o->n_chunks != before_chunks) {
         hbuf h;
         event("pid %u: holding %u allocation%s in %u chunk%s, %s", o->pid, o->n_held, o->n_held == 1 ? "" : "s",
@@ -900,6 +905,12 @@ int vmm__ctl_cmd_keep(int argc, char **argv)
     sigaddset(&stop, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &stop, NULL);
     signal(SIGPIPE, SIG_IGN);
+    /* a fd per handle held: a large job has thousands */
+    struct rlimit nofile;
+    if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+        nofile.rlim_cur = nofile.rlim_max;
+        (void)setrlimit(RLIMIT_NOFILE, &nofile);
+    }
 
     vmm__opt_init(); /* the broker's directory and group, as an owner's broker takes them */
     rc = vmm__broker_start(export_held, g_sock, sizeof g_sock);
