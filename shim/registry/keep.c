@@ -369,6 +369,12 @@ uint32_t vmm__keep_wait(vmm__keep *k, uint32_t seen, unsigned ms)
     return __atomic_load_n(&k->f->bell, __ATOMIC_ACQUIRE);
 }
 
+void vmm__keep_nudge(vmm__keep *k)
+{
+    __atomic_add_fetch(&k->f->bell, 1, __ATOMIC_ACQ_REL);
+    futex_wake(&k->f->bell);
+}
+
 void vmm__keep_beat(vmm__keep *k) { __atomic_store_n(&k->f->heartbeat_ns, mono_ns(), __ATOMIC_RELEASE); }
 
 void vmm__keep_done(vmm__keep *k, uint32_t bell)

@@ -66,6 +66,8 @@ int vmm__keep_claim(vmm__reg *r, uint32_t index, const vmm_reg_proc *p, const ch
 uint32_t vmm__keep_wait(vmm__keep *k, uint32_t seen, unsigned ms);
 /* A pass that began with bell `bell` has dropped what the owner no longer publishes. */
 void vmm__keep_done(vmm__keep *k, uint32_t bell);
+/* Wake the keeper's own wait on the bell (a thread of the keeper saw the owner end). */
+void vmm__keep_nudge(vmm__keep *k);
 /* The keeper is there (the heartbeat an owner checks before it waits), with no pass finished. */
 void vmm__keep_beat(vmm__keep *k);
 /* The owner has died: set VMM_REG_F_KEPT on record `slot` if it still is (owner, generation).

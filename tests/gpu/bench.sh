@@ -16,6 +16,10 @@
 # mem (= torch,graphs,mixed,giveback,pool,coloc,cupy), companion (companion_bench.sh, run by the
 # Makefile), or any of those names.  BENCH_DRY=1 runs nothing on a GPU: it prints what would run and
 # feeds made-up results through bench_mem.py's analysis (a check of the logic on a machine without one).
+# BENCH_KEEPER=1 attaches a keeper (`vmmctl keep --all`, started before each shim run on its registry)
+# to every shim run: the tables' shim columns are then the shim with a keeper, against the same
+# criteria; run the same rows without it for the difference.  BENCH_ONLY=keeper is BENCH_KEEPER=1 with
+# the rows a keeper could move: churn, oom, torchspeed, step, giveback (about 8 minutes).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 B=$PWD/${BUILD:-build}
@@ -36,15 +40,20 @@ export PYTHONUNBUFFERED=1
 SPEED_JOBS="churn many oom align torchspeed step"
 MEM_JOBS="torch graphs mixed giveback pool coloc cupy"
 SEL=" "
+KEEPER=${BENCH_KEEPER:-0}
 for tok in $(printf '%s' "${BENCH_ONLY:-all}" | tr ',' ' '); do
   case $tok in
     all) SEL="$SEL$SPEED_JOBS $MEM_JOBS companion " ;;
+    keeper)
+      KEEPER=1
+      SEL="$SEL churn oom torchspeed step giveback "
+      ;;
     speed) SEL="$SEL$SPEED_JOBS " ;;
     mem) SEL="$SEL$MEM_JOBS " ;;
     churn | many | oom | align | torchspeed | step | torch | graphs | mixed | giveback | pool | coloc | cupy | companion)
       SEL="$SEL$tok " ;;
     *)
-      echo "bench: unknown BENCH_ONLY entry '$tok' (all, speed, mem, companion, $SPEED_JOBS $MEM_JOBS)"
+      echo "bench: unknown BENCH_ONLY entry '$tok' (all, speed, mem, companion, keeper, $SPEED_JOBS $MEM_JOBS)"
       exit 2
       ;;
   esac
@@ -68,6 +77,7 @@ cleanup() {
 trap cleanup EXIT
 
 echo "== device; selected:$SEL"
+[ "$KEEPER" = 1 ] && echo "== every shim run has a keeper attached (vmmctl keep --all on its registry)"
 if [ "$DRY" = 1 ]; then
   dev="dry run (BENCH_DRY=1)"
 else
@@ -117,9 +127,18 @@ run_one() {
   fi
   t0=$(date +%s.%N)
   if [ "$side" = shim ]; then
+    local kp=""
+    if [ "$KEEPER" = 1 ]; then # it waits for the registry, and keeps the job from its first allocation
+      "$B/vmmctl" --registry "$reg" keep --all >>"$W/keeper.log" 2>&1 &
+      kp=$!
+    fi
     timeout -k 5 "$t" env VMMSHIM_REGISTRY="$reg" LD_PRELOAD="$B/libvmmshim.so" "$@" >"$X/out" 2>"$X/err" </dev/null
     rc=$?
-    rm -f /dev/shm"$reg"
+    if [ -n "$kp" ]; then
+      kill -TERM "$kp" 2>/dev/null
+      wait "$kp" || echo "  keeper for $job exited with $? (see $W/keeper.log)"
+    fi
+    rm -f /dev/shm"$reg" /dev/shm"$reg".*
   else # a registry name nobody creates: the bench then reports records=na
     timeout -k 5 "$t" env VMMSHIM_REGISTRY="$reg-native" "$@" >"$X/out" 2>"$X/err" </dev/null
     rc=$?
@@ -183,8 +202,8 @@ done
 legacy_rc=0
 if [ "$LEGACY" = 1 ]; then
 echo
-python3 - "$RAW" "$W/table.md" "$((SECONDS - START))" "$W" "$LEGACY_JOBS" "$DRY" <<'EOF'
-import statistics, sys
+KEEPER=$KEEPER python3 - "$RAW" "$W/table.md" "$((SECONDS - START))" "$W" "$LEGACY_JOBS" "$DRY" <<'EOF'
+import os, statistics, sys
 
 raw, table_path, elapsed, wdir = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 selected, dry = set(sys.argv[5].split()), sys.argv[6] == "1"
@@ -398,7 +417,9 @@ for row in ROWS:
     out_rows.append(f"| {label} | {ncell} | {scell} | {ratio_text} | {ratios_text(per)} | {verdict} |")
 
 n_rounds = len(set().union(*[set(ran_rounds(j)) for j in status])) if status else 0
+keeper = os.environ.get("KEEPER") == "1"
 lines = [f"bench: {device}, {elapsed} s, {n_rounds} round(s)"
+         + ("; the shim side with a keeper attached (vmmctl keep --all)" if keeper else "")
          + (f"; {skipped}" if skipped else "") + f"; raw results in {wdir}", "",
          "| case | native (median) | shim (median) | shim/native | per-round shim/native: min–max (each) | criterion |",
          "|---|---|---|---|---|---|"] + out_rows
@@ -439,7 +460,8 @@ mem_rc=0
 if [ -n "$MEMSEL" ]; then
   echo
   # shellcheck disable=SC2086 # MEMSEL is a list of job names
-  BENCH_SHIM="$B/libvmmshim.so" BENCH_MEM_BIN="$BENCH_MEM" BENCH_DRY="$DRY" python3 tests/gpu/bench_mem.py $MEMSEL
+  BENCH_SHIM="$B/libvmmshim.so" BENCH_MEM_BIN="$BENCH_MEM" BENCH_DRY="$DRY" BENCH_KEEPER="$KEEPER" BENCH_VMMCTL="$B/vmmctl" \
+    python3 tests/gpu/bench_mem.py $MEMSEL
   mem_rc=$?
 fi
 if [ "$LEGACY" = 1 ] && [ -n "$MEMSEL" ]; then # the two closing lines, summed

@@ -22,7 +22,9 @@ Settings (environment): BENCH_SHIM (libvmmshim.so), BENCH_MEM_BIN (bench_mem bui
 MEM_ROUNDS (3), STEP_ROUNDS (10), STEP_K (4), MEM_BUDGET (seconds for the memory jobs, 480: a job
 whose previous round would not fit in what is left is skipped), VMMSHIM_GIVE_BACK_MS (200) and
 GIVEBACK_SLACK_MS (100) for the give-back criterion, OUT (results in $OUT/vmmshim-bench/), BENCH_DRY=1
-(no GPU: made-up runs through the same analysis, to check the logic).  Prints one table
+(no GPU: made-up runs through the same analysis, to check the logic), BENCH_KEEPER=1 (every shim run
+with a keeper attached: `$BENCH_VMMCTL keep --all` on its registry, started before it and stopped
+after; the shim column is then the shim with a keeper).  Prints one table
 "| row | native | shim | shim/native | spread | criterion |" and "bench-mem: N passed, N failed";
 exit status 1 when a row failed."""
 import json
@@ -54,6 +56,8 @@ COLOC_PROCS = int(os.environ.get("COLOC_PROCS", "8"))
 COLOC_FRACTION = float(os.environ.get("COLOC_FRACTION", "0.1"))
 PY = sys.executable
 REG = f"/vmmshim-benchmem-{os.getpid()}"
+KEEPER = os.environ.get("BENCH_KEEPER") == "1"
+VMMCTL = os.environ.get("BENCH_VMMCTL", os.path.join(HERE, "..", "..", "build", "vmmctl"))
 ALL_JOBS = ("torch", "graphs", "mixed", "giveback", "pool", "cupy", "coloc", "step")
 ASYNC_CONF = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
 DEFAULT_CONF = {"PYTORCH_CUDA_ALLOC_CONF": ""}  # unset below: the default caching allocator
@@ -86,6 +90,40 @@ def skip_reason(text):
         if line.startswith("SKIP "):
             return line[5:].strip()
     return None
+
+
+def keeper_start(side, reg):
+    """BENCH_KEEPER=1, shim side: `vmmctl keep --all` on reg (it waits for the registry to be made)."""
+    if not KEEPER or side != "shim" or DRY:
+        return None
+    out = open(os.path.join(W, "keeper.log"), "a")
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    return subprocess.Popen([VMMCTL, "--registry", reg, "keep", "--all"], stdout=out, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=env)
+
+
+def keeper_stop(p):
+    if p is None:
+        return
+    p.terminate()  # it lets go of everything and exits 0
+    try:
+        rc = p.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        rc = p.wait()
+    if rc != 0:
+        log(f"keeper exited with {rc} (see keeper.log)")
+
+
+def unlink_registry(reg):
+    """The registry and what lies beside it (keep files, name tables)."""
+    for name in os.listdir("/dev/shm"):
+        if name == reg[1:] or name.startswith(reg[1:] + "."):
+            try:
+                os.unlink("/dev/shm/" + name)
+            except OSError:
+                pass
 
 
 def child_env(side, reg):
@@ -190,6 +228,7 @@ def run_program(side, argv, env_extra, timeout, reg):
         else:
             env.pop(k, None)
     sampler = ns.Sampler(NVML).start() if not NVML_MISSING else None
+    keeper = keeper_start(side, reg)
     time.sleep(0.2)
     run.t0 = time.monotonic()
     try:
@@ -207,11 +246,9 @@ def run_program(side, argv, env_extra, timeout, reg):
     if sampler:
         run.samples = sampler.stop()
         run.base = ns.wmedian(run.samples, None, run.t0)
+    keeper_stop(keeper)
     if side == "shim":
-        try:
-            os.unlink("/dev/shm" + reg)
-        except OSError:
-            pass
+        unlink_registry(reg)
     log(f"=== {side}: {' '.join(argv)} (rc {run.rc}, {run.t1 - run.t0:.1f} s)\n{run.out}{err}")
     run.skip = skip_reason(run.out) if run.rc == 3 else None
     return run
@@ -399,6 +436,7 @@ def coloc(side, rnd):
         if os.path.exists(go):
             os.unlink(go)
         sampler = ns.Sampler(NVML).start() if not NVML_MISSING else None
+        keeper = keeper_start(side, reg)
         time.sleep(0.2)
         t0 = time.monotonic()
         procs = []
@@ -430,11 +468,9 @@ def coloc(side, rnd):
                 live += int(num(kv.get("live_peak")) or 0)
         t1 = time.monotonic()
         os.unlink(go)
+        keeper_stop(keeper)
         if side == "shim":
-            try:
-                os.unlink("/dev/shm" + reg)
-            except OSError:
-                pass
+            unlink_registry(reg)
         if sampler:
             s = sampler.stop()
             base = ns.wmedian(s, None, t0)
@@ -457,6 +493,7 @@ def step(conf):
                 status.setdefault(job, {}).setdefault(side, {})[rnd] = "ok"
         return
     workers = {}
+    keeper = keeper_start("shim", f"{REG}-step-{conf}")
     for side in ("native", "shim"):
         e = child_env(side, f"{REG}-step-{conf}")
         for k, v in env.items():
@@ -512,10 +549,8 @@ def step(conf):
                 p.wait()
             log(f"=== {side} {job} worker (rc {p.returncode})\n{rd.rest(time.monotonic() + 1)}")
             errf.close()
-        try:
-            os.unlink(f"/dev/shm{REG}-step-{conf}")
-        except OSError:
-            pass
+        keeper_stop(keeper)
+        unlink_registry(f"{REG}-step-{conf}")
 
 
 # ---------------------------------------------------------------- the table
@@ -696,7 +731,8 @@ def table(selected_jobs, elapsed):
     how = "made up (BENCH_DRY=1)" if DRY else (NVML.how if not NVML_MISSING else "none")
     step_text = f", {STEP_ROUNDS} step round(s)" if any(j.startswith("step-") for j in selected_jobs) else ""
     head = (f"bench-mem: {elapsed:.0f} s, {ROUNDS} memory round(s){step_text}; "
-            f"NVML: {how}, device total {size(total_bytes())}; raw results in {W}")
+            f"NVML: {how}, device total {size(total_bytes())}; raw results in {W}"
+            + ("; the shim side with a keeper attached (vmmctl keep --all)" if KEEPER else ""))
     text = "\n".join([head, ""] + lines + ["", f"bench-mem: {passed} passed, {failed} failed"])
     return text, failed
 

@@ -98,6 +98,13 @@ typedef struct owner {
     uint64_t bytes, pass;
     bool dead, done;
     pthread_t th;
+    /* its end, read the moment its pidfd turned readable (a thread of its own, blocked on it), so
+     * that its zombie's status is read before its parent reaps it, if at all possible */
+    pthread_t death_th;
+    bool has_death_th;
+    int end_known, stopping; /* atomic */
+    uint32_t end_kind;
+    int32_t end_value;
     struct owner *next;
 } owner;
 
@@ -405,6 +412,7 @@ static void pass_alive(owner *o, uint32_t bell)
 
 static bool owner_gone(const owner *o)
 {
+    if (__atomic_load_n(&o->end_known, __ATOMIC_ACQUIRE)) return true;
     if (o->pidfd >= 0) {
         struct pollfd p = {.fd = o->pidfd, .events = POLLIN};
         return poll(&p, 1, 0) > 0; /* a pidfd turns readable when its process exits */
@@ -523,7 +531,12 @@ static void on_death(owner *o)
 {
     uint32_t kind;
     int32_t value;
-    how_ended(o, &kind, &value);
+    if (__atomic_load_n(&o->end_known, __ATOMIC_ACQUIRE)) {
+        kind = o->end_kind;
+        value = o->end_value;
+    } else {
+        how_ended(o, &kind, &value);
+    }
     char how[80];
     vmm__ctl_end_text((int)kind, value, how, sizeof how);
     cur_set s;
@@ -571,8 +584,27 @@ static void on_death(owner *o)
 /* ------------------------------------------------------------------------------------------ */
 /* The watcher                                                                                 */
 
+static void *death_main(void *arg)
+{
+    owner *o = arg;
+    while (!__atomic_load_n(&o->stopping, __ATOMIC_ACQUIRE)) {
+        struct pollfd p = {.fd = o->pidfd, .events = POLLIN};
+        if (poll(&p, 1, 50) <= 0) continue;
+        how_ended(o, &o->end_kind, &o->end_value);
+        __atomic_store_n(&o->end_known, 1, __ATOMIC_RELEASE);
+        vmm__keep_nudge(&o->k); /* the watcher's wait ends now */
+        break;
+    }
+    return NULL;
+}
+
 static void release_owner(owner *o, const char *why)
 {
+    if (o->has_death_th) {
+        __atomic_store_n(&o->stopping, 1, __ATOMIC_RELEASE);
+        pthread_join(o->death_th, NULL);
+        o->has_death_th = false;
+    }
     unsigned n = o->n_held;
     uint64_t bytes = o->bytes;
     pthread_mutex_lock(&g_lock);
@@ -696,7 +728,14 @@ static int claim(const vmm_proc_info *pi, owner **out, uint32_t *holder, char *e
 
 static bool start_watcher(owner *o)
 {
-    if (pthread_create(&o->th, NULL, watch_main, o) != 0) return false;
+    o->has_death_th = o->pidfd >= 0 && pthread_create(&o->death_th, NULL, death_main, o) == 0;
+    if (pthread_create(&o->th, NULL, watch_main, o) != 0) {
+        if (o->has_death_th) {
+            __atomic_store_n(&o->stopping, 1, __ATOMIC_RELEASE);
+            pthread_join(o->death_th, NULL);
+        }
+        return false;
+    }
     o->next = g_owners;
     g_owners = o;
     event("pid %u: keeping (%s); this keeper is pid %d", o->pid, o->cmdline, (int)getpid());
@@ -883,7 +922,25 @@ int vmm__ctl_cmd_keep(int argc, char **argv)
     /* the background process does everything, its setup's lines (and errors) relayed */
     int logfd = -1, rc;
     if (daemon && (rc = daemonize(log, &logfd)) != EXIT_OK) return rc;
-    rc = vmm__ctl_open_registry(&g_reg, false);
+    /* --all before any process made the registry: wait for it (a keeper started with the job) */
+    uint64_t half_made_until = 0; /* a registry being made reads as not valid for a moment */
+    for (bool told = false; all; told = true) {
+        vmm_status o = vmm_open(vmm__ctl_registry_name(), &g_reg);
+        if (o == VMM_OK) break;
+        if (o != VMM_ERR_NOT_FOUND) {
+            if (!half_made_until) half_made_until = mono_ns() + 2000000000ull;
+            if (mono_ns() > half_made_until) break; /* a real error: said below */
+        }
+        if (!told) event("waiting for the registry to be made (by the first process under the shim)");
+        sigset_t stop;
+        sigemptyset(&stop);
+        sigaddset(&stop, SIGINT);
+        sigaddset(&stop, SIGTERM);
+        pthread_sigmask(SIG_BLOCK, &stop, NULL);
+        struct timespec t = {0, 20 * 1000000};
+        if (sigtimedwait(&stop, NULL, &t) > 0) return EXIT_OK;
+    }
+    rc = g_reg ? EXIT_OK : vmm__ctl_open_registry(&g_reg, false);
     if (rc) return rc;
     vmm_registry_info info;
     vmm_status st = vmm_registry_describe(g_reg, &info);

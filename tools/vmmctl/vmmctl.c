@@ -293,6 +293,8 @@ static const char *registry_name(void)
     return n && *n ? n : NULL;
 }
 
+const char *vmm__ctl_registry_name(void) { return registry_name(); }
+
 int vmm__ctl_open_registry(vmm_registry **reg, bool writable)
 {
     const char *name = registry_name();

@@ -23,6 +23,8 @@ bool vmm__ctl_take_registry(int argc, char **argv, int *i);
 /* A pid or an address argument; anything else is a usage error. */
 uint32_t vmm__ctl_parse_pid(const char *s);
 uint64_t vmm__ctl_parse_addr(const char *s);
+/* The registry name --registry gave, else the option's; NULL: the per-user default. */
+const char *vmm__ctl_registry_name(void);
 /* The registry the shim would use; EXIT_OK, or the error printed and EXIT_PROBLEMS. */
 int vmm__ctl_open_registry(vmm_registry **reg, bool writable);
 
