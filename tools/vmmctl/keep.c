@@ -887,11 +887,37 @@ static int daemonize(const char *log, int *relay_out)
     return EXIT_OK;
 }
 
-int vmm__ctl_cmd_keep(int argc, char **argv)
+static uint32_t *g_pids;
+static vmm_proc_info *g_procs;
+static bool g_wreg_open;
+
+/* Everything the command made, for a clean exit (the sanitizer builds check it). */
+static void keep_cleanup(void)
+{
+    free(g_pids);
+    free(g_procs);
+    for (owner *o = g_owners, *next; o; o = next) { /* every watcher was joined */
+        next = o->next;
+        free(o);
+    }
+    g_owners = NULL;
+    refused *r, *tmp;
+    HASH_ITER(hh, g_refused, r, tmp)
+    {
+        HASH_DEL(g_refused, r);
+        free(r);
+    }
+    if (g_reg) vmm_close(g_reg);
+    g_reg = NULL;
+    if (g_wreg_open) vmm__reg_close(&g_wreg);
+    g_wreg_open = false;
+}
+
+static int keep_main(int argc, char **argv)
 {
     bool all = false, daemon = false;
     const char *log = NULL;
-    uint32_t *pids = calloc((size_t)argc + 1, sizeof *pids);
+    uint32_t *pids = g_pids = calloc((size_t)argc + 1, sizeof *pids);
     size_t n = 0;
     if (!pids) return vmm__ctl_error("out of memory");
     for (int i = 0; i < argc; i++) {
@@ -945,7 +971,7 @@ int vmm__ctl_cmd_keep(int argc, char **argv)
     vmm_registry_info info;
     vmm_status st = vmm_registry_describe(g_reg, &info);
     if (st != VMM_OK) return vmm__ctl_api_error(st);
-    vmm_proc_info *procs = calloc(n + 1, sizeof *procs);
+    vmm_proc_info *procs = g_procs = calloc(n + 1, sizeof *procs);
     if (!procs) return vmm__ctl_error("out of memory");
     if ((rc = check_named(pids, n, procs, info.name)) != EXIT_OK) return rc;
     if (g_dump_dir && mkdir(g_dump_dir, 0700) != 0 && errno != EEXIST)
@@ -953,6 +979,7 @@ int vmm__ctl_cmd_keep(int argc, char **argv)
     char why[300];
     if (vmm__reg_open(&g_wreg, info.name, VMM__REG_WRITE, 0, getenv("VMMSHIM_REGISTRY_GROUP"), why, sizeof why) != 0)
         return vmm__ctl_error("cannot open registry %s for writing: %s", info.name, why);
+    g_wreg_open = true;
 
     /* Signals go to the main thread's sigtimedwait; every thread starts with them blocked. */
     sigset_t stop;
@@ -978,6 +1005,8 @@ int vmm__ctl_cmd_keep(int argc, char **argv)
         int c = claim(&procs[i], &o, &holder, why, sizeof why);
         if (c == 0 && !start_watcher(o)) {
             vmm__keep_end(&g_wreg, &o->k);
+            if (o->pidfd >= 0) close(o->pidfd);
+            free(o);
             snprintf(why, sizeof why, "cannot start a thread");
             c = -EAGAIN;
         }
@@ -1019,8 +1048,15 @@ int vmm__ctl_cmd_keep(int argc, char **argv)
     return EXIT_OK;
 }
 
+int vmm__ctl_cmd_keep(int argc, char **argv)
+{
+    int rc = keep_main(argc, argv);
+    keep_cleanup();
+    return rc;
+}
+
 /* vmmctl release PID: ask the keeper of PID to let go, and wait until it has. */
-int vmm__ctl_cmd_release(int argc, char **argv)
+static int release_main(int argc, char **argv)
 {
     if (argc != 1 || argv[0][0] == '-') vmm__ctl_usage_error("release takes one PID");
     uint32_t pid = vmm__ctl_parse_pid(argv[0]);
@@ -1036,6 +1072,7 @@ int vmm__ctl_cmd_release(int argc, char **argv)
     char why[300];
     if (vmm__reg_open(&g_wreg, info.name, VMM__REG_READ, 0, NULL, why, sizeof why) != 0)
         return vmm__ctl_error("cannot open registry %s: %s", info.name, why);
+    g_wreg_open = true;
     rc = vmm__keep_ask_release(&g_wreg, pid, p.start_time, RELEASE_WAIT_MS);
     if (rc == -ETIMEDOUT)
         return vmm__ctl_error("keeper pid %u did not let go of pid %u within %u s", ki.keeper_pid, pid,
@@ -1046,4 +1083,11 @@ int vmm__ctl_cmd_release(int argc, char **argv)
     printf("released pid %u: keeper pid %u let go of %llu allocation%s, %s\n", pid, ki.keeper_pid,
            (unsigned long long)ki.held_allocs, ki.held_allocs == 1 ? "" : "s", vmm__ctl_human(ki.held_bytes, &h));
     return EXIT_OK;
+}
+
+int vmm__ctl_cmd_release(int argc, char **argv)
+{
+    int rc = release_main(argc, argv);
+    keep_cleanup();
+    return rc;
 }
