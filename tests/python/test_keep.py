@@ -128,7 +128,11 @@ def main():
         keeper = None
         with vmmshim.Registry() as reg:
             T.raises(vmmshim.OwnerDead, lambda: reg.tensors(own.pid), "tensors after release", "has exited")
-        subprocess.run([str(BUILD / "vmmctl"), "gc"], capture_output=True)
+        gc = subprocess.run([str(BUILD / "vmmctl"), "gc"], capture_output=True, text=True)
+        T.check(gc.returncode == 0 and "from 1 dead process" in gc.stdout, f"gc after release: {gc.stdout} {gc.stderr}")
+        prefix = os.environ["VMMSHIM_REGISTRY"][1:] + "."
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix) and f".{own.pid}." in n]
+        T.check(not left, f"nothing of the owner is left beside the registry: {left}")
     finally:
         if own.proc.poll() is None:
             own.proc.kill()
@@ -140,6 +144,11 @@ def main():
             os.unlink(log)
         except FileNotFoundError:
             pass
+        # a keeper killed by a failure here leaves its keep file, and the owner its name table
+        prefix = os.environ["VMMSHIM_REGISTRY"][1:] + "."
+        for n in os.listdir("/dev/shm"):
+            if n.startswith(prefix):
+                os.unlink("/dev/shm/" + n)
         harness.cleanup()
 
 
