@@ -2199,6 +2199,7 @@ typedef struct many {
     size_t op_next;
     vmm_status st;
     char why[400];
+    uint64_t import_ns, map_ns; /* summed over the threads (mt is each thread's own) */
     size_t fail_range;   /* the range a failure after the find concerns, n when none */
     size_t fail_unit;    /* the unit a fetch failure concerns, SIZE_MAX when none */
 } many;
@@ -2355,7 +2356,7 @@ static void import_handle(many *m, uint32_t ui, uint32_t hi, int fd)
     uint64_t t0 = now_ns();
     CUresult r = cu.MemImportFromShareableHandle(&u->h[hi], (void *)(uintptr_t)fd,
                                                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    __atomic_add_fetch(&mt.import_ns, now_ns() - t0, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&m->import_ns, now_ns() - t0, __ATOMIC_RELAXED); /* mt is the calling thread's */
     close(fd); /* the driver keeps its own reference */
     if (r == CUDA_SUCCESS)
         __atomic_store_n(&u->ok[hi], 1, __ATOMIC_RELEASE);
@@ -2508,7 +2509,7 @@ static vmm_status batch_request(many *m, const uint32_t *list, uint32_t count, b
             if (st != VMM_OK) break;
             mt.connects++;
         }
-        uint64_t t0 = now_ns(), imported0 = __atomic_load_n(&mt.import_ns, __ATOMIC_RELAXED);
+        uint64_t t0 = now_ns(), imported0 = __atomic_load_n(&m->import_ns, __ATOMIC_RELAXED);
         ssize_t n;
         do n = send(o->sock, req, len, MSG_NOSIGNAL | MSG_DONTWAIT);
         while (n < 0 && errno == EINTR);
@@ -2536,7 +2537,7 @@ static vmm_status batch_request(many *m, const uint32_t *list, uint32_t count, b
                 if (fds[k] >= 0) close(fds[k]);
         }
         /* this thread's own imports (no other threads) are not the broker's time */
-        uint64_t imported = m->threads <= 1 ? __atomic_load_n(&mt.import_ns, __ATOMIC_RELAXED) - imported0 : 0;
+        uint64_t imported = m->threads <= 1 ? __atomic_load_n(&m->import_ns, __ATOMIC_RELAXED) - imported0 : 0;
         mt.broker_ns += now_ns() - t0 - imported;
         if (rc == 0 && st == VMM_OK && sm.done) break;
         /* a stream broken off, a failure, or an old broker (which closes the connection): the
@@ -2587,7 +2588,7 @@ static vmm_status unit_fetch_alone(many *m, unit *u)
     mt.connects += tm.connect_ns != 0;
     mt.broker_ns += tm.request_ns;
     mt.export_ns += tm.export_ns;
-    mt.import_ns += tm.import_ns;
+    m->import_ns += tm.import_ns;
     return st;
 }
 
@@ -2723,7 +2724,7 @@ static void *map_worker(void *arg)
         map_op *op = &m->ops[i];
         uint64_t t0 = now_ns();
         CUresult r = cu.MemMap(op->va, op->len, 0, op->h, 0);
-        __atomic_add_fetch(&mt.map_ns, now_ns() - t0, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&m->map_ns, now_ns() - t0, __ATOMIC_RELAXED);
         if (r == CUDA_SUCCESS)
             op->done = true;
         else
@@ -3088,6 +3089,8 @@ vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *add
     free(m.chunks_ix.slot);
     pthread_mutex_destroy(&m.lock);
     pthread_cond_destroy(&m.cv);
+    mt.import_ns = m.import_ns;
+    mt.map_ns = m.map_ns;
     mt.total_ns = now_ns() - t_start;
     /* vmm_import_last_timing gives the same call's steps, summed */
     tm.total_ns = mt.total_ns;

@@ -403,8 +403,10 @@ int main(void)
         c0 = counters();
         st = vmm_import_many(reg, pid, bb, sz, NB, out);
         CHECK(st == VMM_OK, "4 threads: %s", vmm_last_error());
-        CHECK(vmm_import_many_last_timing(&t) == VMM_OK && t.threads == 4 && t.handles == NB && t.access_calls == 1,
-              "4 threads: %u threads, %u handles, %u SetAccess", t.threads, t.handles, t.access_calls);
+        CHECK(vmm_import_many_last_timing(&t) == VMM_OK && t.threads == 4 && t.handles == NB && t.access_calls == 1 &&
+                  t.import_ns > 0 && t.map_ns > 0,
+              "4 threads: %u threads, %u handles, %u SetAccess, import %llu ns, map %llu ns (the threads' times)",
+              t.threads, t.handles, t.access_calls, (unsigned long long)t.import_ns, (unsigned long long)t.map_ns);
         if (st == VMM_OK) {
             int wrong = 0;
             for (int i = 0; i < NB; i += 10) wrong += first_wrong(vmm_import_ptr(out[i]), 2 * MIB, 1000 + (uint64_t)i, 0) >= 0;
