@@ -38,6 +38,7 @@ from ._lib import (ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK,
 __version__ = "0.1.0"
 
 __all__ = ["Registry", "Allocation", "Process", "Tensor", "Buffer", "View", "publish", "publish_many", "unpublish",
+           "drop_idle",
            "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
            "Access", "Corrupt", "VersionMismatch", "Busy", "Stale", "OwnerDead", "CudaError", "OutOfMemory",
            "IOFailure", "NotUnderShim", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN", "KIND_BROKER", "KIND_PIDFD", "KIND_FABRIC",
@@ -56,6 +57,14 @@ def _check(status):
 
 def _text(raw):
     return raw.decode("utf-8", "replace")
+
+
+def drop_idle():
+    """Unmap every imported chunk that no Buffer, view or tensor holds now (vmm_import_drop_idle).
+    A chunk otherwise stays mapped while its owner holds it, so that opening it again costs a
+    registry read; after this the next open imports it afresh (what a benchmark of first
+    imports wants)."""
+    _check(_lib.lib().vmm_import_drop_idle())
 
 
 class Allocation:
@@ -265,7 +274,7 @@ class Registry:
         try:
             for t, buf in zip(wanted, buffers):
                 # the allocation imported is the one the name was read from (ids are never reused)
-                if buf.allocation.id != t.alloc_id:
+                if buf._allocation_id() != t.alloc_id:
                     raise Stale(f"pid {pid}'s allocation holding {t.name!r} was freed since its name was read",
                                 _lib.STALE)
                 views[t.name] = buf.view(t.shape, dtypes[t.name], 0, t.strides)
@@ -381,7 +390,7 @@ class Registry:
                 if k > 4:
                     recs = (_lib.AllocInfo * k)()
                     k = L.vmm_import_records(imp, recs, k)
-                covered = [Allocation(_lib.AllocInfo.from_buffer_copy(recs[j])) for j in range(k)]
+                covered = [_lib.AllocInfo.from_buffer_copy(recs[j]) for j in range(k)]
                 start = address if size is not None else covered[0].address
                 buf = Buffer(imp, covered[0], self, address=start, size=L.vmm_import_size(imp),
                              ranged=covered if len(covered) > 1 else None)
@@ -493,8 +502,10 @@ class Buffer:
         self._import_size = L.vmm_import_size(imp)
         self.size = self._import_size if size is None else size
         self.device = L.vmm_import_device(imp)
-        self.allocation = allocation
-        self.allocations = list(ranged) if ranged is not None else [allocation]
+        # Allocation objects, or the raw records (open_many: made into objects when first asked for,
+        # since a take of hundreds of tensors rarely looks at them)
+        self._allocation = allocation
+        self._allocations = list(ranged) if ranged is not None else None
         self.address = allocation.address if address is None else address
         self._closed = False
         self._exports = 0
@@ -503,6 +514,28 @@ class Buffer:
     def _open(self):
         if self._closed:
             raise ValueError("vmmshim: the buffer is closed")
+
+    @property
+    def allocation(self):
+        """The record holding the first byte (an Allocation)."""
+        if isinstance(self._allocation, _lib.AllocInfo):
+            self._allocation = Allocation(self._allocation)
+        return self._allocation
+
+    @property
+    def allocations(self):
+        """Every record the buffer covers, in address order (Allocations)."""
+        if self._allocations is None:
+            return [self.allocation]
+        if self._allocations and isinstance(self._allocations[0], _lib.AllocInfo):
+            self._allocations = [Allocation(a) for a in self._allocations]
+            self._allocation = self._allocations[0]
+        return self._allocations
+
+    def _allocation_id(self):
+        """The first record's id (hex), without making an Allocation of it."""
+        a = self._allocation
+        return bytes(a.alloc_id).hex() if isinstance(a, _lib.AllocInfo) else a.id
 
     @property
     def ptr(self):

@@ -149,6 +149,7 @@ _PROTOTYPES = {
     "vmm_import_records": (ctypes.c_size_t, [_P, ctypes.POINTER(AllocInfo), ctypes.c_size_t]),
     "vmm_import_many_last_timing": (c_int, [ctypes.POINTER(ManyTiming)]),
     "vmm_import_release": (c_int, [_P]),
+    "vmm_import_drop_idle": (c_int, []),
     "vmm_import_read": (c_int, [_P, c_u64, ctypes.c_void_p, c_u64]),
     "vmm_import_check": (c_int, [_P, _P]),
     "vmm_foreach_tensor": (c_int, [_P, c_u32, TENSOR_FN, ctypes.c_void_p]),
