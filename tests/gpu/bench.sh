@@ -14,7 +14,8 @@
 # STEP_ROUNDS, MEM_BUDGET), and a last line "bench: total N passed, N failed" over both tables.
 # BENCH_ONLY (comma-separated; default all) picks rows: speed (= churn,many,oom,align,torchspeed,step),
 # mem (= torch,graphs,mixed,giveback,pool,coloc,cupy), companion (companion_bench.sh, run by the
-# Makefile), or any of those names.  BENCH_DRY=1 runs nothing on a GPU: it prints what would run and
+# Makefile), weightsync (weight_sync.sh, run by the Makefile: issue 16's takes of a whole model), or
+# any of those names.  BENCH_DRY=1 runs nothing on a GPU: it prints what would run and
 # feeds made-up results through bench_mem.py's analysis (a check of the logic on a machine without one).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
@@ -38,13 +39,13 @@ MEM_JOBS="torch graphs mixed giveback pool coloc cupy"
 SEL=" "
 for tok in $(printf '%s' "${BENCH_ONLY:-all}" | tr ',' ' '); do
   case $tok in
-    all) SEL="$SEL$SPEED_JOBS $MEM_JOBS companion " ;;
+    all) SEL="$SEL$SPEED_JOBS $MEM_JOBS companion weightsync " ;;
     speed) SEL="$SEL$SPEED_JOBS " ;;
     mem) SEL="$SEL$MEM_JOBS " ;;
-    churn | many | oom | align | torchspeed | step | torch | graphs | mixed | giveback | pool | coloc | cupy | companion)
+    churn | many | oom | align | torchspeed | step | torch | graphs | mixed | giveback | pool | coloc | cupy | companion | weightsync)
       SEL="$SEL$tok " ;;
     *)
-      echo "bench: unknown BENCH_ONLY entry '$tok' (all, speed, mem, companion, $SPEED_JOBS $MEM_JOBS)"
+      echo "bench: unknown BENCH_ONLY entry '$tok' (all, speed, mem, companion, weightsync, $SPEED_JOBS $MEM_JOBS)"
       exit 2
       ;;
   esac
