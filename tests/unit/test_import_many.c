@@ -17,7 +17,8 @@
  * broker cannot read (as a broker older than v3 answers), at the moment the request goes:
  * a clean error naming the range, nothing left (handles, imports, mappings, reservations, fds),
  * or the same imports made one allocation at a time.  With VMMSHIM_IMPORT_THREADS=4 the same
- * bytes; ranges across two chunks share the handles of the whole-buffer ranges beside them. */
+ * bytes; ranges across two chunks share the handles of the whole-buffer ranges beside them; memory
+ * on two devices gets one cuMemSetAccess per set of devices granted. */
 #include "../fakecuda/fakecuda.h"
 #include "check.h"
 #include "spawn.h"
@@ -157,6 +158,7 @@ int main(void)
     snprintf(g_reg, sizeof g_reg, "/vmmshim-many-%d", (int)getpid());
     setenv("VMMSHIM_REGISTRY", g_reg, 1);
     signal(SIGPIPE, SIG_IGN);
+    setenv("FAKECUDA_DEVICES", "2", 1); /* the owner's memory may lie on either (case 9) */
     void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     void *fn = drv ? dlsym(drv, "fakecuda_counters") : NULL;
     memcpy(&g_counters, &fn, sizeof fn);
@@ -495,6 +497,38 @@ int main(void)
                   g_sent_v3 == v3,
               "freed before: %d, %lu requests: %s", (int)st, g_sent_v3 - v3, vmm_last_error());
         same_as_before(c0, "freed before");
+    }
+
+    /* 9. memory on two devices: one SetAccess for each set of devices granted; each import says
+     * its device, and its bytes copy out (a copy needs a context its memory is granted to) */
+    {
+        uint64_t d0 = 0, d1a = 0, d1b = 0;
+        bool ok = owner_cmd(NULL, "d 1") && owner_alloc(3 * MIB, 901, &d1a) >= 0 && owner_alloc(5 * MIB, 902, &d1b) >= 0 &&
+                  owner_cmd(NULL, "d 0") && owner_alloc(3 * MIB, 900, &d0) >= 0;
+        CHECK(ok, "the owner could not allocate on two devices");
+        if (ok) {
+            uint64_t a[3] = {d0, d1a, d1b};
+            vmm_imported *out[3];
+            vmm_import_many_timing t;
+            struct fakecuda_counters c0 = counters();
+            vmm_status st = vmm_import_many(reg, pid, a, NULL, 3, out);
+            CHECK(st == VMM_OK, "two devices: %s", vmm_last_error());
+            CHECK(vmm_import_many_last_timing(&t) == VMM_OK && t.access_calls == 2 && t.reserves == 1 && t.handles == 3,
+                  "two devices: %u SetAccess (one per device set), %u reserves, %u handles", t.access_calls,
+                  t.reserves, t.handles);
+            if (st == VMM_OK) {
+                uint64_t w[2] = {0, 0};
+                CHECK(vmm_import_read(out[1], 0, w, sizeof w) == VMM_OK && w[0] == word(901, 0) && w[1] == word(901, 1),
+                      "two devices: device 1's bytes: %s", vmm_last_error());
+                CHECK(vmm_import_read(out[0], 8, w, 8) == VMM_OK && w[0] == word(900, 1),
+                      "two devices: device 0's bytes: %s", vmm_last_error());
+                CHECK(first_wrong(vmm_import_ptr(out[2]), 5 * MIB, 902, 0) < 0, "two devices: device 1's second reads wrong");
+                printf("stat: two devices: imports report devices %d, %d, %d\n", vmm_import_device(out[0]),
+                       vmm_import_device(out[1]), vmm_import_device(out[2]));
+                release_all(out, 3);
+            }
+            same_as_before(c0, "two devices");
+        }
     }
 
     /* 6. a dead owner: nothing imported */
