@@ -811,7 +811,7 @@ def part_takes(run, kind):
                 meds[w] = take_row(run, w, res[w], first.get(w), base if w != "reduce-native" else [])
             if sweep:
                 best = min(sweep, key=sweep.get)
-                print(f"VMMSHIM_IMPORT_THREADS (open_many's import call, median of 3): " +
+                print("VMMSHIM_IMPORT_THREADS (open_many's import call, median of 3): " +
                       ", ".join(f"{k}: {v:.2f} ms" for k, v in sweep.items()) + f"; fastest: {best}")
             fractions_table(f"{tag}: where a take's time went (median shares; python = outside the C library, "
                             f"other = tensors and views)", {w: timings[w] for w in ("open_many", "open_tensors")
