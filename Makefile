@@ -181,11 +181,14 @@ test-gpu:
 # out-of-memory reach, alignment, PyTorch steps), native and shim runs alternated, one ratio table
 # (tests/gpu/bench.sh; ROUNDS, default 3); the memory rows of issue 15 measured with NVML and a
 # GPU-bound PyTorch step (tests/gpu/bench_mem.py; MEM_ROUNDS, STEP_ROUNDS); then what a companion
-# costs: imports and dump (tests/gpu/companion_bench.sh).  BENCH_ONLY=speed|mem|companion or row
-# names (see bench.sh) runs a part: everything takes longer than 10 minutes.
+# costs: imports and dump (tests/gpu/companion_bench.sh); then a second process taking a whole model
+# (tests/gpu/weight_sync.sh, issue 16; with BENCH_DRY=1 its stand-in run over the emulated driver).
+# BENCH_ONLY=speed|mem|companion|weightsync or row names (see bench.sh) runs a part: everything takes
+# longer than 10 minutes.
 bench-gpu:
 	@BUILD=$(BUILD) tests/gpu/bench.sh; a=$$?; \
 	case ",$${BENCH_ONLY:-all},$${BENCH_DRY:-0}" in *,1) ;; *,all,* | *,companion,*) BUILD=$(BUILD) tests/gpu/companion_bench.sh || a=1 ;; esac; \
+	case ",$${BENCH_ONLY:-all}," in *,all,* | *,weightsync,*) BUILD=$(BUILD) tests/gpu/weight_sync.sh || a=1 ;; esac; \
 	exit $$a
 
 # On the GPU machine as test-gpu: real programs and frameworks (static runtime, driver API, legacy

@@ -58,6 +58,7 @@ typedef struct device_state {
     int checked, usable, fabric;
     int index;
     uint64_t accessors; /* other devices granted access to this device's chunks (peer access) */
+    uint64_t peers;     /* devices that can reach this one: cudaMalloc's segments are theirs to copy from */
     CUcontext primary;
     size_t granularity;
     uint8_t uuid[16];
@@ -80,6 +81,8 @@ static struct {
     CUresult (*CtxPopCurrent)(CUcontext *);
     CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*DeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
+    CUresult (*DeviceGetCount)(int *);
+    CUresult (*DeviceCanAccessPeer)(int *, CUdevice, CUdevice);
     CUresult (*DeviceGetUuid)(CUuuid *, CUdevice);
     CUresult (*DeviceTotalMem)(size_t *, CUdevice);
     CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
@@ -157,6 +160,7 @@ static int load_driver(char *why, size_t len)
              LOAD(CtxGetDevice, cuCtxGetDevice) && LOAD(CtxSynchronize, cuCtxSynchronize) &&
              LOAD(CtxPushCurrent, cuCtxPushCurrent) && LOAD(CtxPopCurrent, cuCtxPopCurrent) &&
              LOAD(DevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain) && LOAD(DeviceGetAttribute, cuDeviceGetAttribute) &&
+             LOAD(DeviceGetCount, cuDeviceGetCount) && LOAD(DeviceCanAccessPeer, cuDeviceCanAccessPeer) &&
              LOAD(DeviceGetUuid, cuDeviceGetUuid) && LOAD(DeviceTotalMem, cuDeviceTotalMem) && LOAD(MemGetAllocationGranularity, cuMemGetAllocationGranularity) &&
              LOAD(MemCreate, cuMemCreate) && LOAD(MemRelease, cuMemRelease) &&
              LOAD(MemAddressReserve, cuMemAddressReserve) && LOAD(MemAddressFree, cuMemAddressFree) &&
@@ -447,6 +451,10 @@ static int device_usable(int dev)
         if (vmm && posix && cu.MemGetAllocationGranularity(&d->granularity, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) == CUDA_SUCCESS &&
             d->granularity) {
             d->usable = 1;
+            int count = 0, can = 0;
+            if (cu.DeviceGetCount(&count) != CUDA_SUCCESS) count = 0;
+            for (int i = 0; i < count && i < MAX_DEVICES; i++)
+                if (i != dev && cu.DeviceCanAccessPeer(&can, i, dev) == CUDA_SUCCESS && can) d->peers |= 1ull << i;
             CUuuid u;
             if (cu.DeviceGetUuid(&u, dev) == CUDA_SUCCESS) memcpy(d->uuid, u.bytes, 16);
             int fabric_attr = 0;
@@ -491,10 +499,15 @@ static void seg_undo(CUdeviceptr va, uint64_t size, CUmemGenericAllocationHandle
                  "until exit", (unsigned long long)size, unmap ? "cuMemUnmap" : "cuMemRelease", (int)(unmap ? unmap : release));
 }
 
-static int access_list(device_state *d, CUmemAccessDesc *acc)
+/* Natively any context copies from a cudaMalloc'd block of any device, while the driver copies
+ * VMM memory only in a context whose device was granted it (an H100 answers
+ * cudaErrorInvalidValue): so cudaMalloc's segments are granted to every device that can reach
+ * this one, besides the ones peer access was enabled for.  The stream-ordered pool's follow the
+ * default pool's access instead (cudaMemPoolSetAccess), as natively. */
+static int access_list(device_state *d, CUmemAccessDesc *acc, int synchronous_pool)
 {
     int n = 0;
-    uint64_t accessors = __atomic_load_n(&d->accessors, __ATOMIC_ACQUIRE) | (1ull << d->index);
+    uint64_t accessors = __atomic_load_n(&d->accessors, __ATOMIC_ACQUIRE) | (1ull << d->index) | (synchronous_pool ? d->peers : 0);
     for (int i = 0; i < MAX_DEVICES; i++)
         if (accessors & (1ull << i))
             acc[n++] = (CUmemAccessDesc){.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = i},
@@ -518,7 +531,9 @@ static int seg_create(void *ctx, vmm__seg *ps)
     if ((rc = cu.MemMap(ps->base, ps->size, 0, h, 0)) != CUDA_SUCCESS) goto undo;
     mapped = 1;
     CUmemAccessDesc acc[MAX_DEVICES];
-    if ((rc = cu.MemSetAccess(ps->base, ps->size, acc, (size_t)access_list(d, acc))) != CUDA_SUCCESS) goto undo;
+    if ((rc = cu.MemSetAccess(ps->base, ps->size, acc, (size_t)access_list(d, acc, ps->arena->pool == &d->pool[0]))) !=
+        CUDA_SUCCESS)
+        goto undo;
     vseg *c = calloc(1, sizeof *c);
     if (!c) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
@@ -1334,13 +1349,13 @@ CUresult vmm__peer_access(int accessor, int owner, int enable, int *changed)
         vmm__seg *s = NULL, *failed = NULL;
         int k, failed_k = 2;
         for (k = 0; k < 2 && d->pool_ready && !failed; k++)
-            for (s = d->pool[k].segs; s && !failed; s = s->snext)
+            for (s = d->pool[k].segs; s && !failed && !(k == 0 && (d->peers & bit)); s = s->snext)
                 if ((rc = cu.MemSetAccess(s->base, s->size, &acc, 1)) != CUDA_SUCCESS) failed = s, failed_k = k;
         if (failed) {
             acc.flags = was ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
             unsigned unrestored = 0;
             for (k = 0; k <= failed_k && k < 2; k++)
-                for (s = d->pool[k].segs; s && s != failed; s = s->snext)
+                for (s = d->pool[k].segs; s && s != failed && !(k == 0 && (d->peers & bit)); s = s->snext)
                     if (VMM__TWICE(cu.MemSetAccess(s->base, s->size, &acc, 1)) != CUDA_SUCCESS) unrestored++;
             if (unrestored)
                 vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be set back after a failed %s", accessor,

@@ -1,7 +1,8 @@
 /* The owner-side fd broker.  A detached thread, started on the first successful allocation,
  * listens on "<dir>/<pid>.sock" (SOCK_SEQPACKET) and answers each request (broker/protocol.h)
  * with freshly exported fds of the named allocation's handles (one, or a run of them: an
- * allocation may span several), passed with SCM_RIGHTS.  Peers are
+ * allocation may span several), passed with SCM_RIGHTS, or a batch of such runs (v3) with a
+ * stream of messages of up to 64 fds each, queued as the peer's socket takes them.  Peers are
  * judged by SO_PEERCRED: the same uid as this process, or a member of VMMSHIM_BROKER_GROUP.
  * See README.md in this directory for the design and its threats. */
 #include "broker/broker.h"
@@ -44,6 +45,9 @@ static pid_t g_owner_pid;                      /* the process whose socket g_pat
 static char g_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static int g_listen_fd = -1;
 static int g_conn_fds[BROKER_MAX_CONNS];       /* fd + 1 of each open connection (0: none), for the fork child */
+/* fd + 1 of the exported fds a connection's v3 message holds until its peer's socket takes it, so
+ * a fork child closes them too (it would keep up to 64 per connection otherwise) */
+static int g_batch_fds[BROKER_MAX_CONNS][VMM_BROKER_MAX_FDS];
 static int g_atexit_done;
 static int g_warned_start;
 
@@ -283,8 +287,10 @@ static bool peer_in_group(int fd, pid_t pid, gid_t gid)
     }
 }
 
-/* One datagram, with fds (n of them, perhaps 0) by SCM_RIGHTS. */
-static void send_datagram(int fd, const void *msg, size_t len, const int *fds, uint32_t n)
+/* One datagram, with fds (n of them, perhaps 0) by SCM_RIGHTS, never blocking.  0, or -errno:
+ * -EAGAIN when the peer's socket holds all it takes for now, -ETOOMANYREFS when too many fds of
+ * this user are in flight (both pass as the peer reads). */
+static int send_msg(int fd, const void *msg, size_t len, const int *fds, uint32_t n)
 {
     struct iovec iov = {.iov_base = (void *)msg, .iov_len = len};
     union {
@@ -305,10 +311,17 @@ static void send_datagram(int fd, const void *msg, size_t len, const int *fds, u
         c->cmsg_len = CMSG_LEN(n * sizeof(int));
         memcpy(CMSG_DATA(c), fds, n * sizeof(int));
     }
-    /* One small datagram into an empty queue: never blocks; a vanished peer is just skipped. */
     ssize_t r;
     do r = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     while (r < 0 && errno == EINTR);
+    return r < 0 ? -errno : 0;
+}
+
+/* One small datagram into an empty queue (a v1 or v2 reply): never blocks; a vanished peer is
+ * just skipped. */
+static void send_datagram(int fd, const void *msg, size_t len, const int *fds, uint32_t n)
+{
+    (void)send_msg(fd, msg, len, fds, n);
 }
 
 static void send_reply(int fd, int32_t status, uint64_t mapped_size, uint32_t device, int pass_fd, uint32_t export_ns)
@@ -326,11 +339,33 @@ static void send_reply(int fd, int32_t status, uint64_t mapped_size, uint32_t de
 /* A connection stays open for as many requests as its peer makes: a companion keeps one per
  * owner, so an import costs one round trip, not a connect and an accept too.  Peers are judged
  * once, at accept (SO_PEERCRED is the connecting process's credentials anyway). */
+typedef struct broker_batch broker_batch;
 typedef struct broker_conn {
     int fd; /* -1: free */
     bool allowed;
-    struct timespec last; /* CLOCK_MONOTONIC of its last request */
+    bool stalled;         /* its batch's last send met ETOOMANYREFS: tried again after a tick */
+    int slot;             /* its index among the connections (g_batch_fds), -1 outside the thread */
+    struct timespec last; /* CLOCK_MONOTONIC of its last request, or of its batch's last message queued */
+    broker_batch *batch;  /* a v3 batch being answered: no request is read meanwhile */
 } broker_conn;
+
+/* A v3 batch being answered: its entries, and where the stream of messages stands. */
+struct broker_batch {
+    uint32_t n;           /* entries */
+    uint32_t at;          /* the entry whose handles go next */
+    uint32_t next;        /* the handle of entry `at` that goes next */
+    uint32_t seq;         /* the next message's seq */
+    bool done;            /* the last message is built */
+    bool pending;         /* msg (with fds[0 .. msg.n_here)) is built and not yet queued */
+    vmm_broker_reply3 msg;
+    int fds[VMM_BROKER_MAX_FDS];
+    vmm_broker_entry3 entries[];
+};
+
+/* Messages queued for one connection before the others get their turn. */
+#define BROKER_PUMP_MAX 4
+/* How long a connection whose peer has too many fds in flight waits before the next try. */
+#define BROKER_STALL_MS 2
 
 static long ms_since(const struct timespec *t, const struct timespec *now)
 {
@@ -426,26 +461,206 @@ static void serve_v2(const broker_cfg *cfg, int sock, const vmm_broker_request2 
     for (uint32_t i = 0; i < rep.n_here; i++) close(fds[i]);
 }
 
+/* ---- v3: batches ---- */
+
+static void batch_note_fds(const broker_conn *c, const int *fds, uint32_t n)
+{
+    if (c->slot < 0) return;
+    for (uint32_t i = 0; i < VMM_BROKER_MAX_FDS; i++)
+        __atomic_store_n(&g_batch_fds[c->slot][i], i < n ? fds[i] + 1 : 0, __ATOMIC_RELEASE);
+}
+
+/* Close the fds of a message not queued (built, then dropped). */
+static void batch_drop_pending(broker_conn *c)
+{
+    broker_batch *b = c->batch;
+    if (!b || !b->pending) return;
+    batch_note_fds(c, NULL, 0);
+    for (uint32_t i = 0; i < b->msg.n_here; i++) close(b->fds[i]);
+    b->pending = false;
+}
+
+static void batch_end(broker_conn *c)
+{
+    batch_drop_pending(c);
+    free(c->batch);
+    c->batch = NULL;
+    c->stalled = false;
+}
+
+/* Build the batch's next message: the handles that follow, up to 64, entry after entry; the
+ * first entry that fails ends the batch with its status instead (the fds this message had
+ * gathered are closed: the peer gives up the whole batch anyway). */
+static void batch_build(const broker_cfg *cfg, broker_conn *c)
+{
+    broker_batch *b = c->batch;
+    vmm_broker_reply3 *m = &b->msg;
+    memset(m, 0, sizeof *m);
+    m->magic = VMM_BROKER_MAGIC;
+    m->version = VMM_BROKER_VERSION3;
+    m->seq = b->seq++;
+    uint64_t ns_total = 0;
+    int rc = 0;
+    while (rc == 0 && b->at < b->n && m->n_here < VMM_BROKER_MAX_FDS) {
+        const vmm_broker_entry3 *e = &b->entries[b->at];
+        uint32_t max = VMM_BROKER_MAX_FDS - m->n_here;
+        if (e->count) {
+            uint64_t end = (uint64_t)e->first + e->count;
+            if (end > UINT32_MAX) {
+                rc = -ERANGE;
+                break;
+            }
+            if (end - b->next < max) max = (uint32_t)(end - b->next);
+        }
+        uint64_t sizes[VMM_BROKER_MAX_FDS];
+        uint32_t got, n_total, device, ns;
+        rc = export_checked(cfg, e->alloc_id, e->slot, e->generation, b->next, max, b->fds + m->n_here, sizes, &got,
+                            &n_total, &device, &ns);
+        if (rc != 0) break;
+        ns_total += ns;
+        for (uint32_t k = 0; k < got; k++)
+            m->fds[m->n_here + k] =
+                (vmm_broker_fd3){.entry = b->at, .handle = b->next + k, .n_total = n_total, .device = device,
+                                 .size = sizes[k]};
+        m->n_here += got;
+        b->next += got;
+        uint32_t end = e->count ? e->first + e->count : n_total;
+        if (b->next >= end) {
+            /* a count past the allocation's last handle: the next export says -ERANGE */
+            if (++b->at < b->n) b->next = b->entries[b->at].first;
+        }
+    }
+    if (rc != 0) {
+        for (uint32_t i = 0; i < m->n_here; i++) close(b->fds[i]);
+        uint32_t seq = m->seq;
+        memset(m, 0, sizeof *m);
+        m->magic = VMM_BROKER_MAGIC;
+        m->version = VMM_BROKER_VERSION3;
+        m->seq = seq;
+        m->status = rc;
+        m->entry = b->at;
+    }
+    m->export_ns = ns_total > UINT32_MAX ? UINT32_MAX : (uint32_t)ns_total;
+    if (rc != 0 || b->at >= b->n) {
+        m->flags = VMM_BROKER_REPLY_LAST;
+        b->done = true;
+    }
+    b->pending = true;
+    batch_note_fds(c, b->fds, m->n_here);
+}
+
+/* Queue the batch's messages while the peer's socket takes them (at most BROKER_PUMP_MAX, so
+ * the other connections get their turn).  False when the connection is done with. */
+static bool batch_pump(const broker_cfg *cfg, broker_conn *c, const struct timespec *now)
+{
+    c->stalled = false;
+    for (int k = 0; k < BROKER_PUMP_MAX && c->batch; k++) {
+        broker_batch *b = c->batch;
+        if (!b->pending) batch_build(cfg, c);
+        int rc = send_msg(c->fd, &b->msg, sizeof b->msg, b->fds, b->msg.n_here);
+        if (rc == -EAGAIN || rc == -EWOULDBLOCK) return true; /* POLLOUT says when */
+        if (rc == -ETOOMANYREFS) {
+            c->stalled = true;
+            return true;
+        }
+        if (rc != 0) return false; /* the peer went away */
+        batch_note_fds(c, NULL, 0);
+        for (uint32_t i = 0; i < b->msg.n_here; i++) close(b->fds[i]); /* the peer holds them now */
+        b->pending = false;
+        c->last = *now;
+        if (b->done) batch_end(c);
+    }
+    return true;
+}
+
+/* A v3 request of n bytes in raw: start its batch (answered by batch_pump), or refuse it. */
+static bool serve_v3(const broker_cfg *cfg, broker_conn *c, const uint8_t *raw, size_t n, const struct timespec *now)
+{
+    vmm_broker_request3 h;
+    memcpy(&h, raw, sizeof h);
+    uint64_t want = sizeof h + (uint64_t)h.n_entries * sizeof(vmm_broker_entry3);
+    if (want != n) {
+        send_reply(c->fd, -EPROTO, 0, 0, -1, 0);
+        return false;
+    }
+    if (h.n_entries == 0 || h.n_entries > VMM_BROKER_MAX_ENTRIES || h.flags != 0) {
+        vmm_broker_reply3 m;
+        memset(&m, 0, sizeof m);
+        m.magic = VMM_BROKER_MAGIC;
+        m.version = VMM_BROKER_VERSION3;
+        m.status = -EINVAL;
+        m.flags = VMM_BROKER_REPLY_LAST;
+        m.entry = h.n_entries;
+        send_datagram(c->fd, &m, sizeof m, NULL, 0);
+        return true;
+    }
+    broker_batch *b = malloc(sizeof *b + h.n_entries * sizeof(vmm_broker_entry3));
+    if (!b) {
+        vmm_broker_reply3 m;
+        memset(&m, 0, sizeof m);
+        m.magic = VMM_BROKER_MAGIC;
+        m.version = VMM_BROKER_VERSION3;
+        m.status = -ENOMEM;
+        m.flags = VMM_BROKER_REPLY_LAST;
+        send_datagram(c->fd, &m, sizeof m, NULL, 0);
+        return true;
+    }
+    memset(b, 0, sizeof *b);
+    b->n = h.n_entries;
+    memcpy(b->entries, raw + sizeof h, h.n_entries * sizeof(vmm_broker_entry3));
+    b->next = b->entries[0].first;
+    c->batch = b;
+    return batch_pump(cfg, c, now);
+}
+
+/* The longest datagram a peer may send: a full v3 batch. */
+#define BROKER_MAX_REQUEST (sizeof(vmm_broker_request3) + VMM_BROKER_MAX_ENTRIES * sizeof(vmm_broker_entry3))
+
 /* Answer one request.  False when the connection is done with (closed, broken, or refused). */
 static bool serve_request(const broker_cfg *cfg, broker_conn *c)
 {
     union {
         vmm_broker_request req;
         vmm_broker_request2 req2;
+        vmm_broker_request3 req3;
         uint8_t raw[sizeof(vmm_broker_request2) + 64];
     } in;
     memset(&in, 0, sizeof in);
     /* MSG_TRUNC: the datagram's real length, so an oversized one is caught; any fds a peer
-     * tried to pass are discarded by the kernel (no control buffer given). */
+     * tried to pass are discarded by the kernel (no control buffer given).  A v3 batch is longer
+     * than the buffer: peeked at first, then read whole into one of its size. */
     ssize_t n;
-    do n = recv(c->fd, in.raw, sizeof in.raw, MSG_DONTWAIT | MSG_TRUNC);
+    do n = recv(c->fd, in.raw, sizeof in.raw, MSG_DONTWAIT | MSG_TRUNC | MSG_PEEK);
     while (n < 0 && errno == EINTR);
     if (n < 0) return errno == EAGAIN;
-    if (n == 0) return false;
+    uint8_t *big = NULL;
+    if ((size_t)n > sizeof in.raw && (size_t)n <= BROKER_MAX_REQUEST && c->allowed &&
+        in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION3)
+        big = malloc((size_t)n);
+    do n = big ? recv(c->fd, big, (size_t)n, MSG_DONTWAIT | MSG_TRUNC)
+               : recv(c->fd, in.raw, sizeof in.raw, MSG_DONTWAIT | MSG_TRUNC);
+    while (n < 0 && errno == EINTR);
+    if (n < 0) {
+        free(big);
+        return errno == EAGAIN;
+    }
+    if (n == 0) {
+        free(big);
+        return false;
+    }
     if (!c->allowed) {
         send_reply(c->fd, -EACCES, 0, 0, -1, 0);
         return false;
     }
+    if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION3 &&
+        (size_t)n >= sizeof(vmm_broker_request3) && (big || (size_t)n <= sizeof in.raw)) {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        bool keep = serve_v3(cfg, c, big ? big : in.raw, (size_t)n, &now);
+        free(big);
+        return keep;
+    }
+    free(big);
     /* magic and version lie at the same offsets in both requests */
     if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION &&
         (size_t)n == sizeof(vmm_broker_request)) {
@@ -463,6 +678,7 @@ static bool serve_request(const broker_cfg *cfg, broker_conn *c)
 
 static void conn_close(broker_conn *c, int slot)
 {
+    batch_end(c); /* a batch in progress: its message not queued is dropped */
     /* cleared before the close, so a fork child never closes a number reused meanwhile */
     __atomic_store_n(&g_conn_fds[slot], 0, __ATOMIC_RELEASE);
     close(c->fd);
@@ -492,6 +708,9 @@ static void conn_accept(const broker_cfg *cfg, broker_conn *conns, const struct 
     conns[slot].fd = fd;
     conns[slot].allowed = peer_allowed(cfg, fd);
     conns[slot].last = *now;
+    conns[slot].slot = slot;
+    conns[slot].stalled = false;
+    conns[slot].batch = NULL;
     __atomic_store_n(&g_conn_fds[slot], fd + 1, __ATOMIC_RELEASE);
 }
 
@@ -499,25 +718,38 @@ static void *broker_thread(void *arg)
 {
     broker_cfg cfg = *(const broker_cfg *)arg;
     broker_conn conns[BROKER_MAX_CONNS];
-    for (int i = 0; i < BROKER_MAX_CONNS; i++) conns[i].fd = -1;
+    for (int i = 0; i < BROKER_MAX_CONNS; i++) conns[i] = (broker_conn){.fd = -1, .slot = i};
     struct pollfd pf[1 + BROKER_MAX_CONNS];
     int at[1 + BROKER_MAX_CONNS]; /* pf[k] watches conns[at[k]] */
     for (;;) {
         int n = 0;
+        bool stalled = false;
         pf[n++] = (struct pollfd){.fd = cfg.listen_fd, .events = POLLIN};
         for (int i = 0; i < BROKER_MAX_CONNS; i++)
             if (conns[i].fd >= 0) {
+                /* a connection answering a batch waits for room in its peer's socket, not for a
+                 * request; one stalled on fds in flight is tried again after a tick */
+                short ev = !conns[i].batch ? POLLIN : conns[i].stalled ? 0 : POLLOUT;
+                stalled |= conns[i].batch && conns[i].stalled;
                 at[n] = i;
-                pf[n++] = (struct pollfd){.fd = conns[i].fd, .events = POLLIN};
+                pf[n++] = (struct pollfd){.fd = conns[i].fd, .events = ev};
             }
-        int pr = poll(pf, (nfds_t)n, BROKER_IDLE_MS / 4);
+        int pr = poll(pf, (nfds_t)n, stalled ? BROKER_STALL_MS : BROKER_IDLE_MS / 4);
         if (pr < 0 && errno != EINTR) return NULL;
         struct timespec now;
         clock_gettime(CLOCK_MONOTONIC, &now);
         if (pr > 0 && (pf[0].revents & (POLLERR | POLLHUP | POLLNVAL))) return NULL; /* the listening socket is gone */
-        for (int k = 1; pr > 0 && k < n; k++) {
+        for (int k = 1; k < n; k++) {
             broker_conn *c = &conns[at[k]];
-            if (!pf[k].revents) continue;
+            if (c->batch) {
+                if (pf[k].revents & (POLLERR | POLLHUP | POLLNVAL)) {
+                    conn_close(c, at[k]);
+                } else if ((pf[k].revents & POLLOUT) || c->stalled) {
+                    if (!batch_pump(&cfg, c, &now)) conn_close(c, at[k]);
+                }
+                continue;
+            }
+            if (pr <= 0 || !pf[k].revents) continue;
             if (!(pf[k].revents & POLLIN) || !serve_request(&cfg, c)) {
                 conn_close(c, at[k]);
                 continue;
@@ -661,6 +893,10 @@ void vmm__broker_forget_after_fork(void)
     for (int i = 0; i < BROKER_MAX_CONNS; i++) {
         fd = __atomic_exchange_n(&g_conn_fds[i], 0, __ATOMIC_ACQ_REL) - 1;
         if (fd >= 0) close(fd);
+        for (unsigned k = 0; k < VMM_BROKER_MAX_FDS; k++) {
+            fd = __atomic_exchange_n(&g_batch_fds[i][k], 0, __ATOMIC_ACQ_REL) - 1;
+            if (fd >= 0) close(fd);
+        }
     }
     g_path[0] = 0;
     g_owner_pid = 0;

@@ -4,7 +4,7 @@
  * peer reconnects when its next request finds the connection closed.  Little-endian fixed-width
  * fields; a reader in any language can speak it.
  *
- * Two request versions, told apart by `version` and the datagram's exact length:
+ * Three request versions, told apart by `version` and the datagram's exact length:
  *
  *   v1 (vmm_broker_request, 40 bytes): one handle.  The reply is a vmm_broker_reply (24 bytes)
  *   with one fd.  An allocation made of several handles (registry MULTI-HANDLE records) cannot be
@@ -19,11 +19,30 @@
  *   -ENOENT, never handles of another.  first >= n_total gets -ERANGE, max 0 gets -EINVAL.
  *   A one-handle allocation answers v2 too (n_total 1).
  *
- * An error reply to a v2 request is a vmm_broker_reply2 as well, except for requests the broker
- * cannot read (wrong length, magic or version: -EPROTO) and refused peers (-EACCES): those get a
- * vmm_broker_reply, whatever was sent, since the broker cannot tell what its peer speaks.  magic
- * and status sit at the same offsets in both, so a peer reads them first.  A broker that predates
- * v2 answers a v2 request with -EPROTO. */
+ *   v3 (vmm_broker_request3, 16 + 40 * n_entries bytes): a batch, so that a companion taking many
+ *   allocations at once (vmm_import_many) makes one round trip, not one per chunk.  Entry i names
+ *   an allocation as a v2 request does (slot, generation, alloc_id) and the run of its handles
+ *   wanted: [first, first + count), count 0 meaning "to the last".  The answer is a stream of
+ *   vmm_broker_reply3 messages (1568 bytes each, seq 0, 1, 2, ...), the last one flagged
+ *   VMM_BROKER_REPLY_LAST.  A message carries 0..64 fds in one SCM_RIGHTS message; fds[k] says
+ *   which entry and which handle of it fd k is, with the handle's size, the allocation's handle
+ *   count and its device.  Handles come in request order: entry 0's first..., then entry 1's.  Each
+ *   entry is checked anew as its handles are exported (a v2 request's checks); the first entry that
+ *   fails ends the batch: the last message then has status (-ESTALE, -ENOENT, -ERANGE, ...) and
+ *   `entry` set to it, and carries no fd; fds sent before it are the peer's (to close).  An empty
+ *   last message (status 0, n_here 0) may close a batch whose final handles went in the message
+ *   before.  n_entries 0 or above VMM_BROKER_MAX_ENTRIES, or flags not 0, get one last message
+ *   with -EINVAL.  The broker reads no further request from the connection until the batch's last
+ *   message is queued, so a peer sends its next request after receiving that one.  The broker
+ *   queues messages as the peer's socket takes them (one slow peer stalls nobody else); a peer
+ *   that reads nothing for 60 s is disconnected.  A broker older than v3 answers -EPROTO (v1 form)
+ *   and closes the connection: the peer reconnects and asks with v1/v2, one allocation at a time.
+ *
+ * An error reply to a v2 request is a vmm_broker_reply2 as well, and to a v3 request a
+ * vmm_broker_reply3, except for requests the broker cannot read (wrong length, magic or version:
+ * -EPROTO) and refused peers (-EACCES): those get a vmm_broker_reply, whatever was sent, since the
+ * broker cannot tell what its peer speaks.  magic and status sit at the same offsets in all three,
+ * so a peer reads them first.  A broker that predates v2 answers a v2 request with -EPROTO. */
 #ifndef VMM_BROKER_PROTOCOL_H
 #define VMM_BROKER_PROTOCOL_H
 #include <stddef.h>
@@ -32,8 +51,13 @@
 #define VMM_BROKER_MAGIC 0x424d4d56u /* "VMMB" */
 #define VMM_BROKER_VERSION 1u        /* vmm_broker_request: one handle */
 #define VMM_BROKER_VERSION2 2u       /* vmm_broker_request2: a run of handles */
-/* fds in one v2 reply: 64 ints of SCM_RIGHTS stay far under the kernel's 253 per message */
+#define VMM_BROKER_VERSION3 3u       /* vmm_broker_request3: a batch of runs, a stream of replies */
+/* fds in one v2 or v3 reply: 64 ints of SCM_RIGHTS stay far under the kernel's 253 per message */
 #define VMM_BROKER_MAX_FDS 64u
+/* entries in one v3 request: 16 + 40 * 2048 bytes (80 KiB) stays well under a socket's default
+ * send buffer (~208 KiB), the most one datagram can be; a peer wanting more sends several */
+#define VMM_BROKER_MAX_ENTRIES 2048u
+#define VMM_BROKER_REPLY_LAST 1u     /* vmm_broker_reply3.flags: the batch's last message */
 
 typedef struct vmm_broker_request {
     uint32_t magic;
@@ -71,6 +95,42 @@ typedef struct vmm_broker_reply2 {
     uint64_t sizes[VMM_BROKER_MAX_FDS]; /* bytes of each handle passed; the rest 0 */
 } vmm_broker_reply2; /* 536 */
 
+typedef struct vmm_broker_entry3 {
+    uint64_t slot;
+    uint64_t generation;
+    uint8_t alloc_id[16];
+    uint32_t first;       /* the first handle wanted, 0-based in address order */
+    uint32_t count;       /* handles wanted from first on; 0: all of them to the last */
+} vmm_broker_entry3; /* 40 */
+
+typedef struct vmm_broker_request3 {
+    uint32_t magic;
+    uint32_t version;     /* VMM_BROKER_VERSION3 */
+    uint32_t n_entries;   /* 1 .. VMM_BROKER_MAX_ENTRIES; the datagram is 16 + 40 * n_entries bytes */
+    uint32_t flags;       /* 0 */
+    /* followed by n_entries vmm_broker_entry3 */
+} vmm_broker_request3; /* 16 */
+
+typedef struct vmm_broker_fd3 {
+    uint32_t entry;       /* the request entry this fd answers (entries in order, never going back) */
+    uint32_t handle;      /* which handle of its allocation, 0-based in address order */
+    uint32_t n_total;     /* handles the allocation has */
+    uint32_t device;      /* the device the handle's memory lies on (the owner's ordinal) */
+    uint64_t size;        /* the handle's bytes */
+} vmm_broker_fd3; /* 24 */
+
+typedef struct vmm_broker_reply3 {
+    uint32_t magic;
+    int32_t status;       /* 0, or entry `entry`'s -errno (as reply2's): the batch ends here, no fds */
+    uint32_t version;     /* VMM_BROKER_VERSION3 */
+    uint32_t flags;       /* VMM_BROKER_REPLY_LAST on the batch's last message */
+    uint32_t entry;       /* with status != 0: the failing entry (n_entries for a malformed batch) */
+    uint32_t n_here;      /* fds passed with this message, 0 .. 64; fds[n_here..] are 0 */
+    uint32_t export_ns;   /* the owner's time exporting this message's fds (saturating) */
+    uint32_t seq;         /* this message's place in the batch's stream, from 0 */
+    vmm_broker_fd3 fds[VMM_BROKER_MAX_FDS];
+} vmm_broker_reply3; /* 1568 */
+
 _Static_assert(sizeof(vmm_broker_request) == 40, "request size");
 _Static_assert(offsetof(vmm_broker_request, slot) == 8, "request.slot");
 _Static_assert(offsetof(vmm_broker_request, generation) == 16, "request.generation");
@@ -95,4 +155,25 @@ _Static_assert(offsetof(vmm_broker_reply2, export_ns) == 12, "reply2.export_ns")
 _Static_assert(offsetof(vmm_broker_reply2, n_total) == 16, "reply2.n_total");
 _Static_assert(offsetof(vmm_broker_reply2, n_here) == 20, "reply2.n_here");
 _Static_assert(offsetof(vmm_broker_reply2, sizes) == 24, "reply2.sizes");
+
+_Static_assert(sizeof(vmm_broker_entry3) == 40, "entry3 size");
+_Static_assert(offsetof(vmm_broker_entry3, generation) == 8, "entry3.generation");
+_Static_assert(offsetof(vmm_broker_entry3, alloc_id) == 16, "entry3.alloc_id");
+_Static_assert(offsetof(vmm_broker_entry3, first) == 32, "entry3.first");
+_Static_assert(offsetof(vmm_broker_entry3, count) == 36, "entry3.count");
+_Static_assert(sizeof(vmm_broker_request3) == 16, "request3 header size");
+_Static_assert(offsetof(vmm_broker_request3, version) == 4, "request3.version");
+_Static_assert(offsetof(vmm_broker_request3, n_entries) == 8, "request3.n_entries");
+_Static_assert(offsetof(vmm_broker_request3, flags) == 12, "request3.flags");
+_Static_assert(sizeof(vmm_broker_fd3) == 24, "fd3 size");
+_Static_assert(offsetof(vmm_broker_fd3, size) == 16, "fd3.size");
+_Static_assert(sizeof(vmm_broker_reply3) == 32 + 24 * VMM_BROKER_MAX_FDS, "reply3 size");
+_Static_assert(offsetof(vmm_broker_reply3, status) == 4, "reply3.status");
+_Static_assert(offsetof(vmm_broker_reply3, version) == 8, "reply3.version");
+_Static_assert(offsetof(vmm_broker_reply3, flags) == 12, "reply3.flags");
+_Static_assert(offsetof(vmm_broker_reply3, entry) == 16, "reply3.entry");
+_Static_assert(offsetof(vmm_broker_reply3, n_here) == 20, "reply3.n_here");
+_Static_assert(offsetof(vmm_broker_reply3, export_ns) == 24, "reply3.export_ns");
+_Static_assert(offsetof(vmm_broker_reply3, seq) == 28, "reply3.seq");
+_Static_assert(offsetof(vmm_broker_reply3, fds) == 32, "reply3.fds");
 #endif

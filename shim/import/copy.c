@@ -33,6 +33,9 @@
 typedef struct copy_api {
     CUresult (*CtxGetCurrent)(CUcontext *);
     CUresult (*CtxSetCurrent)(CUcontext);
+    CUresult (*CtxGetDevice)(CUdevice *);
+    CUresult (*CtxPushCurrent)(CUcontext);
+    CUresult (*CtxPopCurrent)(CUcontext *);
     CUresult (*DeviceGet)(CUdevice *, int);
     CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
@@ -69,6 +72,9 @@ static void driver_load(void)
 #define SYM(field, name) {name, (void **)&drv.field}
         SYM(CtxGetCurrent, "cuCtxGetCurrent"),
         SYM(CtxSetCurrent, "cuCtxSetCurrent"),
+        SYM(CtxGetDevice, "cuCtxGetDevice"),
+        SYM(CtxPushCurrent, "cuCtxPushCurrent_v2"),
+        SYM(CtxPopCurrent, "cuCtxPopCurrent_v2"),
         SYM(DeviceGet, "cuDeviceGet"),
         SYM(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"),
         SYM(MemcpyDtoH, "cuMemcpyDtoH_v2"),
@@ -119,38 +125,57 @@ static vmm_status primary_context(int device, CUcontext *ctx)
     return VMM_OK;
 }
 
-/* The calling thread keeps its context; one without gets the import's device's primary one. */
-static vmm_status use_context(int device)
+/* A copy runs in the current context, and the driver refuses one of VMM memory that context's
+ * device was not granted (CUDA_ERROR_INVALID_VALUE on an H100).  A thread without a context gets
+ * the import's device's primary one; a thread on another device has that one pushed for the copy
+ * (*pushed: pop it after). */
+static vmm_status use_context(int device, int *pushed)
 {
     CUcontext cur = NULL;
+    CUdevice on;
+    *pushed = 0;
     CUresult r = drv.CtxGetCurrent(&cur);
     if (r != CUDA_SUCCESS) return cu_fail("cuCtxGetCurrent", r);
-    if (cur) return VMM_OK;
-    vmm_status st = primary_context(device, &cur);
+    if (cur && drv.CtxGetDevice(&on) == CUDA_SUCCESS && on == device) return VMM_OK;
+    CUcontext mine;
+    vmm_status st = primary_context(device, &mine);
     if (st != VMM_OK) return st;
-    if ((r = drv.CtxSetCurrent(cur)) != CUDA_SUCCESS) return cu_fail("cuCtxSetCurrent", r);
+    if (!cur) return (r = drv.CtxSetCurrent(mine)) == CUDA_SUCCESS ? VMM_OK : cu_fail("cuCtxSetCurrent", r);
+    if ((r = drv.CtxPushCurrent(mine)) != CUDA_SUCCESS) return cu_fail("cuCtxPushCurrent", r);
+    *pushed = 1;
     return VMM_OK;
 }
 
-/* [offset, offset + length) within the import, and the driver ready in a context. */
-static vmm_status prepare(const vmm_imported *imp, uint64_t offset, uint64_t length, const char *fn)
+static void done_with_context(int pushed)
 {
+    CUcontext popped;
+    if (pushed) (void)drv.CtxPopCurrent(&popped);
+}
+
+/* [offset, offset + length) within the import, and the driver ready in a context. */
+static vmm_status prepare(const vmm_imported *imp, uint64_t offset, uint64_t length, const char *fn, int *pushed)
+{
+    *pushed = 0;
     if (!imp) return set_err(VMM_ERR_INVALID, "%s: imp is NULL", fn);
     uint64_t size = vmm__import_size(imp);
     if (offset > size || length > size - offset)
         return set_err(VMM_ERR_INVALID, "%s: %llu bytes at offset %llu run past the import's %llu bytes", fn,
                        (unsigned long long)length, (unsigned long long)offset, (unsigned long long)size);
     vmm_status st = driver_ready();
-    return st == VMM_OK ? use_context(vmm__import_device(imp)) : st;
+    return st == VMM_OK ? use_context(vmm__import_device(imp), pushed) : st;
 }
 
 vmm_status vmm__import_read(const vmm_imported *imp, uint64_t offset, void *dst, uint64_t length)
 {
     if (length && !dst) return set_err(VMM_ERR_INVALID, "vmm_import_read: dst is NULL");
-    vmm_status st = prepare(imp, offset, length, "vmm_import_read");
-    if (st != VMM_OK || !length) return st;
-    CUresult r = drv.MemcpyDtoH(dst, (CUdeviceptr)(vmm__import_ptr(imp) + offset), (size_t)length);
-    return r == CUDA_SUCCESS ? VMM_OK : cu_fail("cuMemcpyDtoH", r);
+    int pushed;
+    vmm_status st = prepare(imp, offset, length, "vmm_import_read", &pushed);
+    if (st == VMM_OK && length) {
+        CUresult r = drv.MemcpyDtoH(dst, (CUdeviceptr)(vmm__import_ptr(imp) + offset), (size_t)length);
+        if (r != CUDA_SUCCESS) st = cu_fail("cuMemcpyDtoH", r);
+    }
+    done_with_context(pushed);
+    return st;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -278,12 +303,9 @@ static vmm_status run(pipeline *p, vmm_sink_fn sink, void *ctx)
     return st;
 }
 
-vmm_status vmm__import_copy(const vmm_imported *imp, uint64_t offset, uint64_t length, vmm_sink_fn sink,
-                                      void *ctx)
+static vmm_status copy_in_context(const vmm_imported *imp, uint64_t offset, uint64_t length, vmm_sink_fn sink, void *ctx)
 {
-    if (!sink) return set_err(VMM_ERR_INVALID, "vmm_import_copy: sink is NULL");
-    vmm_status st = prepare(imp, offset, length, "vmm_import_copy");
-    if (st != VMM_OK || !length) return st;
+    vmm_status st = VMM_OK;
     pipeline p = {.src = (CUdeviceptr)(vmm__import_ptr(imp) + offset), .length = length};
     p.piece = length / 4 < PIECE_MIN ? PIECE_MIN : length / 4 > PIECE_MAX ? PIECE_MAX : length / 4;
     if (!(p.s = staging_take())) return set_err(VMM_ERR_NOMEM, "vmm_import_copy: out of memory");
@@ -311,5 +333,16 @@ vmm_status vmm__import_copy(const vmm_imported *imp, uint64_t offset, uint64_t l
     for (int i = 0; i < events; i++) (void)drv.EventDestroy(p.done[i]);
     (void)drv.StreamDestroy(p.stream);
     if (idle) staging_give(p.s);
+    return st;
+}
+
+vmm_status vmm__import_copy(const vmm_imported *imp, uint64_t offset, uint64_t length, vmm_sink_fn sink,
+                                      void *ctx)
+{
+    if (!sink) return set_err(VMM_ERR_INVALID, "vmm_import_copy: sink is NULL");
+    int pushed;
+    vmm_status st = prepare(imp, offset, length, "vmm_import_copy", &pushed);
+    if (st == VMM_OK && length) st = copy_in_context(imp, offset, length, sink, ctx);
+    done_with_context(pushed);
     return st;
 }

@@ -53,6 +53,7 @@ static const char *public_name(const char *fn)
         {"vmm__import", "vmm_import"},         {"vmm__import_fd", "vmm_import_fd"},
         {"vmm__import_check", "vmm_import_check"}, {"vmm__import_last_timing", "vmm_import_last_timing"},
         {"vmm__import_range", "vmm_import_range"}, {"vmm__import_many", "vmm_import_many"},
+        {"vmm__import_many_last_timing", "vmm_import_many_last_timing"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(fn, names[i][0]) == 0) return names[i][1];
@@ -809,6 +810,27 @@ static vmm_status pidfd_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *f
 /* ------------------------------------------------------------------------------------------ */
 /* Imported chunks                                                                             */
 
+/* One reservation that several mappings share: vmm_import_many maps every chunk and range it
+ * makes into one (one cuMemAddressReserve, one cuMemSetAccess over the lot), and each of them
+ * unmaps its own part when it goes.  The driver frees an address range only whole, so the
+ * reservation goes with the last part (refs: the parts still mapped in it). */
+typedef struct slab {
+    CUdeviceptr base;
+    size_t size;
+    unsigned long refs;
+} slab;
+
+/* One part of s is unmapped: the last one frees the reservation (in the context current, which
+ * the caller made the one it was mapped in).  A part the driver kept mapped never calls this, so
+ * the range stays reserved under it. */
+static vmm_status slab_put(slab *s)
+{
+    if (__atomic_sub_fetch(&s->refs, 1, __ATOMIC_ACQ_REL) != 0) return VMM_OK;
+    CUresult r = TWICE(cu.MemAddressFree(s->base, s->size));
+    free(s);
+    return r == CUDA_SUCCESS ? VMM_OK : cu_fail("cuMemAddressFree", r);
+}
+
 /* Every import maps its allocation's whole chunk; allocations of one chunk share one mapping.
  * A pooled chunk is named by its owner and chunk_id (never reused by that owner), with its
  * mapped size as a second guard; a record without a chunk id (its own chunk, older writers) by
@@ -840,6 +862,7 @@ typedef struct chunk {
      * lengths are kept, to unmap one mapping at a time. */
     uint32_t n_parts;
     uint64_t *part_len;
+    slab *slab;         /* mapped by vmm_import_many: its place in that call's reservation */
     CUcontext ctx;      /* current when it was mapped: released from it */
     uint64_t devices;   /* bit d: device d was granted access (devices 0..63) */
     unsigned long refs; /* vmm_imported handles on it; 0: idle */
@@ -962,7 +985,9 @@ static vmm_status unmap_chunk(const chunk *c)
         for (uint32_t i = 0; i < c->n_parts; at += c->part_len[i++])
             if ((r = TWICE(cu.MemUnmap(c->base + at, c->part_len[i]))) != CUDA_SUCCESS && st == VMM_OK)
                 st = cu_fail("cuMemUnmap", r);
-        if (st == VMM_OK && (r = TWICE(cu.MemAddressFree(c->base, c->size))) != CUDA_SUCCESS)
+        if (st == VMM_OK && c->slab)
+            st = slab_put(c->slab);
+        else if (st == VMM_OK && (r = TWICE(cu.MemAddressFree(c->base, c->size))) != CUDA_SUCCESS)
             st = cu_fail("cuMemAddressFree", r);
     }
     if (switched) (void)TWICE(cu.CtxSetCurrent(cur)); /* else the thread stays in ctx */
@@ -1303,6 +1328,8 @@ struct vmm_imported {
     uint64_t requested_size; /* a range's length */
     int device;              /* the device it is mapped read-write for here */
     vmm_alloc_info alloc;    /* a vmm_import: the record it was imported from (vmm_import_check) */
+    vmm_alloc_info *recs;    /* a range's records, as walked (vmm_import_records); NULL: alloc alone */
+    size_t n_recs;
 };
 
 static vmm_status fetch_fd(vmm_registry *reg, const vmm_alloc_info *a, int *fd)
@@ -1623,6 +1650,7 @@ vmm_status vmm__import_last_timing(vmm_import_timing *out)
 struct range_map {
     CUdeviceptr base;
     size_t size;  /* the reservation; 0 until it is made */
+    slab *slab;    /* vmm_import_many's: [base, base + size) is its part of that reservation */
     CUcontext ctx; /* current when it was mapped: unmapped from it */
     size_t n;      /* mappings made so far, each [base + at, + len) */
     struct {
@@ -1643,6 +1671,7 @@ typedef struct piece {
 } piece;
 
 typedef struct range_plan {
+    vmm__liveness_cache *live; /* the owner's liveness, judged once for the call (NULL: each lookup) */
     uint32_t pid;
     uint64_t address, end;
     vmm_alloc_info *rec; /* the records covering [address, end), in order */
@@ -1674,7 +1703,7 @@ static vmm_status range_walk(vmm_registry *reg, range_plan *p)
 {
     for (uint64_t at = p->address; at < p->end;) {
         vmm_alloc_info a;
-        vmm_status st = vmm__find(reg, p->pid, at, &a);
+        vmm_status st = p->live ? vmm__find_cached(reg, p->pid, at, &a, p->live) : vmm__find(reg, p->pid, at, &a);
         if (st == VMM_ERR_NOT_FOUND) {
             if (at == p->address)
                 return set_err(VMM_ERR_NOT_FOUND, "pid %u has no live allocation at 0x%llx, where the range starts",
@@ -1816,7 +1845,9 @@ static vmm_status range_unmap(range_map *m)
     for (size_t k = 0; k < m->n; k++)
         if ((r = TWICE(cu.MemUnmap(m->base + m->map[k].at, m->map[k].len))) != CUDA_SUCCESS && st == VMM_OK)
             st = cu_fail("cuMemUnmap", r);
-    if (m->size && st == VMM_OK && (r = TWICE(cu.MemAddressFree(m->base, m->size))) != CUDA_SUCCESS)
+    if (m->size && st == VMM_OK && m->slab)
+        st = slab_put(m->slab);
+    else if (m->size && st == VMM_OK && (r = TWICE(cu.MemAddressFree(m->base, m->size))) != CUDA_SUCCESS)
         st = cu_fail("cuMemAddressFree", r);
     if (switched) (void)TWICE(cu.CtxSetCurrent(cur));
     free(m);
@@ -1943,7 +1974,8 @@ vmm_status vmm__import_range(vmm_registry *reg, uint32_t pid, uint64_t address, 
     NEED(pid != 0, "pid is 0");
     NEED(length != 0, "length is 0");
     NEED(address <= UINT64_MAX - length, "the range runs past the end of the address space");
-    range_plan p = {.pid = pid, .address = address, .end = address + length};
+    vmm__liveness_cache live = {0};
+    range_plan p = {.live = &live, .pid = pid, .address = address, .end = address + length};
     vmm_status st = range_walk(reg, &p);
     CUcontext ctx = NULL;
     here_device here = {0, true};
@@ -1968,6 +2000,10 @@ vmm_status vmm__import_range(vmm_registry *reg, uint32_t pid, uint64_t address, 
         imp->ptr = ptr;
         imp->requested_size = length;
         imp->device = (int)use;
+        imp->alloc = p.rec[0];
+        imp->recs = p.rec; /* vmm_import_records */
+        imp->n_recs = p.n_rec;
+        p.rec = NULL;
         *out = imp;
     } else {
         free(imp);
@@ -1980,101 +2016,1096 @@ vmm_status vmm__import_range(vmm_registry *reg, uint32_t pid, uint64_t address, 
 /* ------------------------------------------------------------------------------------------ */
 /* Several ranges of one owner                                                                 */
 
-/* One range of vmm_import_many that lies in one chunk (one record, or records the pool placed
- * side by side in it): a reference to the chunk table's mapping, so every range of the call in
- * that chunk shares one export, one import and one mapping (the first range maps it, the others
- * find it mapped and re-read their records).  *imp stays NULL, with VMM_OK, when the range is not
- * in one single-handle chunk (or one MULTI-HANDLE record): the caller maps it as a range. */
-static vmm_status many_in_chunk(vmm_registry *reg, range_plan *p, vmm_imported **imp)
+/* vmm_import_many in four steps, each done once for the whole call rather than once per range:
+ *   1. find: the records under every range (registry reads only; a range that cannot be
+ *      imported fails here, before the owner is asked), and which ranges lie in a chunk mapped
+ *      here already (a reference, nothing fetched);
+ *   2. fetch: every handle the other ranges need, each asked for once ("units"), in one broker
+ *      round trip (protocol v3, fds streamed 64 a message), each imported as it arrives, by
+ *      VMMSHIM_IMPORT_THREADS threads;
+ *   3. map: one reservation for everything new, each chunk and each range across chunks at a
+ *      place of its own in it ("consumers", laid out back to back, grouped by the devices they
+ *      are granted to), every handle mapped where it is needed, one cuMemSetAccess per group;
+ *   4. hand out: new chunks enter the chunk table (shared with vmm_import), ranges across chunks
+ *      become range imports, and the imported handles are released (the mappings keep them).
+ * cuMemSetAccess and cuMemImportFromShareableHandle are an import's dear steps on a GPU (~46 and
+ * ~35 us a call on an H100): one SetAccess for all, and imports that may overlap the transfer. */
+
+/* The calling thread's last vmm_import_many, step by step (vmm_import_many_last_timing). */
+static _Thread_local vmm_import_many_timing mt;
+
+vmm_status vmm__import_many_last_timing(vmm_import_many_timing *out)
 {
-    *imp = NULL;
-    vmm_status st = range_walk(reg, p);
-    if (st != VMM_OK) return st;
-    const vmm_alloc_info *a = &p->rec[0];
-    if (p->n_rec > 1) {
-        if ((st = range_layout(p)) != VMM_OK) return st;
-        if (p->n_pc != 1 || (a->flags & VMM_ALLOC_MULTI_HANDLE)) return VMM_OK;
-    }
-    if ((st = importable(reg, a)) != VMM_OK) return st;
-    vmm_imported *m = calloc(1, sizeof *m);
-    if (!m) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
-    if ((st = import_chunk(reg, a, m)) != VMM_OK) {
-        free(m);
-        return st;
-    }
-    /* the chunk's owner (or the table) vouched for the first record only */
-    for (size_t i = 1; i < p->n_rec && st == VMM_OK; i++) st = record_unchanged(reg, &p->rec[i]);
-    if (st != VMM_OK) {
-        (void)chunk_unref(m->c);
-        free(m);
-        return st;
-    }
-    m->ptr += p->address - a->address;
-    m->requested_size = p->end - p->address;
-    m->alloc = *a;
-    *imp = m;
+    NEED(out, "out is NULL");
+    *out = mt;
     return VMM_OK;
 }
 
-vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses,
-                                      const uint64_t *sizes, size_t n, vmm_imported **out)
+#define MAX_IMPORT_THREADS 16
+
+/* VMMSHIM_IMPORT_THREADS, read at each call (so a benchmark may compare settings in one process). */
+static vmm_status import_threads(uint32_t *out)
 {
+    const char *e = getenv("VMMSHIM_IMPORT_THREADS");
+    *out = 1;
+    if (!e || !*e) return VMM_OK;
+    char *end;
+    errno = 0;
+    long v = strtol(e, &end, 10);
+    if (errno || *end || v < 1 || v > MAX_IMPORT_THREADS)
+        return set_err(VMM_ERR_INVALID, "vmm_import_many: VMMSHIM_IMPORT_THREADS='%s' is not a number from 1 to %d", e,
+                       MAX_IMPORT_THREADS);
+    *out = (uint32_t)v;
+    return VMM_OK;
+}
+
+/* Run fn(arg) on n - 1 new threads and the calling thread, and wait for all (no signals on the
+ * new ones: they are the application's).  Threads that cannot start leave their share to the
+ * others (fn takes work until none is left). */
+static void crew_run(uint32_t n, void *(*fn)(void *), void *arg)
+{
+    pthread_t th[MAX_IMPORT_THREADS];
+    uint32_t started = 0;
+    if (n > 1) {
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        for (uint32_t i = 1; i < n && i < MAX_IMPORT_THREADS; i++)
+            if (pthread_create(&th[started], NULL, fn, arg) == 0) started++;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
+    (void)fn(arg);
+    for (uint32_t i = 0; i < started; i++) pthread_join(th[i], NULL);
+}
+
+/* What the call fetches from the owner: one allocation's handles (a single-handle chunk, or every
+ * handle of a MULTI-HANDLE record).  Every chunk and range needing the same handles shares one
+ * unit: asked for once, each handle imported once and mapped wherever it is needed, released once
+ * all is mapped. */
+typedef struct unit {
+    vmm_alloc_info a;    /* the record the owner is asked about */
+    uint32_t n;          /* its handles */
+    uint32_t got;        /* handles received so far, in order */
+    uint64_t bytes;      /* their bytes */
+    CUmemGenericAllocationHandle *h;
+    uint64_t *size;
+    uint8_t *ok;         /* h[i] is imported (threads import them in any order) */
+} unit;
+
+/* Records whose handles are the same: a pooled chunk by its id (as same_chunk), a MULTI-HANDLE
+ * record or one without a chunk id by itself. */
+static bool same_record(const vmm_alloc_info *x, const vmm_alloc_info *y)
+{
+    return x->slot == y->slot && x->generation == y->generation && memcmp(x->alloc_id, y->alloc_id, 16) == 0;
+}
+
+static bool same_unit(const vmm_alloc_info *x, const vmm_alloc_info *y)
+{
+    if ((x->flags | y->flags) & VMM_ALLOC_MULTI_HANDLE) return same_record(x, y);
+    return same_chunk(x, y) || same_record(x, y);
+}
+
+static uint64_t unit_hash(const vmm_alloc_info *a)
+{
+    if (a->chunk_id && !(a->flags & VMM_ALLOC_MULTI_HANDLE)) return a->chunk_id * 0x9e3779b97f4a7c15ull ^ a->mapped_size;
+    return (a->slot + 1) * 0xbf58476d1ce4e5b9ull ^ a->generation;
+}
+
+/* An open-addressed index of small integers (stored + 1), sized for n entries: the call may name
+ * thousands of chunks, and a list searched for each would cost the square of that. */
+typedef struct ix {
+    uint32_t *slot;
+    size_t mask;
+} ix;
+
+static bool ix_init(ix *t, size_t n)
+{
+    size_t cap = 16;
+    while (cap < 2 * n + 2) cap <<= 1;
+    t->slot = calloc(cap, sizeof *t->slot);
+    t->mask = cap - 1;
+    return t->slot != NULL;
+}
+
+typedef struct many_range {
+    range_plan p;        /* the records under it; for a range across chunks, its pieces too */
+    bool across;         /* across chunks: a mapping of its own */
+    chunk *c;            /* inside one chunk: that chunk (one reference of this range's) */
+    uint32_t fresh;      /* inside one chunk not mapped here before: 1 + its index in new chunks */
+    uint32_t consumer;   /* across: its place in the reservation */
+    uint32_t *unit_of;   /* across: each piece's unit */
+    CUdevice use;
+} many_range;
+
+typedef struct new_chunk {
+    chunk_key key;
+    vmm_alloc_info a;    /* the first range's first record: its witness */
+    uint32_t unit;
+    uint32_t users;      /* ranges in it */
+    uint32_t consumer;
+    chunk *c;            /* the chunk table's entry, once made */
+} new_chunk;
+
+/* Something new mapped into the call's reservation: a new chunk (whole) or a range across chunks
+ * (its handles at their places, as in the owner). */
+typedef struct consumer {
+    uint64_t at, size;   /* its place in the reservation */
+    uint64_t group;      /* the devices it is granted to (those laid out together get one SetAccess) */
+    CUmemAccessDesc acc[2];
+    size_t n_acc;
+    CUdevice use;
+    placed *v;           /* the handles mapped, at the owner's addresses (v[0] at `at`) */
+    size_t nv;
+    bool is_range;
+    uint32_t index;      /* into new chunks or ranges */
+} consumer;
+
+typedef struct map_op {
+    CUdeviceptr va;
+    size_t len;
+    CUmemGenericAllocationHandle h;
+    bool done;
+} map_op;
+
+/* Everything one call holds, so that a failure anywhere undoes it all in one place. */
+typedef struct many {
+    vmm_registry *reg;
+    vmm__liveness_cache live;
+    uint32_t pid, threads;
+    CUcontext ctx;
+    here_device here;
+    owner_ref *owner;
+    many_range *r;
+    size_t n;
+    unit *u;
+    size_t n_units, cap_units, n_handles;
+    ix units_ix, chunks_ix;
+    new_chunk *nc;
+    size_t n_nc, cap_nc;
+    consumer *cs;
+    size_t n_cs;
+    slab *s;
+    map_op *ops;
+    size_t n_ops;
+    /* the fetch's hand-over to importing threads, and the first failure of any thread */
+    pthread_mutex_t lock;
+    pthread_cond_t cv;
+    struct job {
+        int fd;
+        uint32_t unit, handle;
+    } *q;
+    size_t q_len, q_next;
+    bool q_closed;
+    size_t op_next;
+    vmm_status st;
+    char why[400];
+    uint64_t import_ns, map_ns; /* summed over the threads (mt is each thread's own) */
+    size_t fail_range;   /* the range a failure after the find concerns, n when none */
+    size_t fail_unit;    /* the unit a fetch failure concerns, SIZE_MAX when none */
+} many;
+
+/* Record a failure found on any thread (its reason is that thread's vmm__error_text); the first stands. */
+static void many_fail(many *m, vmm_status st)
+{
+    pthread_mutex_lock(&m->lock);
+    if (m->st == VMM_OK) {
+        m->st = st;
+        snprintf(m->why, sizeof m->why, "%s", vmm__error_text());
+    }
+    pthread_mutex_unlock(&m->lock);
+}
+
+static bool many_failed(many *m)
+{
+    pthread_mutex_lock(&m->lock);
+    bool f = m->st != VMM_OK;
+    pthread_mutex_unlock(&m->lock);
+    return f;
+}
+
+/* The unit for record a (made when new); its index, or -1 out of memory. */
+static long unit_of(many *m, const vmm_alloc_info *a)
+{
+    for (size_t h = unit_hash(a) & m->units_ix.mask;; h = (h + 1) & m->units_ix.mask) {
+        uint32_t k = m->units_ix.slot[h];
+        if (!k) {
+            unit *more = grow(m->u, &m->cap_units, m->n_units, sizeof *m->u);
+            if (!more) return -1;
+            m->u = more;
+            unit *u = &m->u[m->n_units];
+            memset(u, 0, sizeof *u);
+            u->a = *a;
+            u->n = (a->flags & VMM_ALLOC_MULTI_HANDLE) ? a->n_handles : 1;
+            u->h = calloc(u->n, sizeof *u->h);
+            u->size = calloc(u->n, sizeof *u->size);
+            u->ok = calloc(u->n, 1);
+            if (!u->h || !u->size || !u->ok) {
+                free(u->h);
+                free(u->size);
+                free(u->ok);
+                return -1;
+            }
+            m->n_handles += u->n;
+            m->units_ix.slot[h] = (uint32_t)++m->n_units;
+            return (long)m->n_units - 1;
+        }
+        if (same_unit(&m->u[k - 1].a, a)) return (long)k - 1;
+    }
+}
+
+/* The new chunk of key k (made when new, for record a); its index, or -1 out of memory. */
+static long new_chunk_of(many *m, const chunk_key *k, const vmm_alloc_info *a)
+{
+    uint64_t hash = vmm_reg_hash(k->pid, k->id ^ (k->generation * 0x9e3779b97f4a7c15ull) ^ (k->mapped_size << 1) ^
+                                             k->by_slot);
+    for (size_t h = hash & m->chunks_ix.mask;; h = (h + 1) & m->chunks_ix.mask) {
+        uint32_t i = m->chunks_ix.slot[h];
+        if (!i) {
+            new_chunk *more = grow(m->nc, &m->cap_nc, m->n_nc, sizeof *m->nc);
+            if (!more) return -1;
+            m->nc = more;
+            new_chunk *c = &m->nc[m->n_nc];
+            memset(c, 0, sizeof *c);
+            c->key = *k;
+            c->a = *a;
+            long u = unit_of(m, a);
+            if (u < 0) return -1;
+            c->unit = (uint32_t)u;
+            m->chunks_ix.slot[h] = (uint32_t)++m->n_nc;
+            return (long)m->n_nc - 1;
+        }
+        if (same_key(&m->nc[i - 1].key, k)) return (long)i - 1;
+    }
+}
+
+/* ---- 1. find ---- */
+
+/* Range i's records, and whether it lies in one chunk; NOT_FOUND and the like as vmm_import_range. */
+static vmm_status many_find(many *m, size_t i, uint64_t address, uint64_t size)
+{
+    many_range *r = &m->r[i];
+    r->p.pid = m->pid;
+    r->p.address = address;
+    r->p.live = &m->live;
+    if (size == 0) { /* the whole allocation holding address, as vmm_import maps it */
+        vmm_alloc_info a;
+        vmm_status st = vmm__find_cached(m->reg, m->pid, address, &a, &m->live);
+        if (st != VMM_OK) return st;
+        r->p.address = a.address;
+        size = a.requested_size ? a.requested_size : a.extent;
+    } else if (address > UINT64_MAX - size) {
+        return set_err(VMM_ERR_INVALID, "the range runs past the end of the address space");
+    }
+    r->p.end = r->p.address + size;
+    vmm_status st = range_walk(m->reg, &r->p);
+    if (st != VMM_OK) return st;
+    const vmm_alloc_info *a = &r->p.rec[0], *first = &m->r[0].p.rec[0];
+    /* every range must be of the one owner the first is of (a pid may have been reused) */
+    if (i > 0 && (a->owner_start_time != first->owner_start_time || a->owner_pidns != first->owner_pidns))
+        return set_err(VMM_ERR_NOT_FOUND,
+                       "the allocation at 0x%llx belongs to another process with pid %u than the first range's (an "
+                       "exited one's records stay until vmmctl gc)",
+                       (unsigned long long)r->p.address, m->pid);
+    if (r->p.n_rec > 1) {
+        if ((st = range_layout(&r->p)) != VMM_OK) return st;
+        if (r->p.n_pc != 1 || (a->flags & VMM_ALLOC_MULTI_HANDLE)) {
+            r->across = true;
+            return VMM_OK;
+        }
+    }
+    return importable(m->reg, a);
+}
+
+/* Each range inside one chunk: a reference to the chunk when it is mapped here, else its new
+ * chunk; each range across chunks: the units of its pieces. */
+static vmm_status many_sort(many *m)
+{
+    for (size_t i = 0; i < m->n; i++) {
+        many_range *r = &m->r[i];
+        if (r->across) {
+            r->unit_of = calloc(r->p.n_pc, sizeof *r->unit_of);
+            if (!r->unit_of) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+            for (size_t k = 0; k < r->p.n_pc; k++) {
+                long u = unit_of(m, &r->p.rec[r->p.pc[k].first]);
+                if (u < 0) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+                r->unit_of[k] = (uint32_t)u;
+            }
+            continue;
+        }
+        chunk_key k = key_of(&r->p.rec[0]);
+        pthread_mutex_lock(&chunks_lock);
+        r->c = chunk_ref_locked(&k);
+        pthread_mutex_unlock(&chunks_lock);
+        if (r->c) {
+            mt.chunks_cached++;
+            continue;
+        }
+        long c = new_chunk_of(m, &k, &r->p.rec[0]);
+        if (c < 0) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+        r->fresh = (uint32_t)c + 1;
+        m->nc[c].users++;
+    }
+    return VMM_OK;
+}
+
+/* ---- 2. fetch ---- */
+
+static void import_handle(many *m, uint32_t ui, uint32_t hi, int fd)
+{
+    unit *u = &m->u[ui];
+    uint64_t t0 = now_ns();
+    CUresult r = cu.MemImportFromShareableHandle(&u->h[hi], (void *)(uintptr_t)fd,
+                                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    __atomic_add_fetch(&m->import_ns, now_ns() - t0, __ATOMIC_RELAXED); /* mt is the calling thread's */
+    close(fd); /* the driver keeps its own reference */
+    if (r == CUDA_SUCCESS)
+        __atomic_store_n(&u->ok[hi], 1, __ATOMIC_RELEASE);
+    else
+        many_fail(m, cu_fail("cuMemImportFromShareableHandle", r));
+}
+
+/* An importing thread: takes the fds the receiving thread queues until it closes the queue. */
+static void *import_worker(void *arg)
+{
+    many *m = arg;
+    CUcontext cur = NULL;
+    bool set = cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur != m->ctx && cu.CtxSetCurrent(m->ctx) == CUDA_SUCCESS;
+    for (;;) {
+        pthread_mutex_lock(&m->lock);
+        while (m->q_next == m->q_len && !m->q_closed) pthread_cond_wait(&m->cv, &m->lock);
+        if (m->q_next == m->q_len) {
+            pthread_mutex_unlock(&m->lock);
+            break;
+        }
+        struct job j = m->q[m->q_next++];
+        bool failed = m->st != VMM_OK;
+        pthread_mutex_unlock(&m->lock);
+        if (failed)
+            close(j.fd);
+        else
+            import_handle(m, j.unit, j.handle, j.fd);
+    }
+    if (set) (void)cu.CtxSetCurrent(cur);
+    return NULL;
+}
+
+/* The receiving thread: with no other threads, import at once; else queue it. */
+static void hand_over(many *m, uint32_t ui, uint32_t hi, int fd)
+{
+    if (m->threads <= 1) {
+        import_handle(m, ui, hi, fd);
+        return;
+    }
+    pthread_mutex_lock(&m->lock);
+    m->q[m->q_len++] = (struct job){fd, ui, hi};
+    pthread_cond_signal(&m->cv);
+    pthread_mutex_unlock(&m->lock);
+}
+
+/* One reply of a v3 stream for the units list[0 .. count) of this request; *done at its last. */
+typedef struct stream {
+    const uint32_t *list;
+    uint32_t count, at, seq;
+    bool done, fallback;
+} stream;
+
+static vmm_status take_reply(many *m, stream *sm, const vmm_broker_reply3 *rep, size_t len, int *fds, uint32_t nf)
+{
+    const vmm_alloc_info *a0 = &m->u[sm->list[0]].a;
+    vmm_status st = VMM_OK;
+    if (len == sizeof(vmm_broker_reply) && rep->status != 0 && sm->seq == 0) {
+        /* the v1 form: a request this broker could not read (older than v3), or a refused peer */
+        if (rep->status == -EPROTO) {
+            sm->fallback = true;
+            return VMM_OK;
+        }
+        return reply_failed(a0, rep->status);
+    }
+    if (len != sizeof *rep || rep->version != VMM_BROKER_VERSION3 || rep->seq != sm->seq || rep->n_here != nf ||
+        rep->n_here > VMM_BROKER_MAX_FDS)
+        return set_err(VMM_ERR_IO, "owner pid %u's broker sent a malformed reply (message %u of a batch)", m->pid,
+                       sm->seq);
+    sm->seq++;
+    mt.export_ns += rep->export_ns;
+    if (rep->status != 0) {
+        if (rep->entry >= sm->count) return reply_failed(a0, rep->status);
+        m->fail_unit = sm->list[rep->entry];
+        unit *u = &m->u[sm->list[rep->entry]];
+        if (rep->status == -ERANGE)
+            return set_err(VMM_ERR_STALE, "owner pid %u's allocation at 0x%llx no longer has the %u handles its record "
+                                          "says",
+                           m->pid, (unsigned long long)u->a.address, u->n);
+        st = reply_failed(&u->a, rep->status);
+        return set_err(st, "the allocation at 0x%llx: %s", (unsigned long long)u->a.address, vmm__error_text());
+    }
+    for (uint32_t k = 0; k < nf && st == VMM_OK; k++) {
+        const vmm_broker_fd3 *f = &rep->fds[k];
+        while (st == VMM_OK && sm->at < sm->count && f->entry > sm->at) { /* the next entry begins */
+            unit *u = &m->u[sm->list[sm->at]];
+            if (u->got != u->n)
+                st = set_err(VMM_ERR_IO, "owner pid %u's broker sent %u of the %u handles of the allocation at 0x%llx",
+                             m->pid, u->got, u->n, (unsigned long long)u->a.address);
+            sm->at++;
+        }
+        if (st != VMM_OK) break;
+        unit *u = sm->at < sm->count && f->entry == sm->at ? &m->u[sm->list[sm->at]] : NULL;
+        if (!u || f->handle != u->got)
+            st = set_err(VMM_ERR_IO, "owner pid %u's broker sent handles out of order (entry %u, handle %u)", m->pid,
+                         f->entry, f->handle);
+        else if (f->n_total != u->n)
+            st = set_err(VMM_ERR_IO, "owner pid %u's broker says the allocation at 0x%llx has %u handles; the record "
+                                     "says %u",
+                         m->pid, (unsigned long long)u->a.address, f->n_total, u->n);
+        else if (f->size == 0 || f->size > u->a.mapped_size - u->bytes)
+            st = set_err(VMM_ERR_IO, "owner pid %u's broker sent handles of more bytes than the record's %llu (the "
+                                     "allocation at 0x%llx)",
+                         m->pid, (unsigned long long)u->a.mapped_size, (unsigned long long)u->a.address);
+        if (st != VMM_OK) break;
+        u->size[u->got] = f->size;
+        u->bytes += f->size;
+        int fd = fds[k];
+        fds[k] = -1;
+        hand_over(m, sm->list[sm->at], u->got++, fd);
+    }
+    if (st == VMM_OK && (rep->flags & VMM_BROKER_REPLY_LAST)) {
+        for (; st == VMM_OK && sm->at < sm->count; sm->at++) {
+            unit *u = &m->u[sm->list[sm->at]];
+            if (u->got != u->n || u->bytes != u->a.mapped_size)
+                st = set_err(VMM_ERR_IO, "owner pid %u's broker sent %u of %u handles (%llu bytes; the record says "
+                                         "%llu) of the allocation at 0x%llx",
+                             m->pid, u->got, u->n, (unsigned long long)u->bytes,
+                             (unsigned long long)u->a.mapped_size, (unsigned long long)u->a.address);
+        }
+        sm->done = true;
+    }
+    return st;
+}
+
+/* One v3 request for units list[0 .. count) and its stream, on the owner's kept connection
+ * (o->io held); a kept connection found closed is opened again once, as broker_roundtrip does. */
+static vmm_status batch_request(many *m, const uint32_t *list, uint32_t count, bool *fallback)
+{
+    owner_ref *o = m->owner;
+    const vmm_alloc_info *a0 = &m->u[list[0]].a;
+    size_t len = sizeof(vmm_broker_request3) + count * sizeof(vmm_broker_entry3);
+    uint8_t *req = malloc(len);
+    if (!req) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    vmm_broker_request3 h = {.magic = VMM_BROKER_MAGIC, .version = VMM_BROKER_VERSION3, .n_entries = count};
+    memcpy(req, &h, sizeof h);
+    for (uint32_t i = 0; i < count; i++) {
+        const vmm_alloc_info *a = &m->u[list[i]].a;
+        vmm_broker_entry3 e = {.slot = a->slot, .generation = a->generation, .first = 0, .count = 0};
+        memcpy(e.alloc_id, a->alloc_id, sizeof e.alloc_id);
+        memcpy(req + sizeof h + i * sizeof e, &e, sizeof e);
+    }
+    vmm_status st = VMM_OK;
+    stream sm = {.list = list, .count = count};
+    for (int attempt = 0;; attempt++) {
+        bool fresh = o->sock < 0;
+        if (fresh) {
+            uint64_t t0 = now_ns();
+            st = broker_open(m->reg, a0, &o->sock);
+            mt.connect_ns += now_ns() - t0;
+            if (st != VMM_OK) break;
+            mt.connects++;
+        }
+        uint64_t t0 = now_ns(), imported0 = __atomic_load_n(&m->import_ns, __ATOMIC_RELAXED);
+        ssize_t n;
+        do n = send(o->sock, req, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        while (n < 0 && errno == EINTR);
+        int rc = n == (ssize_t)len ? 0 : -(n < 0 ? errno : EIO);
+        if (rc == 0) mt.requests++;
+        while (rc == 0 && st == VMM_OK && !sm.done && !sm.fallback && !many_failed(m)) {
+            union {
+                vmm_broker_reply3 rep;
+                uint8_t raw[sizeof(vmm_broker_reply3) + 32];
+            } in;
+            int fds[VMM_BROKER_MAX_FDS];
+            uint32_t nf = 0;
+            size_t got = 0;
+            memset(&in.rep, 0, sizeof in.rep);
+            rc = broker_recv_raw(o->sock, in.raw, sizeof in.raw, &got, fds, VMM_BROKER_MAX_FDS, &nf);
+            if (rc) break;
+            mt.messages++;
+            if (in.rep.magic != VMM_BROKER_MAGIC) {
+                while (nf) close(fds[--nf]);
+                st = set_err(VMM_ERR_IO, "owner pid %u's broker sent a malformed reply", m->pid);
+                break;
+            }
+            st = take_reply(m, &sm, &in.rep, got, fds, nf);
+            for (uint32_t k = 0; k < nf; k++) /* those it did not take */
+                if (fds[k] >= 0) close(fds[k]);
+        }
+        /* this thread's own imports (no other threads) are not the broker's time */
+        uint64_t imported = m->threads <= 1 ? __atomic_load_n(&m->import_ns, __ATOMIC_RELAXED) - imported0 : 0;
+        mt.broker_ns += now_ns() - t0 - imported;
+        if (rc == 0 && st == VMM_OK && sm.done) break;
+        /* a stream broken off, a failure, or an old broker (which closes the connection): the
+         * connection's state is unknown, so it goes */
+        close(o->sock);
+        o->sock = -1;
+        if (st != VMM_OK || sm.fallback || (rc == 0 && many_failed(m))) break;
+        if (fresh || attempt > 0 || sm.seq > 0 || !(rc == -EPIPE || rc == -ECONNRESET || rc == -ENOTCONN)) {
+            st = exchange_failed(a0, rc);
+            break;
+        }
+    }
+    free(req);
+    *fallback = sm.fallback;
+    return st;
+}
+
+/* Unit u's handles one allocation at a time (v1 or pidfd for one handle, v2 for several), as
+ * vmm_import fetches them: for an owner whose broker predates v3, or offers none. */
+static vmm_status unit_fetch_alone(many *m, unit *u)
+{
+    memset(&tm, 0, sizeof tm);
+    vmm_status st;
+    if (!(u->a.flags & VMM_ALLOC_MULTI_HANDLE)) {
+        st = fetch_handle(m->reg, &u->a, &u->h[0]);
+        if (st == VMM_OK) {
+            u->size[0] = u->a.mapped_size;
+            u->ok[0] = 1;
+            u->got = 1;
+            u->bytes = u->a.mapped_size;
+        }
+        mt.requests++;
+    } else {
+        multi_parts mp;
+        st = multi_fetch(m->reg, &u->a, &mp);
+        if (st == VMM_OK) {
+            memcpy(u->h, mp.h, u->n * sizeof *u->h);
+            memcpy(u->size, mp.size, u->n * sizeof *u->size);
+            memset(u->ok, 1, u->n);
+            u->got = u->n;
+            u->bytes = u->a.mapped_size;
+            free(mp.h);
+            free(mp.size);
+        }
+        mt.requests += (u->n + VMM_BROKER_MAX_FDS - 1) / VMM_BROKER_MAX_FDS;
+    }
+    mt.connect_ns += tm.connect_ns;
+    mt.connects += tm.connect_ns != 0;
+    mt.broker_ns += tm.request_ns;
+    mt.export_ns += tm.export_ns;
+    m->import_ns += tm.import_ns;
+    return st;
+}
+
+/* Every unit's handles from the owner, imported. */
+static vmm_status many_fetch(many *m)
+{
+    if (!m->n_units) return VMM_OK;
+    mt.handles = (uint32_t)m->n_handles;
+    m->q = calloc(m->n_handles, sizeof *m->q);
+    uint32_t *list = calloc(m->n_units, sizeof *list);
+    if (!m->q || !list) {
+        free(list);
+        return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    }
+    uint32_t n_list = 0;
+    for (uint32_t i = 0; i < m->n_units; i++)
+        if (m->u[i].a.handle_kinds & VMM_KIND_BROKER) list[n_list++] = i;
+    /* the importing threads wait for the fds the broker's stream brings */
+    pthread_t th[MAX_IMPORT_THREADS];
+    uint32_t started = 0;
+    if (m->threads > 1 && n_list) {
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        for (uint32_t i = 0; i < m->threads && i < MAX_IMPORT_THREADS; i++)
+            if (pthread_create(&th[started], NULL, import_worker, m) == 0) started++;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (!started) m->threads = 1;
+    }
+    vmm_status st = VMM_OK;
+    bool fallback = false;
+    if (n_list) {
+        pthread_mutex_lock(&m->owner->io);
+        for (uint32_t at = 0; at < n_list && st == VMM_OK && !fallback; at += VMM_BROKER_MAX_ENTRIES) {
+            uint32_t count = n_list - at < VMM_BROKER_MAX_ENTRIES ? n_list - at : VMM_BROKER_MAX_ENTRIES;
+            st = batch_request(m, list + at, count, &fallback);
+            /* a broker not started yet is no reason to give up when pidfd works too */
+            if (st == VMM_ERR_NOT_FOUND && at == 0) {
+                bool pidfd = true;
+                for (uint32_t i = 0; i < n_list && pidfd; i++) pidfd = m->u[list[i]].a.handle_kinds & VMM_KIND_PIDFD;
+                if (pidfd) {
+                    st = VMM_OK;
+                    fallback = true;
+                }
+            }
+        }
+        pthread_mutex_unlock(&m->owner->io);
+    }
+    pthread_mutex_lock(&m->lock);
+    m->q_closed = true;
+    pthread_cond_broadcast(&m->cv);
+    pthread_mutex_unlock(&m->lock);
+    for (uint32_t i = 0; i < started; i++) pthread_join(th[i], NULL);
+    if (st != VMM_OK) many_fail(m, st);
+    if (m->st != VMM_OK) {
+        free(list);
+        return set_err(m->st, "%s", m->why);
+    }
+    if (fallback) mt.fallback = 1;
+    /* what the batch did not bring: every unit after an old broker's refusal, and those that offer
+     * no broker (pidfd only) */
+    for (uint32_t i = 0; i < m->n_units && st == VMM_OK; i++) {
+        unit *u = &m->u[i];
+        if (u->got == u->n) continue;
+        if (u->got) { /* an old broker that answered part of a stream: start the unit afresh */
+            for (uint32_t k = 0; k < u->n; k++)
+                if (u->ok[k]) (void)TWICE(cu.MemRelease(u->h[k]));
+            memset(u->ok, 0, u->n);
+            u->got = 0;
+            u->bytes = 0;
+        }
+        if ((st = unit_fetch_alone(m, u)) != VMM_OK) {
+            m->fail_unit = i;
+            st = set_err(st, "the allocation at 0x%llx: %s", (unsigned long long)u->a.address, vmm__error_text());
+        }
+    }
+    free(list);
+    return st;
+}
+
+/* ---- 3. map ---- */
+
+/* The handles a new chunk maps: all of its unit's, back to back. */
+static vmm_status chunk_placed(const unit *u, placed **out, size_t *n)
+{
+    placed *v = calloc(u->n, sizeof *v);
+    if (!v) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    uint64_t at = 0;
+    for (uint32_t i = 0; i < u->n; i++) {
+        v[i] = (placed){at, u->size[i], u->h[i]};
+        at += u->size[i];
+    }
+    *out = v;
+    *n = u->n;
+    return VMM_OK;
+}
+
+/* The handles a range across chunks maps: range_place over its pieces' units. */
+static vmm_status range_placed(many *m, many_range *r, placed **out, size_t *n)
+{
+    for (size_t k = 0; k < r->p.n_pc; k++) {
+        piece *pc = &r->p.pc[k];
+        const unit *u = &m->u[r->unit_of[k]];
+        pc->handle_of = k;
+        memset(&pc->parts, 0, sizeof pc->parts);
+        if (u->a.flags & VMM_ALLOC_MULTI_HANDLE) {
+            pc->parts.n = u->n; /* borrowed: the unit releases them */
+            pc->parts.h = u->h;
+            pc->parts.size = u->size;
+        } else {
+            pc->handle = u->h[0];
+            pc->size = u->size[0];
+        }
+    }
+    return range_place(&r->p, out, n);
+}
+
+static int consumer_order(const void *x, const void *y)
+{
+    const consumer *a = x, *b = y;
+    if (a->group != b->group) return a->group < b->group ? -1 : 1;
+    return a->is_range != b->is_range ? (a->is_range ? 1 : -1) : (a->index < b->index ? -1 : a->index > b->index);
+}
+
+static void *map_worker(void *arg)
+{
+    many *m = arg;
+    CUcontext cur = NULL;
+    bool set = cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur != m->ctx && cu.CtxSetCurrent(m->ctx) == CUDA_SUCCESS;
+    for (;;) {
+        size_t i = __atomic_fetch_add(&m->op_next, 1, __ATOMIC_RELAXED);
+        if (i >= m->n_ops || many_failed(m)) break;
+        map_op *op = &m->ops[i];
+        uint64_t t0 = now_ns();
+        CUresult r = cu.MemMap(op->va, op->len, 0, op->h, 0);
+        __atomic_add_fetch(&m->map_ns, now_ns() - t0, __ATOMIC_RELAXED);
+        if (r == CUDA_SUCCESS)
+            op->done = true;
+        else
+            many_fail(m, cu_fail("cuMemMap", r));
+    }
+    if (set) (void)cu.CtxSetCurrent(cur);
+    return NULL;
+}
+
+/* Lay out every consumer, reserve once, map every handle, grant access per group. */
+static vmm_status many_map(many *m)
+{
+    m->n_cs = m->n_nc;
+    for (size_t i = 0; i < m->n; i++) m->n_cs += m->r[i].across;
+    if (!m->n_cs) return VMM_OK;
+    m->cs = calloc(m->n_cs, sizeof *m->cs);
+    if (!m->cs) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    size_t k = 0;
+    vmm_status st = VMM_OK;
+    for (size_t i = 0; i < m->n_nc && st == VMM_OK; i++, k++) {
+        consumer *c = &m->cs[k];
+        c->index = (uint32_t)i;
+        plan_access(&m->nc[i].a, m->here, c->acc, &c->n_acc, &c->use);
+        st = chunk_placed(&m->u[m->nc[i].unit], &c->v, &c->nv);
+    }
+    for (size_t i = 0; i < m->n && st == VMM_OK; i++) {
+        if (!m->r[i].across) continue;
+        consumer *c = &m->cs[k++];
+        c->is_range = true;
+        c->index = (uint32_t)i;
+        /* the range's records are one owner's, side by side: the first one's device stands for all */
+        plan_access(&m->r[i].p.rec[0], m->here, c->acc, &c->n_acc, &c->use);
+        if ((st = range_placed(m, &m->r[i], &c->v, &c->nv)) != VMM_OK) m->fail_range = i;
+    }
+    if (st != VMM_OK) return st;
+    size_t n_ops = 0;
+    for (k = 0; k < m->n_cs; k++) {
+        consumer *c = &m->cs[k];
+        c->size = c->v[c->nv - 1].at + c->v[c->nv - 1].size - c->v[0].at;
+        c->group = device_bits(c->acc, c->n_acc) << 1 | (c->n_acc > 1);
+        n_ops += c->nv;
+    }
+    qsort(m->cs, m->n_cs, sizeof *m->cs, consumer_order);
+    uint64_t total = 0;
+    for (k = 0; k < m->n_cs; k++) {
+        m->cs[k].at = total;
+        total += m->cs[k].size;
+        if (m->cs[k].is_range)
+            m->r[m->cs[k].index].consumer = (uint32_t)k;
+        else
+            m->nc[m->cs[k].index].consumer = (uint32_t)k;
+    }
+    m->s = calloc(1, sizeof *m->s);
+    m->ops = calloc(n_ops, sizeof *m->ops);
+    if (!m->s || !m->ops) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    uint64_t t0 = now_ns();
+    CUresult r = cu.MemAddressReserve(&m->s->base, (size_t)total, 0, 0, 0);
+    mt.reserve_ns += now_ns() - t0;
+    mt.reserves++;
+    if (r != CUDA_SUCCESS) {
+        free(m->s);
+        m->s = NULL;
+        return cu_fail("cuMemAddressReserve", r);
+    }
+    m->s->size = (size_t)total;
+    for (k = 0; k < m->n_cs; k++)
+        for (size_t j = 0; j < m->cs[k].nv; j++) {
+            const placed *v = &m->cs[k].v[j];
+            m->ops[m->n_ops++] = (map_op){m->s->base + m->cs[k].at + (v->at - m->cs[k].v[0].at), (size_t)v->size,
+                                          v->handle, false};
+        }
+    mt.maps = (uint32_t)m->n_ops;
+    m->op_next = 0;
+    crew_run(m->threads < m->n_ops ? m->threads : (uint32_t)m->n_ops, map_worker, m);
+    if (m->st != VMM_OK) return set_err(m->st, "%s", m->why);
+    /* one SetAccess over each group's consumers, laid out back to back and all mapped */
+    for (k = 0; k < m->n_cs;) {
+        size_t j = k;
+        while (j + 1 < m->n_cs && m->cs[j + 1].group == m->cs[k].group) j++;
+        uint64_t t1 = now_ns();
+        r = cu.MemSetAccess(m->s->base + m->cs[k].at, (size_t)(m->cs[j].at + m->cs[j].size - m->cs[k].at),
+                            m->cs[k].acc, m->cs[k].n_acc);
+        mt.access_ns += now_ns() - t1;
+        mt.access_calls++;
+        if (r != CUDA_SUCCESS) return cu_fail("cuMemSetAccess", r);
+        k = j + 1;
+    }
+    return VMM_OK;
+}
+
+/* ---- 4. hand out, and undo ---- */
+
+/* Undo what many_map made of the reservation (nothing has been handed out): unmap each mapping,
+ * free the range unless the driver kept a mapping in it. */
+static void many_unmap(many *m)
+{
+    if (!m->s) return;
+    bool kept = false;
+    for (size_t i = 0; i < m->n_ops; i++)
+        if (m->ops[i].done) kept |= TWICE(cu.MemUnmap(m->ops[i].va, m->ops[i].len)) != CUDA_SUCCESS;
+    if (!kept) (void)TWICE(cu.MemAddressFree(m->s->base, m->s->size));
+    free(m->s);
+    m->s = NULL;
+}
+
+/* Release every imported handle: mapped, they keep their memory; unmapped, it goes. */
+static void many_release_handles(many *m)
+{
+    uint64_t t0 = now_ns();
+    for (size_t i = 0; i < m->n_units; i++) {
+        unit *u = &m->u[i];
+        for (uint32_t k = 0; k < u->n; k++)
+            if (u->ok[k]) (void)TWICE(cu.MemRelease(u->h[k]));
+        free(u->h);
+        free(u->size);
+        free(u->ok);
+    }
+    free(m->u);
+    m->u = NULL;
+    m->n_units = 0;
+    mt.release_ns += now_ns() - t0;
+}
+
+/* Every record of every range that the owner's broker did not vouch for (it checked the records
+ * it was asked about, as it exported them) must still be the live allocation the walk found; a
+ * range in a chunk mapped here before must still be live with its owner alive, and be granted to
+ * this thread's device. */
+static vmm_status many_verify(many *m)
+{
+    uint64_t t0 = now_ns();
+    vmm_status st = VMM_OK;
+    for (size_t i = 0; i < m->n && st == VMM_OK; i++) {
+        many_range *r = &m->r[i];
+        size_t from = 0;
+        if (r->c) {
+            if ((st = still_live(m->reg, &r->p.rec[0], r->c->owner)) == VMM_OK)
+                st = grant_device(r->c, &r->p.rec[0], m->here, &r->use);
+            from = 1;
+        }
+        for (size_t j = from; j < r->p.n_rec && st == VMM_OK; j++) {
+            const vmm_alloc_info *a = &r->p.rec[j];
+            if (!r->c) {
+                bool asked = false;
+                for (size_t h = unit_hash(a) & m->units_ix.mask; m->units_ix.slot[h] && !asked;
+                     h = (h + 1) & m->units_ix.mask)
+                    asked = same_record(&m->u[m->units_ix.slot[h] - 1].a, a);
+                if (asked) continue;
+            }
+            st = record_unchanged(m->reg, a);
+        }
+        if (st != VMM_OK) m->fail_range = i;
+    }
+    mt.find_ns += now_ns() - t0;
+    return st;
+}
+
+/* The new chunks into the chunk table, the ranges across chunks as range maps: what out[] holds.
+ * Cannot fail but for a chunk another thread mapped meanwhile, whose grant may. */
+static vmm_status many_hand_out(many *m, vmm_imported **out)
+{
+    slab *s = m->s; /* NULL when every range's chunk was mapped here already */
+    if (s) s->refs = m->n_cs;
+    m->s = NULL; /* from here each consumer gives its part back */
+    vmm_status st = VMM_OK;
+    for (size_t k = 0; k < m->n_cs; k++) {
+        consumer *c = &m->cs[k];
+        if (c->is_range) continue;
+        new_chunk *n = &m->nc[c->index];
+        chunk *fresh = calloc(1, sizeof *fresh);
+        uint64_t *len = calloc(c->nv, sizeof *len);
+        if (!fresh || !len) { /* the mapping goes: the ranges in it fail below */
+            free(fresh);
+            free(len);
+            for (size_t j = 0; j < c->nv; j++)
+                (void)TWICE(cu.MemUnmap(s->base + c->at + (c->v[j].at - c->v[0].at), (size_t)c->v[j].size));
+            (void)slab_put(s);
+            st = set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+            continue;
+        }
+        for (size_t j = 0; j < c->nv; j++) len[j] = c->v[j].size;
+        fresh->key = n->key;
+        fresh->owner = m->owner;
+        fresh->base = s->base + c->at;
+        fresh->size = (size_t)c->size;
+        fresh->n_parts = (uint32_t)c->nv;
+        fresh->part_len = len;
+        fresh->slab = s;
+        fresh->ctx = m->ctx;
+        fresh->devices = device_bits(c->acc, c->n_acc);
+        fresh->refs = n->users;
+        pthread_mutex_lock(&chunks_lock);
+        chunk *had = chunk_ref_locked(&n->key);
+        if (!had) {
+            chunk **b = bucket_of(&n->key);
+            fresh->next = *b;
+            *b = fresh;
+            m->owner->chunks++;
+            set_witness_locked(fresh, m->reg, &n->a);
+            n->c = fresh;
+        } else {
+            had->refs += n->users - 1; /* one reference per range in it, as a fresh one would have */
+            n->c = had;
+        }
+        pthread_mutex_unlock(&chunks_lock);
+        if (had) { /* another thread mapped it meanwhile: use that mapping, drop ours */
+            (void)unmap_chunk(fresh);
+            chunk_free(fresh);
+            CUdevice use;
+            vmm_status g = grant_device(had, &n->a, m->here, &use);
+            if (g != VMM_OK && st == VMM_OK) st = g;
+        }
+    }
+    for (size_t i = 0; i < m->n; i++) {
+        many_range *r = &m->r[i];
+        vmm_imported *imp = calloc(1, sizeof *imp);
+        if (!imp) st = set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+        if (r->across) {
+            consumer *c = &m->cs[r->consumer];
+            range_map *rm = malloc(sizeof *rm + c->nv * sizeof rm->map[0]);
+            if (!rm) {
+                st = set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+                for (size_t j = 0; j < c->nv; j++)
+                    (void)TWICE(cu.MemUnmap(s->base + c->at + (c->v[j].at - c->v[0].at), (size_t)c->v[j].size));
+                (void)slab_put(s);
+                free(imp);
+                continue;
+            }
+            memset(rm, 0, sizeof *rm);
+            rm->base = s->base + c->at;
+            rm->size = (size_t)c->size;
+            rm->slab = s;
+            rm->ctx = m->ctx;
+            for (size_t j = 0; j < c->nv; j++) {
+                rm->map[rm->n].at = (size_t)(c->v[j].at - c->v[0].at);
+                rm->map[rm->n++].len = (size_t)c->v[j].size;
+            }
+            if (!imp) {
+                (void)range_unmap(rm);
+                continue;
+            }
+            imp->range = rm;
+            imp->ptr = (uint64_t)rm->base + (r->p.address - c->v[0].at);
+            imp->device = (int)c->use;
+        } else {
+            chunk *ch = r->c ? r->c : m->nc[r->fresh - 1].c;
+            if (!r->c) r->use = m->cs[m->nc[r->fresh - 1].consumer].use;
+            r->c = NULL; /* the import holds the reference now (or gives it back below) */
+            if (!ch) {
+                free(imp);
+                continue; /* its chunk could not be made: its references never existed */
+            }
+            if (!imp) {
+                (void)chunk_unref(ch);
+                continue;
+            }
+            const vmm_alloc_info *a = &r->p.rec[0];
+            imp->c = ch;
+            imp->ptr = (uint64_t)ch->base + a->chunk_offset + (r->p.address - a->address);
+            imp->alloc = *a;
+            imp->device = (int)r->use;
+        }
+        imp->requested_size = r->p.end - r->p.address;
+        imp->alloc = r->p.rec[0];
+        imp->recs = r->p.rec; /* vmm_import_records */
+        imp->n_recs = r->p.n_rec;
+        r->p.rec = NULL;
+        out[i] = imp;
+    }
+    return st;
+}
+
+vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *sizes,
+                            size_t n, vmm_imported **out)
+{
+    uint64_t t_start = now_ns();
+    memset(&mt, 0, sizeof mt);
     memset(&tm, 0, sizeof tm);
     NEED(out || n == 0, "out is NULL");
     for (size_t i = 0; i < n; i++) out[i] = NULL;
     NEED(reg, "reg is NULL");
     NEED(pid != 0, "pid is 0");
     NEED(addresses || n == 0, "addresses is NULL");
-    vmm_status st = n ? cuda_ready() : VMM_OK;
-    uint64_t start_time = 0, pidns = 0;
-    size_t i = 0;
-    for (; i < n && st == VMM_OK; i++) {
-        uint64_t address = addresses[i], size = sizes ? sizes[i] : 0;
-        range_plan p = {.pid = pid, .address = address};
-        vmm_alloc_info a;
-        if (size == 0) { /* the whole allocation holding address, as vmm_import maps it */
-            if ((st = vmm__find(reg, pid, address, &a)) != VMM_OK) break;
-            p.address = address = a.address;
-            size = a.requested_size ? a.requested_size : a.extent;
-        } else if (address > UINT64_MAX - size) {
-            st = set_err(VMM_ERR_INVALID, "the range runs past the end of the address space");
-            break;
-        }
-        p.end = address + size;
-        vmm_imported *imp = NULL;
-        st = many_in_chunk(reg, &p, &imp);
-        if (st == VMM_OK) {
-            /* every range must be of the one owner the first is of (a pid may have been reused) */
-            if (i == 0) {
-                start_time = p.rec[0].owner_start_time;
-                pidns = p.rec[0].owner_pidns;
-            } else if (p.rec[0].owner_start_time != start_time || p.rec[0].owner_pidns != pidns) {
-                st = set_err(VMM_ERR_NOT_FOUND,
-                             "the allocation at 0x%llx belongs to another process with pid %u than the first "
-                             "range's (an exited one's records stay until vmmctl gc)",
-                             (unsigned long long)address, pid);
-            }
-        }
-        if (st == VMM_OK && !imp) st = vmm__import_range(reg, pid, address, size, &imp);
-        free(p.rec);
-        free(p.pc);
-        if (st != VMM_OK) {
-            if (imp) (void)vmm__import_release(imp);
-            break;
-        }
-        out[i] = imp;
+    NEED(n <= UINT32_MAX, "n is too large");
+    mt.ranges = (uint32_t)n;
+    if (n == 0) return VMM_OK;
+    many m;
+    memset(&m, 0, sizeof m);
+    m.reg = reg;
+    m.pid = pid;
+    m.n = n;
+    pthread_mutex_init(&m.lock, NULL);
+    pthread_cond_init(&m.cv, NULL);
+    vmm_status st = import_threads(&m.threads);
+    mt.threads = m.threads;
+    if (st == VMM_OK) st = cuda_ready();
+    if (st == VMM_OK) {
+        uint64_t t0 = now_ns();
+        st = current_context(&m.ctx, &m.here);
+        mt.context_ns = now_ns() - t0;
     }
-    if (st == VMM_OK) return VMM_OK;
-    size_t failed = i; /* the loop stopped at the failing range */
-    char why[512];
-    snprintf(why, sizeof why, "%s", vmm__error_text());
-    while (i-- > 0) {
-        (void)vmm__import_release(out[i]);
-        out[i] = NULL;
+    m.fail_range = n;
+    m.fail_unit = SIZE_MAX;
+    m.r = st == VMM_OK ? calloc(n, sizeof *m.r) : NULL;
+    if (st == VMM_OK && !m.r) st = set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    /* 1. find */
+    uint64_t t0 = now_ns();
+    for (size_t i = 0; i < n && st == VMM_OK; i++)
+        if ((st = many_find(&m, i, addresses[i], sizes ? sizes[i] : 0)) != VMM_OK) m.fail_range = i;
+    mt.find_ns = now_ns() - t0;
+    size_t most = 0; /* units there can be: one a range inside a chunk, one a piece of the others */
+    for (size_t i = 0; i < n && st == VMM_OK; i++) most += m.r[i].across ? m.r[i].p.n_pc : 1;
+    if (st == VMM_OK && (!ix_init(&m.units_ix, most) || !ix_init(&m.chunks_ix, n)))
+        st = set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    if (st == VMM_OK) st = owner_get(&m.r[0].p.rec[0], &m.owner);
+    if (st == VMM_OK) st = many_sort(&m);
+    mt.chunks_new = (uint32_t)m.n_nc;
+    for (size_t i = 0; i < n && m.r; i++) mt.ranges_mapped += m.r[i].across;
+    /* 2. fetch, 3. map, 4. hand out */
+    if (st == VMM_OK) st = many_fetch(&m);
+    if (st == VMM_OK) st = many_verify(&m);
+    if (st == VMM_OK) st = many_map(&m);
+    if (st == VMM_OK) {
+        many_release_handles(&m); /* the mappings keep the memory */
+        st = many_hand_out(&m, out);
     }
-    return set_err(st, "vmm_import_many: range %zu of %zu (pid %u, 0x%llx, %llu bytes): %s; nothing imported",
-                   failed, n, pid, (unsigned long long)addresses[failed],
-                   (unsigned long long)(sizes ? sizes[failed] : 0), why);
+    if (st != VMM_OK) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", vmm__error_text());
+        many_unmap(&m);
+        for (size_t i = 0; i < n; i++) {
+            if (m.r && m.r[i].c) (void)chunk_unref(m.r[i].c);
+            (void)vmm__import_release(out[i]);
+            out[i] = NULL;
+        }
+        /* a failure names its range: one of those found, or the first whose records are the
+         * failing fetch's */
+        size_t failed = m.fail_range;
+        for (size_t i = 0; failed == n && m.fail_unit < m.n_units && i < n; i++)
+            for (size_t j = 0; j < m.r[i].p.n_rec && failed == n; j++)
+                if (same_unit(&m.u[m.fail_unit].a, &m.r[i].p.rec[j])) failed = i;
+        if (failed < n)
+            set_err(st, "vmm_import_many: range %zu of %zu (pid %u, 0x%llx, %llu bytes): %s; nothing imported", failed,
+                    n, pid, (unsigned long long)addresses[failed], (unsigned long long)(sizes ? sizes[failed] : 0),
+                    why);
+        else
+            set_err(st, "vmm_import_many: %zu ranges of pid %u: %s; nothing imported", n, pid, why);
+    }
+    many_release_handles(&m);
+    if (m.owner) owner_put(m.owner);
+    for (size_t i = 0; m.r && i < n; i++) {
+        free(m.r[i].p.rec);
+        free(m.r[i].p.pc);
+        free(m.r[i].unit_of);
+    }
+    for (size_t k = 0; m.cs && k < m.n_cs; k++) free(m.cs[k].v);
+    free(m.cs);
+    free(m.ops);
+    free(m.q);
+    free(m.nc);
+    free(m.r);
+    free(m.units_ix.slot);
+    free(m.chunks_ix.slot);
+    pthread_mutex_destroy(&m.lock);
+    pthread_cond_destroy(&m.cv);
+    mt.import_ns = m.import_ns;
+    mt.map_ns = m.map_ns;
+    mt.total_ns = now_ns() - t_start;
+    /* vmm_import_last_timing gives the same call's steps, summed */
+    tm.total_ns = mt.total_ns;
+    tm.context_ns = mt.context_ns;
+    tm.lookup_ns = mt.find_ns;
+    tm.connect_ns = mt.connect_ns;
+    tm.request_ns = mt.broker_ns;
+    tm.export_ns = mt.export_ns;
+    tm.import_ns = mt.import_ns;
+    tm.reserve_ns = mt.reserve_ns;
+    tm.map_ns = mt.map_ns;
+    tm.access_ns = mt.access_ns;
+    tm.cached = mt.handles == 0;
+    tm.route = mt.handles ? VMM_KIND_BROKER : 0;
+    return st;
 }
 
 uint64_t vmm__import_ptr(const vmm_imported *imp) { return imp ? imp->ptr : 0; }
@@ -2083,10 +3114,20 @@ uint64_t vmm__import_size(const vmm_imported *imp) { return imp ? imp->requested
 
 int vmm__import_device(const vmm_imported *imp) { return imp ? imp->device : -1; }
 
+size_t vmm__import_records(const vmm_imported *imp, vmm_alloc_info *out, size_t max)
+{
+    if (!imp) return 0;
+    const vmm_alloc_info *r = imp->recs ? imp->recs : &imp->alloc;
+    size_t n = imp->recs ? imp->n_recs : 1;
+    for (size_t i = 0; out && i < n && i < max; i++) out[i] = r[i];
+    return n;
+}
+
 vmm_status vmm__import_release(vmm_imported *imp)
 {
     if (!imp) return VMM_OK;
     vmm_status st = imp->range ? range_unmap(imp->range) : chunk_unref(imp->c);
+    free(imp->recs);
     free(imp);
     return st;
 }

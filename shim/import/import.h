@@ -53,6 +53,16 @@ vmm_status vmm__foreach_alloc(vmm_registry *reg, vmm_alloc_fn fn, void *ctx);
 vmm_status vmm__foreach_proc(vmm_registry *reg, vmm_proc_fn fn, void *ctx);
 vmm_status vmm__find_proc(vmm_registry *reg, uint32_t pid, vmm_proc_info *out);
 vmm_status vmm__find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_alloc_info *out);
+/* vmm__find for many lookups in one call: the owner's liveness (a read of /proc, ~20 us, more
+ * than the lookup) judged once per owner identity and kept in *cache (zeroed by the caller). */
+typedef struct vmm__liveness_cache {
+    bool valid;
+    uint32_t pid;
+    uint64_t start_time, pidns;
+    int alive;
+} vmm__liveness_cache;
+vmm_status vmm__find_cached(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_alloc_info *out,
+                            vmm__liveness_cache *cache);
 /* The record at `slot` as it is now, converted as vmm_find does, except that owner_alive is
  * VMM_OWNER_UNKNOWN (judging it reads /proc; the caller may know better).  VMM_ERR_STALE when the
  * slot holds no live allocation, VMM_ERR_BUSY when it stayed mid-write.  import.c uses it to check
@@ -75,9 +85,11 @@ vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *add
                             size_t n, vmm_imported **out);
 vmm_status vmm__import_check(vmm_registry *reg, const vmm_imported *imp);
 vmm_status vmm__import_last_timing(vmm_import_timing *out);
+vmm_status vmm__import_many_last_timing(vmm_import_many_timing *out);
 uint64_t vmm__import_ptr(const vmm_imported *imp);
 uint64_t vmm__import_size(const vmm_imported *imp);
 int vmm__import_device(const vmm_imported *imp);
+size_t vmm__import_records(const vmm_imported *imp, vmm_alloc_info *out, size_t max);
 vmm_status vmm__import_release(vmm_imported *imp);
 vmm_status vmm__import_drop_idle(void);
 /* From now on keep nothing imported once released: the last release unmaps the chunk and the

@@ -466,6 +466,34 @@ vmm_status vmm__find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_allo
     return VMM_OK;
 }
 
+vmm_status vmm__find_cached(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_alloc_info *out,
+                            vmm__liveness_cache *cache)
+{
+    vmm_reg_alloc rec;
+    uint64_t slot = 0;
+    int rc = vmm__reg_find(&reg->r, pid, address, &rec, &slot);
+    if (rc == -ENOENT)
+        return set_error(VMM_ERR_NOT_FOUND, "registry %s: no live allocation of pid %u contains 0x%llx", reg->r.name,
+                         pid, (unsigned long long)address);
+    if (rc == -EAGAIN)
+        return set_error(VMM_ERR_BUSY, "registry %s: the index or record for pid %u at 0x%llx stayed mid-update",
+                         reg->r.name, pid, (unsigned long long)address);
+    if (rc) return vmm__reg_error(rc, NULL, false);
+    if (!cache->valid || cache->pid != rec.pid || cache->start_time != rec.start_time || cache->pidns != rec.pidns) {
+        cache->alive = vmm__reg_liveness(rec.pid, rec.start_time, rec.pidns);
+        cache->pid = rec.pid;
+        cache->start_time = rec.start_time;
+        cache->pidns = rec.pidns;
+        cache->valid = true;
+    }
+    /* a kept record of a dead owner: its keeper serves it (layout.h KEEP) */
+    int alive = cache->alive;
+    if (alive == VMM__DEAD && (rec.flags & VMM_REG_F_KEPT) && vmm__keep_held(&reg->r, rec.pid, rec.start_time))
+        alive = VMM__KEPT;
+    alloc_info_from(out, slot, &rec, alive);
+    return VMM_OK;
+}
+
 vmm_status vmm__read_slot(vmm_registry *reg, uint64_t slot, vmm_alloc_info *out)
 {
     const vmm__reg *r = &reg->r;

@@ -2089,10 +2089,29 @@ FC_API CUresult cuMemFreeHost(void *p)
 /* ------------------------------------------------------------------------------------------ */
 /* Copies and memsets: synchronous host operations                                              */
 
+/* A copy runs in the current context, and a cuMemMap'd range takes part only when that context's
+ * device was granted access to it (cuMemSetAccess): else CUDA_ERROR_INVALID_VALUE, as an H100
+ * answers a cudaMemcpy of another device's VMM memory (driver 580).  Memory from cuMemAlloc
+ * belongs to its context and copies from any. */
+static int copy_allowed(const void *ptr, size_t n)
+{
+    struct fc_ctx *c = ctx_of(cur_ctx());
+    if (!c) return 1; /* the copy fails later for want of a context, as before */
+    uintptr_t p = (uintptr_t)ptr;
+    int ok = 1;
+    fc_range *m, *tmp;
+    LOCK();
+    HASH_ITER(hh, g_maps, m, tmp)
+        if (m->base < p + n && p < m->base + m->size && m->access[c->dev] == CU_MEM_ACCESS_FLAGS_PROT_NONE) ok = 0;
+    UNLOCK();
+    return ok;
+}
+
 static CUresult copy_bytes(void *dst, const void *src, size_t n)
 {
     if (!n) return CUDA_SUCCESS;
     if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
+    if (!copy_allowed(dst, n) || !copy_allowed(src, n)) return CUDA_ERROR_INVALID_VALUE;
     memmove(dst, src, n);
     return CUDA_SUCCESS;
 }

@@ -12,7 +12,10 @@
  * the slot: bits 3..9 give the allocation 1..128 handles, bits 0..2 an fd run, -ESTALE, -ENOENT,
  * a positive errno (the broker negates it), success with no fd (the broker must say -EIO), fds
  * with an error (the broker must close them), or a count larger than asked for (-EIO, fds
- * closed); every fd it hands over is closed once the request is served. */
+ * closed); every fd it hands over is closed once the request is served.  A v3 batch (up to 6
+ * entries fit a datagram here) is answered by a stream of messages, pumped as the peer reads them:
+ * a model of the broker (v3_model) says which fds must come, in which message, and which status
+ * ends the stream; the export function checks each call against the same model. */
 #include "../../shim/broker/broker.c"
 
 #include <stdint.h>
@@ -25,19 +28,29 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 #define MAX_DATAGRAMS 64
 
-/* A request as the peer sent it: v1's fields, and v2's first and max (v1: 0 and 1). */
+#define MAX_ENTRIES 8 /* more than 255 bytes can carry */
+
+/* A request as the peer sent it: v1's fields, and v2's first and max (v1: 0 and 1); a v3 batch's
+ * entries (the header's fields in v3_n and v3_flags). */
 typedef struct sent {
-    int version; /* 1 or 2: read by the broker; 0: not a request it reads */
+    int version; /* 1, 2 or 3: read by the broker; 0: not a request it reads */
     uint64_t slot, generation;
     uint8_t id[16];
     uint32_t first, max;
+    uint32_t v3_n, v3_flags;
+    vmm_broker_entry3 e[MAX_ENTRIES];
 } sent;
+
+/* Where the export calls of a v3 batch stand, as the broker should make them. */
+static struct {
+    uint32_t at, next, in_msg;
+} g_v3;
 
 static sent g_sent;               /* the request now being served */
 static bool g_sent_sound;         /* ... and whether the broker should pass it on */
 static int g_exports;             /* export calls made for the request now being served */
 static int g_memfd = -1;          /* what a successful export hands out (duplicates of it) */
-static int g_given[VMM_BROKER_MAX_FDS + 1]; /* the fds the export gave the broker for the request */
+static int g_given[MAX_ENTRIES * 128 + 1]; /* the fds the export gave the broker for the request */
 static int g_n_given;
 
 static uint32_t handles_of(uint64_t slot) { return 1 + (uint32_t)((slot >> 3) & 127); }
@@ -53,14 +66,70 @@ static int give(int *fds, uint64_t *sizes, uint32_t first, uint32_t n)
     return 0;
 }
 
+/* The export function's answer to a call for handles [first, first + max) of slot: a status, and
+ * on success k handles of n. */
+static int answer(uint64_t slot, uint32_t first, uint32_t max, uint32_t *k)
+{
+    uint32_t n = handles_of(slot);
+    *k = 0;
+    switch (slot & 7) {
+    case 1: return -ESTALE;
+    case 2: return -ENOENT;
+    case 3: return -EIO;
+    default: break;
+    }
+    if (first >= n) return -ERANGE;
+    *k = n - first < max ? n - first : max;
+    switch (slot & 7) {
+    case 4: return -EIO;  /* success without an fd */
+    case 5: return -EBUSY;
+    case 7: return -EIO;  /* claims one more than it gave */
+    default: return 0;
+    }
+}
+
+/* The max the broker must ask for next in a v3 batch (entry g_v3.at from handle g_v3.next). */
+static uint32_t v3_max(const vmm_broker_entry3 *e)
+{
+    uint32_t max = VMM_BROKER_MAX_FDS - g_v3.in_msg;
+    if (e->count && (uint64_t)e->first + e->count - g_v3.next < max)
+        max = (uint32_t)((uint64_t)e->first + e->count - g_v3.next);
+    return max;
+}
+
+/* After an answer of k handles (status rc) for the batch's call: where the next call stands. */
+static void v3_advance(int rc, uint32_t k)
+{
+    if (rc != 0) {
+        g_v3.at = g_sent.v3_n; /* the batch ends */
+        return;
+    }
+    const vmm_broker_entry3 *e = &g_sent.e[g_v3.at];
+    g_v3.next += k;
+    g_v3.in_msg = (g_v3.in_msg + k) % VMM_BROKER_MAX_FDS;
+    uint32_t end = e->count ? e->first + e->count : handles_of(e->slot);
+    if (g_v3.next >= end && ++g_v3.at < g_sent.v3_n) g_v3.next = g_sent.e[g_v3.at].first;
+}
+
 static int fake_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
                        int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
     g_exports++;
-    if (!g_sent_sound || slot != g_sent.slot || generation != g_sent.generation ||
-        memcmp(alloc_id, g_sent.id, sizeof g_sent.id) != 0 || first != g_sent.first || max == 0 ||
-        max != (g_sent.max < VMM_BROKER_MAX_FDS ? g_sent.max : VMM_BROKER_MAX_FDS))
+    if (g_sent.version == 3) {
+        /* the entry the batch stands at, from the handle it stands at, as many as fit */
+        const vmm_broker_entry3 *e = &g_sent.e[g_v3.at];
+        if (!g_sent_sound || g_v3.at >= g_sent.v3_n || slot != e->slot || generation != e->generation ||
+            memcmp(alloc_id, e->alloc_id, sizeof e->alloc_id) != 0 || first != g_v3.next || max == 0 ||
+            max != v3_max(e))
+            abort();
+        uint32_t k = 0;
+        int rc = answer(slot, first, max, &k);
+        v3_advance(rc, k);
+    } else if (!g_sent_sound || slot != g_sent.slot || generation != g_sent.generation ||
+               memcmp(alloc_id, g_sent.id, sizeof g_sent.id) != 0 || first != g_sent.first || max == 0 ||
+               max != (g_sent.max < VMM_BROKER_MAX_FDS ? g_sent.max : VMM_BROKER_MAX_FDS)) {
         abort(); /* the broker passed on something the peer did not send */
+    }
     uint32_t n = handles_of(slot);
     *device = (uint32_t)(generation & 7);
     switch (slot & 7) {
@@ -89,6 +158,16 @@ static sent parse(const uint8_t *dg, size_t len)
     memset(&r, 0, sizeof r);
     memcpy(&r, dg, len < sizeof r ? len : sizeof r);
     if (r.magic != VMM_BROKER_MAGIC) return q;
+    vmm_broker_request3 h;
+    memcpy(&h, &r, sizeof h);
+    if (r.version == VMM_BROKER_VERSION3 && len >= sizeof h && h.n_entries <= MAX_ENTRIES &&
+        len == sizeof h + h.n_entries * sizeof(vmm_broker_entry3)) {
+        q.version = 3;
+        q.v3_n = h.n_entries;
+        q.v3_flags = h.flags;
+        memcpy(q.e, dg + sizeof h, h.n_entries * sizeof(vmm_broker_entry3));
+        return q;
+    }
     if (r.version == VMM_BROKER_VERSION && len == sizeof(vmm_broker_request)) {
         q.version = 1;
         q.max = 1;
@@ -132,7 +211,129 @@ static int32_t expected_status(bool allowed, const sent *q, uint32_t *n_fds)
 }
 
 /* Did the broker call the export function for this request? */
-static bool exports(bool allowed, const sent *q) { return allowed && q->version && q->max != 0; }
+static bool exports(bool allowed, const sent *q)
+{
+    if (q->version == 3) return allowed && q->v3_n > 0 && q->v3_flags == 0;
+    return allowed && q->version && q->max != 0;
+}
+
+/* The stream a v3 batch must get: the fds of each message sent (entry, handle), the status and
+ * failing entry of the last one, the messages and the export calls. */
+typedef struct v3_want {
+    uint32_t n_fds, fd_entry[MAX_ENTRIES * 128], fd_handle[MAX_ENTRIES * 128];
+    uint32_t msgs, calls, entry;
+    int32_t status;
+} v3_want;
+
+static void v3_model(const sent *q, v3_want *w)
+{
+    memset(w, 0, sizeof *w);
+    if (q->v3_n == 0 || q->v3_flags != 0) {
+        w->status = -EINVAL;
+        w->entry = q->v3_n;
+        w->msgs = 1;
+        return;
+    }
+    uint32_t at = 0, next = q->e[0].first, in_msg = 0, msg_start = 0;
+    while (at < q->v3_n) {
+        const vmm_broker_entry3 *e = &q->e[at];
+        if (e->count && (uint64_t)e->first + e->count > UINT32_MAX) {
+            w->status = -ERANGE;
+            break;
+        }
+        uint32_t max = VMM_BROKER_MAX_FDS - in_msg, k;
+        if (e->count && e->first + e->count - next < max) max = e->first + e->count - next;
+        w->calls++;
+        int rc = answer(e->slot, next, max, &k);
+        if (rc != 0) {
+            w->status = rc;
+            break;
+        }
+        for (uint32_t i = 0; i < k; i++) {
+            w->fd_entry[w->n_fds] = at;
+            w->fd_handle[w->n_fds++] = next + i;
+        }
+        next += k;
+        in_msg += k;
+        if (in_msg == VMM_BROKER_MAX_FDS) { /* a full message goes */
+            in_msg = 0;
+            msg_start = w->n_fds;
+            w->msgs++;
+        }
+        uint32_t end = e->count ? e->first + e->count : handles_of(e->slot);
+        if (next >= end && ++at < q->v3_n) next = q->e[at].first;
+    }
+    if (w->status != 0) {
+        w->n_fds = msg_start; /* the message that failed goes without its fds */
+        w->entry = at;
+        w->msgs++;
+    } else if (in_msg > 0 || w->msgs == 0) {
+        w->msgs++;
+    }
+}
+
+/* Read what the peer has of a v3 stream (all of it when `all`, pumping the broker for more):
+ * each message checked against the model; true once the last one came. */
+static bool take_stream(int fd, const v3_want *w, uint32_t *msgs, uint32_t *fds_seen)
+{
+    for (;;) {
+        vmm_broker_reply3 m;
+        union {
+            struct cmsghdr align;
+            char buf[CMSG_SPACE((VMM_BROKER_MAX_FDS + 4) * sizeof(int))];
+        } ctl;
+        struct iovec iov = {.iov_base = &m, .iov_len = sizeof m};
+        struct msghdr mh;
+        memset(&mh, 0, sizeof mh);
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = ctl.buf;
+        mh.msg_controllen = sizeof ctl.buf;
+        ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (n < 0 && errno == EAGAIN) return false;
+        if (n != (ssize_t)sizeof m || m.magic != VMM_BROKER_MAGIC || m.version != VMM_BROKER_VERSION3 ||
+            m.seq != *msgs || m.n_here > VMM_BROKER_MAX_FDS || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)))
+            abort();
+        uint32_t got = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t i = 0; i < k; i++) {
+                int f;
+                memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
+                close(f);
+                got++;
+            }
+        }
+        if (got != m.n_here) abort();
+        for (uint32_t i = 0; i < VMM_BROKER_MAX_FDS; i++) {
+            const vmm_broker_fd3 *f = &m.fds[i];
+            if (i >= m.n_here) {
+                if (f->entry || f->handle || f->n_total || f->device || f->size) abort();
+                continue;
+            }
+            uint32_t at = *fds_seen + i;
+            if (at >= w->n_fds || f->entry != w->fd_entry[at] || f->handle != w->fd_handle[at]) abort();
+            const sent *q = &g_sent;
+            uint64_t slot = q->e[f->entry].slot;
+            if (f->n_total != handles_of(slot) || f->device != (uint32_t)(q->e[f->entry].generation & 7) ||
+                f->size != size_of(f->handle))
+                abort();
+        }
+        *fds_seen += m.n_here;
+        (*msgs)++;
+        bool last = m.flags & VMM_BROKER_REPLY_LAST;
+        if (m.flags & ~VMM_BROKER_REPLY_LAST) abort();
+        if (!last) {
+            if (m.status != 0 || *msgs >= w->msgs) abort();
+            continue;
+        }
+        if (m.status != w->status || *msgs != w->msgs || *fds_seen != w->n_fds ||
+            (m.status != 0 && (m.entry != w->entry || m.n_here != 0)))
+            abort();
+        return true;
+    }
+}
 
 /* Read the one reply the broker owes: form, status, sizes checked, any fds closed. */
 static void take_reply(int fd, const sent *q, int32_t want, uint32_t n_fds)
@@ -207,19 +408,40 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     shutdown(sv[1], SHUT_WR);
 
     broker_cfg cfg = {.listen_fd = -1, .export_fn = fake_export, .uid = geteuid()};
-    broker_conn c = {.fd = sv[0], .allowed = allowed};
+    broker_conn c = {.fd = sv[0], .allowed = allowed, .slot = -1};
     size_t served = 0;
     for (;; served++) {
         g_exports = 0;
         g_n_given = 0;
+        memset(&g_v3, 0, sizeof g_v3);
         if (served < n) {
             g_sent = parse(dg[served], len[served]);
             g_sent_sound = exports(allowed, &g_sent);
+            if (g_sent.version == 3 && g_sent.v3_n) g_v3.next = g_sent.e[0].first;
         } else {
             memset(&g_sent, 0, sizeof g_sent);
             g_sent_sound = false;
         }
         bool keep = serve_request(&cfg, &c);
+        if (g_sent.version == 3 && allowed && served < n && len[served] != 0) {
+            /* the stream: read what came, pump the broker for the rest, until the last message */
+            static v3_want w;
+            v3_model(&g_sent, &w);
+            uint32_t msgs = 0, seen = 0;
+            bool done = false;
+            for (int spins = 0; !done; spins++) {
+                done = take_stream(sv[1], &w, &msgs, &seen);
+                if (done) break;
+                if (!c.batch || spins > 10000) abort(); /* the stream ended without its last message */
+                struct timespec now;
+                clock_gettime(CLOCK_MONOTONIC, &now);
+                if (!batch_pump(&cfg, &c, &now)) abort();
+            }
+            if (c.batch || !keep || g_exports != (int)w.calls) abort();
+            for (int i = 0; i < g_n_given; i++)
+                if (g_given[i] >= 0 && fcntl(g_given[i], F_GETFD) != -1) abort();
+            continue;
+        }
         for (int i = 0; i < g_n_given; i++)
             if (g_given[i] >= 0 && fcntl(g_given[i], F_GETFD) != -1) abort(); /* the broker kept its copy */
         if (served == n || len[served] == 0) {

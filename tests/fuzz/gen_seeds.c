@@ -265,6 +265,30 @@ static void add_request2(buf *b, uint64_t slot, uint32_t first, uint32_t max)
     add(b, &q, sizeof q);
 }
 
+/* A v3 batch of n entries: entry i asks slot[i] for handles [first[i], first[i] + count[i]). */
+static void add_request3(buf *b, uint32_t n, const uint64_t *slot, const uint32_t *first, const uint32_t *count,
+                         uint32_t flags)
+{
+    vmm_broker_request3 h;
+    memset(&h, 0, sizeof h);
+    h.magic = VMM_BROKER_MAGIC;
+    h.version = VMM_BROKER_VERSION3;
+    h.n_entries = n;
+    h.flags = flags;
+    add_u8(b, (uint8_t)(sizeof h + n * sizeof(vmm_broker_entry3)));
+    add(b, &h, sizeof h);
+    for (uint32_t i = 0; i < n; i++) {
+        vmm_broker_entry3 e;
+        memset(&e, 0, sizeof e);
+        e.slot = slot[i];
+        e.generation = 2 * slot[i] + 1;
+        for (int k = 0; k < 16; k++) e.alloc_id[k] = (uint8_t)(slot[i] + (uint64_t)k);
+        e.first = first[i];
+        e.count = count[i];
+        add(b, &e, sizeof e);
+    }
+}
+
 static void broker_seeds(void)
 {
     buf b = {0};
@@ -312,6 +336,41 @@ static void broker_seeds(void)
     add_request2(&b, 8, 0, 8);
     b.p[1] = sizeof(vmm_broker_request2) - 1;
     put("broker", "v2-short", b.p, b.n);
+
+    /* v3 on a kept connection: one-handle, 3-handle and 100-handle allocations in one batch (94
+     * fds, two messages); five of 128 handles (640 fds, ten messages: more than a socket queues at
+     * once); a batch whose second entry is stale (the first's 64 fds come, then the status); one
+     * whose count runs past the allocation's end; n_entries 0; flags set; then a v1 request */
+    b.n = 0;
+    add_u8(&b, 1);
+    {
+        uint64_t s1[3] = {0, 2u << 3, 99u << 3};
+        uint32_t f1[3] = {0, 0, 6}, c1[3] = {1, 0, 0};
+        add_request3(&b, 3, s1, f1, c1, 0);
+        uint64_t s2[5] = {127u << 3, 127u << 3, 127u << 3, 127u << 3, 127u << 3};
+        uint32_t z[5] = {0, 0, 0, 0, 0};
+        add_request3(&b, 5, s2, z, z, 0);
+        uint64_t s3[2] = {99u << 3, (2u << 3) | 1};
+        add_request3(&b, 2, s3, z, z, 0);
+        uint64_t s4[2] = {2u << 3, 2u << 3};
+        uint32_t f4[2] = {1, 1}, c4[2] = {2, 5};
+        add_request3(&b, 2, s4, f4, c4, 0);
+        add_request3(&b, 0, NULL, NULL, NULL, 0);
+        add_request3(&b, 1, s1, f1, c1, 1);
+        add_request(&b, 0, VMM_BROKER_VERSION);
+    }
+    put("broker", "v3-batches", b.p, b.n);
+
+    b.n = 0; /* a v3 batch whose length does not match its n_entries, which ends the connection */
+    add_u8(&b, 1);
+    {
+        uint64_t s1[2] = {0, 8};
+        uint32_t z[2] = {0, 0};
+        add_request3(&b, 2, s1, z, z, 0);
+        b.p[1] = (uint8_t)(b.p[1] - 8);
+        b.n -= 8;
+    }
+    put("broker", "v3-short", b.p, b.n);
     free(b.p);
 }
 

@@ -14,7 +14,8 @@
 # STEP_ROUNDS, MEM_BUDGET), and a last line "bench: total N passed, N failed" over both tables.
 # BENCH_ONLY (comma-separated; default all) picks rows: speed (= churn,many,oom,align,torchspeed,step),
 # mem (= torch,graphs,mixed,giveback,pool,coloc,cupy), companion (companion_bench.sh, run by the
-# Makefile), or any of those names.  BENCH_DRY=1 runs nothing on a GPU: it prints what would run and
+# Makefile), weightsync (weight_sync.sh, run by the Makefile: issue 16's takes of a whole model), or
+# any of those names.  BENCH_DRY=1 runs nothing on a GPU: it prints what would run and
 # feeds made-up results through bench_mem.py's analysis (a check of the logic on a machine without one).
 # BENCH_KEEPER=1 attaches a keeper (`vmmctl keep --all`, started before each shim run on its registry)
 # to every shim run: the tables' shim columns are then the shim with a keeper, against the same
@@ -43,17 +44,17 @@ SEL=" "
 KEEPER=${BENCH_KEEPER:-0}
 for tok in $(printf '%s' "${BENCH_ONLY:-all}" | tr ',' ' '); do
   case $tok in
-    all) SEL="$SEL$SPEED_JOBS $MEM_JOBS companion " ;;
+    all) SEL="$SEL$SPEED_JOBS $MEM_JOBS companion weightsync " ;;
     keeper)
       KEEPER=1
       SEL="$SEL churn oom torchspeed step giveback "
       ;;
     speed) SEL="$SEL$SPEED_JOBS " ;;
     mem) SEL="$SEL$MEM_JOBS " ;;
-    churn | many | oom | align | torchspeed | step | torch | graphs | mixed | giveback | pool | coloc | cupy | companion)
+    churn | many | oom | align | torchspeed | step | torch | graphs | mixed | giveback | pool | coloc | cupy | companion | weightsync)
       SEL="$SEL$tok " ;;
     *)
-      echo "bench: unknown BENCH_ONLY entry '$tok' (all, speed, mem, companion, keeper, $SPEED_JOBS $MEM_JOBS)"
+      echo "bench: unknown BENCH_ONLY entry '$tok' (all, speed, mem, companion, weightsync, keeper, $SPEED_JOBS $MEM_JOBS)"
       exit 2
       ;;
   esac

@@ -10,13 +10,19 @@
 #include <string.h>
 #include <unistd.h>
 
+#define MAX_BUFS 128 /* enough for a companion taking many chunks at once (test_open_many.py) */
+
 int main(int argc, char **argv)
 {
-    void *buf[16];
-    size_t size[16];
-    unsigned long long fnv[16] = {0}; /* FNV-1a of each buffer's bytes, for companions to compare */
+    static void *buf[MAX_BUFS];
+    static size_t size[MAX_BUFS];
+    static unsigned long long fnv[MAX_BUFS]; /* FNV-1a of each buffer's bytes, for companions to compare */
     int n = 0;
-    for (int i = 1; i < argc && n < 16; i++, n++) {
+    if (argc - 1 > MAX_BUFS) {
+        printf("error at most %d buffers\n", MAX_BUFS);
+        return 1;
+    }
+    for (int i = 1; i < argc && n < MAX_BUFS; i++, n++) {
         size[n] = (size_t)(atof(argv[i]) * 1048576.0);
         cudaError_t e;
         if (strchr(argv[i], 'c')) { /* allocated while its stream is captured into a graph */

@@ -57,25 +57,21 @@ def pattern(index, offset, length):
     return (cycle * (length // 256 + 1))[:length]
 
 
-class Owner:
-    """tests/progs/owner under the shim: one buffer per size (MiB; suffix 'a' = cudaMallocAsync)."""
+def preload_env(extra=None):
+    """os.environ with the shim preloaded behind whatever is preloaded already (the ASan runtime
+    must stay first)."""
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = " ".join(p for p in (os.environ.get("LD_PRELOAD", ""), str(BUILD / "libvmmshim.so")) if p)
+    env.update(extra or {})
+    return env
 
-    def __init__(self, *sizes, timeout=60):
-        env = dict(os.environ)
-        # behind whatever is preloaded already (the ASan runtime must stay first)
-        env["LD_PRELOAD"] = " ".join(p for p in (os.environ.get("LD_PRELOAD", ""), str(BUILD / "libvmmshim.so")) if p)
-        self.proc = subprocess.Popen([str(BUILD / "progs" / "owner"), *sizes], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, bufsize=0)
-        self.pid = self.proc.pid
+
+class LineProcess:
+    """A child that answers one line per command on stdout; "quit" ends it."""
+
+    def __init__(self, argv, env):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
         self._pending = b""
-        self.buffers = []  # (address, size, fnv)
-        for _ in sizes:
-            line = self.readline(timeout)
-            parts = line.split()
-            if len(parts) != 6 or parts[0] != "ready":
-                self.kill()
-                raise RuntimeError(f"owner {' '.join(sizes)} did not start: {line!r}")
-            self.buffers.append((int(parts[2], 16), int(parts[3]), parts[5]))
 
     def readline(self, timeout=30):
         deadline = time.monotonic() + timeout
@@ -83,7 +79,7 @@ class Owner:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
                 return ""
-            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
             if not chunk:
                 return ""
             self._pending += chunk
@@ -107,6 +103,22 @@ class Owner:
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 pass
         self.kill()
+
+
+class Owner(LineProcess):
+    """tests/progs/owner under the shim: one buffer per size (MiB; suffix 'a' = cudaMallocAsync)."""
+
+    def __init__(self, *sizes, timeout=60):
+        super().__init__([str(BUILD / "progs" / "owner"), *sizes], preload_env())
+        self.pid = self.proc.pid
+        self.buffers = []  # (address, size, fnv)
+        for _ in sizes:
+            line = self.readline(timeout)
+            parts = line.split()
+            if len(parts) != 6 or parts[0] != "ready":
+                self.kill()
+                raise RuntimeError(f"owner {' '.join(sizes)} did not start: {line!r}")
+            self.buffers.append((int(parts[2], 16), int(parts[3]), parts[5]))
 
 
 class Tally:

@@ -15,11 +15,8 @@ run as they stand.  Ends with "N passed, N failed"."""
 import ctypes
 import os
 import re
-import select
-import signal
 import subprocess
 import sys
-import time
 
 import harness
 from harness import BUILD, PACKAGE, ROOT
@@ -38,40 +35,21 @@ def words(seed, first, count):
     return b"".join((((seed * K) + k) & MASK).to_bytes(8, "little") for k in range(first, first + count))
 
 
-class PyOwner:
+class PyOwner(harness.LineProcess):
     """tests/python/named_owner.py under the shim; run(src) is one line of Python there."""
 
     def __init__(self, extra_env=None):
-        env = dict(os.environ)
-        env["LD_PRELOAD"] = " ".join(p for p in (os.environ.get("LD_PRELOAD", ""), str(BUILD / "libvmmshim.so")) if p)
-        env.update(extra_env or {})
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "python" / "named_owner.py"), str(PACKAGE)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
-        self._pending = b""
+        super().__init__([sys.executable, str(ROOT / "tests" / "python" / "named_owner.py"), str(PACKAGE)],
+                         harness.preload_env(extra_env))
         line = self.readline(60)
         if not line.startswith("ready "):
             self.kill()
             raise RuntimeError(f"the Python owner did not start: {line!r}")
         self.pid = int(line.split()[1])
 
-    def readline(self, timeout=30):
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
-                return ""
-            chunk = os.read(self.proc.stdout.fileno(), 65536)
-            if not chunk:
-                return ""
-            self._pending += chunk
-        line, self._pending = self._pending.split(b"\n", 1)
-        return line.decode()
-
     def run(self, src):
         """("ok", repr) or ("error", "Type message")."""
-        self.proc.stdin.write(src.encode() + b"\n")
-        line = self.readline()
-        status, _, rest = line.partition(" ")
+        status, _, rest = self.command(src).partition(" ")
         return status, rest
 
     def ok(self, src):
@@ -83,20 +61,6 @@ class PyOwner:
         status, rest = self.run(src)
         T.check(status == "error" and rest.startswith(exc + " ") and reason in rest,
                 f"owner: {src}: wanted {exc} with {reason!r}, got {status} {rest}")
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def end(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(b"quit\n")
-                self.proc.wait(timeout=30)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                pass
-        self.kill()
 
 
 class Capsules:

@@ -2,7 +2,13 @@
 two small buffers that share one pooled chunk, one of 3 MiB and one stream-ordered; open_many opens
 ranges of them in one call (vmm_import_many).  Checks the bytes, that ranges of one chunk lie in one
 mapping (their pointers are as far apart as in the owner), all-or-nothing on a bad range (the error
-names it), bad arguments, and a freed owner's buffers.  Ends with "N passed, N failed"."""
+names it), bad arguments, and a freed owner's buffers.  Then an owner of 70 buffers of 2 MiB (70
+chunks): one open_many is one broker request, 70 handles in 2 messages, one reservation and one
+cuMemSetAccess (timing=True, and the emulated driver's counters), its Python share per range printed.
+Ends with "N passed, N failed"."""
+import ctypes
+import os
+
 import harness
 from harness import Owner, fnv1a, pattern
 
@@ -64,6 +70,73 @@ def test_freed(reg, own):
     held.close()
 
 
+class Counters(ctypes.Structure):
+    """The emulated driver's counters (tests/fakecuda/fakecuda.h), the fields read here."""
+    _fields_ = [(name, ctypes.c_ulonglong) for name in (
+        "handles_live", "handles_created", "mappings_live", "reservations_live", "exports", "imports",
+        "imports_live", "phys_bytes_live", "memalloc_live", "ipc_opens_live", "host_allocs_live", "fds_open",
+        "calls_cuMemCreate", "calls_cuMemAlloc", "calls_cuMemAllocAsync", "calls_cuMemFree", "calls_cuMemFreeAsync",
+        "calls_cuMemMap", "calls_cuMemSetAccess")] + [("rest", ctypes.c_ulonglong * 64)]
+
+
+def counters():
+    c = Counters()
+    ctypes.CDLL("libcuda.so.1").fakecuda_counters(ctypes.byref(c))
+    return c
+
+
+def test_batch(reg):
+    own = Owner(*["2"] * 70)
+    try:
+        ranges = [(address, None) for address, _, _ in own.buffers]
+        c0 = counters()
+        bufs, t = reg.open_many(own.pid, ranges, timing=True)
+        c1 = counters()
+        T.check(len(bufs) == 70 and all(fnv1a(b.read()) == f for b, (_, _, f) in zip(bufs[:5], own.buffers)),
+                "70 buffers: the owner's bytes")
+        T.check(t["requests"] == 1 and t["messages"] == 2 and t["handles"] == 70 and t["chunks_new"] == 70 and
+                t["reserves"] == 1 and t["access_calls"] == 1 and t["maps"] == 70 and t["ranges"] == 70,
+                f"70 buffers: one request, 2 messages, 70 handles, one reservation and SetAccess: {t}")
+        T.check(c1.imports - c0.imports == 70 and c1.calls_cuMemSetAccess - c0.calls_cuMemSetAccess == 1 and
+                c1.reservations_live - c0.reservations_live == 1,
+                f"70 buffers: the driver saw {c1.imports - c0.imports} imports, "
+                f"{c1.calls_cuMemSetAccess - c0.calls_cuMemSetAccess} SetAccess, "
+                f"{c1.reservations_live - c0.reservations_live} reservations")
+        steps = ("find_ns", "connect_ns", "broker_ns", "import_ns", "reserve_ns", "map_ns", "access_ns", "release_ns")
+        T.check(t["total_ns"] >= t["library_ns"] > 0 and t["python_ns"] == t["total_ns"] - t["library_ns"] and
+                t["library_total_ns"] <= t["library_ns"] and sum(t[k] for k in steps) <= t["library_total_ns"],
+                f"70 buffers: the timing adds up: {t}")
+        print(f"stat: open_many of 70 chunks: {t['total_ns'] / 1e3:.0f} us, of it Python "
+              f"{t['python_ns'] / 70 / 1e3:.1f} us a range, the library {t['library_ns'] / 1e3:.0f} us (find "
+              f"{t['find_ns'] / 1e3:.0f}, broker {t['broker_ns'] / 1e3:.0f}, import {t['import_ns'] / 1e3:.0f}, map "
+              f"{t['map_ns'] / 1e3:.0f}, access {t['access_ns'] / 1e3:.0f})")
+        for b in bufs:
+            b.close()
+        # the same with three importing threads, and a bad setting
+        os.environ["VMMSHIM_IMPORT_THREADS"] = "3"
+        try:
+            vmmshim.drop_idle()  # the next open imports afresh
+            bufs, t = reg.open_many(own.pid, ranges, timing=True)
+            T.check(t["threads"] == 3 and t["handles"] == 70 and fnv1a(bufs[69].read()) == own.buffers[69][2],
+                    f"3 threads: {t['threads']} threads, {t['handles']} handles, the owner's bytes")
+            for b in bufs:
+                b.close()
+            os.environ["VMMSHIM_IMPORT_THREADS"] = "many"
+            T.raises(vmmshim.InvalidArgument, lambda: reg.open_many(own.pid, ranges[:2]), "VMMSHIM_IMPORT_THREADS=many",
+                     "VMMSHIM_IMPORT_THREADS")
+        finally:
+            del os.environ["VMMSHIM_IMPORT_THREADS"]
+        # cached: nothing fetched, and the buffers' records are the library's
+        bufs, t = reg.open_many(own.pid, ranges[:3] + [(own.buffers[0][0] + 4096, 4096)], timing=True)
+        T.check(t["handles"] == 0 and t["requests"] == 0 and t["chunks_cached"] == 4 and
+                bufs[3].allocation.address == own.buffers[0][0] and bufs[3].address == own.buffers[0][0] + 4096,
+                f"chunks mapped already: {t['handles']} handles, {t['requests']} requests, {t['chunks_cached']} cached")
+        for b in bufs:
+            b.close()
+    finally:
+        own.end()
+
+
 def main():
     own = None
     try:
@@ -72,6 +145,7 @@ def main():
         test_open_many(reg, own)
         test_errors(reg, own)
         test_freed(reg, own)
+        test_batch(reg)
         reg.close()
     finally:
         if own:

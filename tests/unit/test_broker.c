@@ -815,6 +815,242 @@ static void dir_case_child(void *arg)
     close(lf);
 }
 
+/* ---- v3 batches: the broker thread of this (child) process, a raw peer in another thread ---- */
+
+/* Slot s is an allocation of s handles (slot 0: none, -ENOENT), generation 3 * s (else -ESTALE);
+ * handle h is 2 MiB * (h + 1) of one memfd, dup'ed per export. */
+static int g_b3_memfd = -1;
+static unsigned long g_b3_exports;
+
+static int batch_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
+                        int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
+{
+    (void)alloc_id;
+    __atomic_add_fetch(&g_b3_exports, 1, __ATOMIC_RELAXED);
+    if (slot == 0) return -ENOENT;
+    if (generation != 3 * slot) return -ESTALE;
+    *n_total = (uint32_t)slot;
+    *device = 1;
+    if (first >= slot) return -ERANGE;
+    for (*n_here = 0; *n_here < max && first + *n_here < slot; (*n_here)++) {
+        fds[*n_here] = fcntl(g_b3_memfd, F_DUPFD_CLOEXEC, 0);
+        sizes[*n_here] = (2ull << 20) * (first + *n_here + 1);
+    }
+    return 0;
+}
+
+static size_t b3_request(uint8_t *buf, uint32_t n, const uint64_t *slot, const uint32_t *first, const uint32_t *count,
+                         uint32_t flags)
+{
+    vmm_broker_request3 h = {.magic = VMM_BROKER_MAGIC, .version = VMM_BROKER_VERSION3, .n_entries = n, .flags = flags};
+    memcpy(buf, &h, sizeof h);
+    for (uint32_t i = 0; i < n; i++) {
+        vmm_broker_entry3 e = {.slot = slot[i], .generation = 3 * slot[i], .first = first ? first[i] : 0,
+                               .count = count ? count[i] : 0};
+        memcpy(buf + sizeof h + i * sizeof e, &e, sizeof e);
+    }
+    return sizeof h + n * sizeof(vmm_broker_entry3);
+}
+
+/* One message of a v3 stream: its length (or -errno), the fds closed and counted in *n_fds. */
+static ssize_t b3_recv(int s, vmm_broker_reply3 *m, uint32_t *n_fds, int timeout_ms)
+{
+    *n_fds = 0;
+    memset(m, 0, sizeof *m);
+    struct pollfd pf = {.fd = s, .events = POLLIN};
+    if (poll(&pf, 1, timeout_ms) != 1) return -ETIMEDOUT;
+    union {
+        struct cmsghdr a;
+        char b[CMSG_SPACE((VMM_BROKER_MAX_FDS + 4) * sizeof(int))];
+    } ctl;
+    struct iovec iov = {.iov_base = m, .iov_len = sizeof *m};
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.b;
+    mh.msg_controllen = sizeof ctl.b;
+    ssize_t n = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
+    if (n < 0) return -errno;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+            for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); i++) {
+                int f;
+                memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
+                close(f);
+                (*n_fds)++;
+            }
+    return n;
+}
+
+static int count_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    int n = 0;
+    if (!d) return -1;
+    while (readdir(d)) n++;
+    closedir(d);
+    return n - 3; /* ".", ".." and the directory's own fd */
+}
+
+/* A whole stream: the fds of each entry in order (*fds_total), checked against the export's
+ * rules; the last message's status and entry.  *msgs: messages read. */
+static int b3_stream(int s, uint32_t n, const uint64_t *slot, const uint32_t *first, uint32_t *msgs,
+                     uint32_t *fds_total, uint32_t *failed_entry, int *bad)
+{
+    uint32_t at = 0, next = first ? first[0] : 0;
+    *msgs = *fds_total = *failed_entry = 0;
+    *bad = 0;
+    for (;;) {
+        vmm_broker_reply3 m;
+        uint32_t got;
+        ssize_t len = b3_recv(s, &m, &got, 5000);
+        if (len != (ssize_t)sizeof m || m.magic != VMM_BROKER_MAGIC || m.version != VMM_BROKER_VERSION3 ||
+            m.seq != *msgs || got != m.n_here) {
+            *bad = 1;
+            return len < 0 ? (int)len : -EPROTO;
+        }
+        (*msgs)++;
+        for (uint32_t i = 0; i < m.n_here; i++) {
+            const vmm_broker_fd3 *f = &m.fds[i];
+            while (at < n && f->entry != at) { /* the next entry starts */
+                at++;
+                next = first && at < n ? first[at] : 0;
+            }
+            if (at >= n || f->handle != next || f->n_total != slot[at] || f->device != 1 ||
+                f->size != (2ull << 20) * (next + 1))
+                *bad = 1;
+            next++;
+        }
+        *fds_total += m.n_here;
+        if (m.flags & VMM_BROKER_REPLY_LAST) {
+            *failed_entry = m.entry;
+            return m.status;
+        }
+        if (m.status != 0) *bad = 1;
+    }
+}
+
+static void batch_child(void *arg)
+{
+    const char *dir = arg;
+    setenv("VMMSHIM_BROKER_DIR", dir, 1);
+    g_b3_memfd = memfd_create("vmmshim-tb-batch", MFD_CLOEXEC);
+    CHECK(g_b3_memfd >= 0 && ftruncate(g_b3_memfd, 2 << 20) == 0, "memfd: %s", strerror(errno));
+    char path[112] = "";
+    int rc = vmm__broker_start(batch_export, path, sizeof path);
+    CHECK(rc == 0, "broker start: %d", rc);
+    if (rc) return;
+    static uint8_t req[sizeof(vmm_broker_request3) + 64 * sizeof(vmm_broker_entry3)];
+    uint64_t slots[32];
+    uint32_t msgs, total, failed;
+    int bad;
+
+    /* 1. 20 entries of 64 handles: 1280 fds in 20 messages, more than the peer's socket queues at
+     * once, so the broker waits for room; meanwhile another peer is served at once */
+    int base = count_fds();
+    int s = raw_connect(path);
+    CHECK(s >= 0, "connect: %d", s);
+    for (int i = 0; i < 20; i++) slots[i] = 64;
+    size_t len = b3_request(req, 20, slots, NULL, NULL, 0);
+    CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
+    (void)poll(NULL, 0, 200); /* the broker fills this peer's queue and waits */
+    int s2 = raw_connect(path);
+    vmm_broker_request2 q2 = {.magic = VMM_BROKER_MAGIC, .version = VMM_BROKER_VERSION2, .slot = 3, .generation = 9,
+                              .first = 1, .max = 64};
+    long t0 = now_ms();
+    CHECK(send(s2, &q2, sizeof q2, MSG_NOSIGNAL) == (ssize_t)sizeof q2, "send v2: %s", strerror(errno));
+    struct pollfd pf = {.fd = s2, .events = POLLIN};
+    CHECK(poll(&pf, 1, 2000) == 1 && now_ms() - t0 < 1000, "a v2 peer waited %ld ms behind a stalled batch",
+          now_ms() - t0);
+    vmm_broker_reply2 r2;
+    ssize_t n2 = recv(s2, &r2, sizeof r2, 0); /* its fds: closed with the socket (no control buffer) */
+    CHECK(n2 == (ssize_t)sizeof r2 && r2.status == 0 && r2.n_here == 2, "v2 beside a batch: %zd, status %d, %u fds",
+          n2, (int)r2.status, r2.n_here);
+    close(s2);
+    rc = b3_stream(s, 20, slots, NULL, &msgs, &total, &failed, &bad);
+    CHECK(rc == 0 && !bad && msgs == 20 && total == 1280, "20 x 64 handles: status %d, %u messages, %u fds%s", rc,
+          msgs, total, bad ? ", out of order" : "");
+    printf("stat: one v3 batch of 20 entries: %u fds in %u messages\n", total, msgs);
+    fflush(stdout);
+
+    /* 2. the same connection goes on: entries of 1, 3 (from handle 1, two of them) and 70 handles */
+    uint64_t s_mix[3] = {1, 3, 70};
+    uint32_t f_mix[3] = {0, 1, 0}, c_mix[3] = {0, 2, 0};
+    len = b3_request(req, 3, s_mix, f_mix, c_mix, 0);
+    CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
+    rc = b3_stream(s, 3, s_mix, f_mix, &msgs, &total, &failed, &bad);
+    CHECK(rc == 0 && !bad && msgs == 2 && total == 73, "1 + 2 + 70 handles: status %d, %u messages, %u fds", rc,
+          msgs, total);
+
+    /* 3. a stale entry ends the batch: entry 0's first 64 fds came, the rest of its message not */
+    uint64_t s_stale[3] = {100, 7, 2};
+    len = b3_request(req, 3, s_stale, NULL, NULL, 0);
+    ((vmm_broker_entry3 *)(req + sizeof(vmm_broker_request3)))[1].generation = 1;
+    CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
+    rc = b3_stream(s, 3, s_stale, NULL, &msgs, &total, &failed, &bad);
+    CHECK(rc == -ESTALE && failed == 1 && msgs == 2 && total == 64 && !bad,
+          "a stale entry: status %d, entry %u, %u messages, %u fds", rc, failed, msgs, total);
+
+    /* 4. a count past the allocation's end (-ERANGE), n_entries 0 and flags (-EINVAL) */
+    uint64_t s_r[1] = {10};
+    uint32_t f_r[1] = {8}, c_r[1] = {5};
+    len = b3_request(req, 1, s_r, f_r, c_r, 0);
+    CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
+    rc = b3_stream(s, 1, s_r, f_r, &msgs, &total, &failed, &bad);
+    CHECK(rc == -ERANGE && failed == 0 && total == 0, "count past the end: status %d, %u fds", rc, total);
+    len = b3_request(req, 0, NULL, NULL, NULL, 0);
+    CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
+    rc = b3_stream(s, 0, NULL, NULL, &msgs, &total, &failed, &bad);
+    CHECK(rc == -EINVAL && msgs == 1 && total == 0, "no entries: status %d", rc);
+    len = b3_request(req, 1, s_r, NULL, NULL, 4);
+    CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
+    rc = b3_stream(s, 1, s_r, NULL, &msgs, &total, &failed, &bad);
+    CHECK(rc == -EINVAL && total == 0, "flags: status %d", rc);
+    /* still a working connection: a v1 request of a one-handle allocation */
+    vmm_broker_request q1 = {.magic = VMM_BROKER_MAGIC, .version = VMM_BROKER_VERSION, .slot = 1, .generation = 3};
+    vmm_broker_reply r1;
+    int fd = -1;
+    rc = raw_exchange(s, &q1, sizeof q1, &r1, &fd);
+    CHECK(rc == 0 && r1.status == 0 && fd >= 0 && r1.mapped_size == 2 << 20, "v1 after batches: %d %d", rc,
+          (int)r1.status);
+    if (fd >= 0) close(fd);
+    /* a length that disagrees with n_entries: -EPROTO in the v1 form, and the connection ends */
+    uint64_t s_two[2] = {10, 10};
+    len = b3_request(req, 2, s_two, NULL, NULL, 0);
+    rc = raw_exchange(s, req, len - 1, &r1, &fd);
+    CHECK(rc == 0 && r1.status == -EPROTO && fd < 0, "a short batch: %d %d", rc, (int)r1.status);
+    vmm_broker_reply3 m;
+    uint32_t got;
+    CHECK(b3_recv(s, &m, &got, 2000) == 0, "the connection stays open after a malformed batch");
+    close(s);
+
+    /* 5. a peer that leaves mid-stream: the broker drops what it held, and serves on */
+    s = raw_connect(path);
+    for (int i = 0; i < 32; i++) slots[i] = 64;
+    len = b3_request(req, 32, slots, NULL, NULL, 0);
+    CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
+    CHECK(b3_recv(s, &m, &got, 2000) == (ssize_t)sizeof m && got == 64, "the first message of a long stream");
+    (void)poll(NULL, 0, 100);
+    close(s);
+    int left = -1;
+    for (int i = 0; i < 100 && (left = count_fds()) != base; i++) (void)poll(NULL, 0, 20);
+    CHECK(left == base, "%d fds open after a peer left mid-stream (%d before)", left, base);
+    s = raw_connect(path);
+    rc = raw_exchange(s, &q1, sizeof q1, &r1, &fd);
+    CHECK(rc == 0 && r1.status == 0 && fd >= 0, "served after a peer left mid-stream: %d %d", rc, (int)r1.status);
+    if (fd >= 0) close(fd);
+    close(s);
+}
+
+static void case_batches(void)
+{
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s-batch", g_base);
+    in_child("v3 batches", batch_child, dir);
+    remove_tree(dir);
+}
+
 static void case_dir_rules(void)
 {
     char log[200];
@@ -1306,6 +1542,7 @@ int main(void)
         CHECK_DONE();
     }
     case_dir_rules();
+    case_batches();
     case_broker_basic();
     case_owner_dead();
     case_hold_after_kill();

@@ -7,7 +7,18 @@
  * calls: however many ranges lie in one chunk, it is imported once and mapped once.  A range over
  * two side-by-side buffers of the chunk shares it too; ranges of a MULTI-HANDLE allocation share
  * its handles.  A bad entry (a gap, a freed buffer, a size past the address space) fails the
- * whole call with out[] all NULL, the error naming the entry, and nothing left mapped. */
+ * whole call with out[] all NULL, the error naming the entry, and nothing left mapped.
+ *
+ * Then the batch: 150 buffers of their own chunks in one call are one broker request (protocol
+ * v3) whose 150 fds come in 3 messages, one reservation and one cuMemSetAccess; counted by the
+ * client (vmm_import_many_last_timing) and, independently, by this test's own send() and
+ * connect(), which the client library (linked statically here) calls instead of libc's.  The
+ * same hooks free a buffer in the owner, or kill the owner, or turn the request into one the
+ * broker cannot read (as a broker older than v3 answers), at the moment the request goes:
+ * a clean error naming the range, nothing left (handles, imports, mappings, reservations, fds),
+ * or the same imports made one allocation at a time.  With VMMSHIM_IMPORT_THREADS=4 the same
+ * bytes; ranges across two chunks share the handles of the whole-buffer ranges beside them; memory
+ * on two devices gets one cuMemSetAccess per set of devices granted. */
 #include "../fakecuda/fakecuda.h"
 #include "check.h"
 #include "spawn.h"
@@ -29,6 +40,62 @@
 #define KIB (1ull << 10)
 
 static fakecuda_counters_fn g_counters;
+
+/* ---- hooks: the client library's send() and connect() come here (it is linked statically) ---- */
+
+#include "broker/protocol.h"
+#include <sys/socket.h>
+#include <sys/un.h>
+
+static unsigned long g_sent_v3, g_sent_other, g_connects;
+static enum { HOOK_NONE, HOOK_FREE, HOOK_KILL, HOOK_OLD_BROKER } g_hook;
+static int g_hook_index; /* the buffer HOOK_FREE frees */
+
+
+ssize_t send(int fd, const void *buf, size_t len, int flags)
+{
+    static ssize_t (*real)(int, const void *, size_t, int);
+    if (!real) {
+        void *f = dlsym(RTLD_NEXT, "send");
+        memcpy(&real, &f, sizeof f);
+    }
+    uint32_t head[2] = {0, 0};
+    if (len >= sizeof head) memcpy(head, buf, sizeof head);
+    if (head[0] == VMM_BROKER_MAGIC && head[1] == VMM_BROKER_VERSION3) {
+        g_sent_v3++;
+        if (g_hook == HOOK_FREE) {
+            g_hook = HOOK_NONE;
+            (void)owner_cmd(NULL, "f %d", g_hook_index);
+        } else if (g_hook == HOOK_KILL) {
+            g_hook = HOOK_NONE;
+            kill(g_pid, SIGKILL);
+            waitpid(g_pid, NULL, 0);
+        } else if (g_hook == HOOK_OLD_BROKER) { /* a version it does not know: what an old broker gets */
+            static uint8_t copy[sizeof(vmm_broker_request3) + VMM_BROKER_MAX_ENTRIES * sizeof(vmm_broker_entry3)];
+            if (len <= sizeof copy) {
+                memcpy(copy, buf, len);
+                copy[4] = 7;
+                return real(fd, copy, len, flags);
+            }
+        }
+    } else if (head[0] == VMM_BROKER_MAGIC) {
+        g_sent_other++;
+    }
+    return real(fd, buf, len, flags);
+}
+
+/* glibc declares the address as a transparent union under _GNU_SOURCE */
+int connect(int fd, __CONST_SOCKADDR_ARG sa, socklen_t len)
+{
+    static int (*real)(int, __CONST_SOCKADDR_ARG, socklen_t);
+    if (!real) {
+        void *f = dlsym(RTLD_NEXT, "connect");
+        memcpy(&real, &f, sizeof f);
+    }
+    const struct sockaddr *p = sa.__sockaddr__;
+    if (p && p->sa_family == AF_UNIX) g_connects++;
+    return real(fd, sa, len);
+}
 
 /* Allocate and fill with seed's words; the buffer's index, or -1. */
 static int owner_alloc(uint64_t bytes, uint64_t seed, uint64_t *addr)
@@ -91,6 +158,7 @@ int main(void)
     snprintf(g_reg, sizeof g_reg, "/vmmshim-many-%d", (int)getpid());
     setenv("VMMSHIM_REGISTRY", g_reg, 1);
     signal(SIGPIPE, SIG_IGN);
+    setenv("FAKECUDA_DEVICES", "2", 1); /* the owner's memory may lie on either (case 9) */
     void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     void *fn = drv ? dlsym(drv, "fakecuda_counters") : NULL;
     memcpy(&g_counters, &fn, sizeof fn);
@@ -281,6 +349,188 @@ int main(void)
         }
     }
 
+    /* 7. the batch: 150 buffers of 2 MiB, each a chunk of its own, in one call */
+    enum { NB = 150 };
+    static uint64_t bb[NB];
+    int bidx0 = -1;
+    bool made = true;
+    for (int i = 0; i < NB && made; i++) {
+        int k = owner_alloc_with('a', 2 * MIB, &bb[i]);
+        if (i == 0) bidx0 = k;
+        made = k >= 0 && (i % 10 || owner_cmd(NULL, "w %d %llu", k, 1000ull + (unsigned long long)i));
+    }
+    CHECK(made, "the owner could not make %d buffers", NB);
+    if (made) {
+        uint64_t sz[NB];
+        for (int i = 0; i < NB; i++) sz[i] = 0;
+        static vmm_imported *out[NB];
+        vmm_import_many_timing t;
+        struct fakecuda_counters c0 = counters();
+        unsigned long v3 = g_sent_v3, other = g_sent_other, conn = g_connects;
+        vmm_status st = vmm_import_many(reg, pid, bb, sz, NB, out);
+        struct fakecuda_counters c1 = counters();
+        CHECK(st == VMM_OK, "150 buffers: %s", vmm_last_error());
+        CHECK(vmm_import_many_last_timing(&t) == VMM_OK, "timing: %s", vmm_last_error());
+        CHECK(g_sent_v3 - v3 == 1 && g_sent_other == other && g_connects - conn <= 1,
+              "150 buffers: %lu v3 requests, %lu others, %lu connects (want 1, 0, at most 1)", g_sent_v3 - v3,
+              g_sent_other - other, g_connects - conn);
+        CHECK(t.requests == 1 && t.messages == 3 && t.handles == NB && t.chunks_new == NB && t.reserves == 1 &&
+                  t.access_calls == 1 && t.maps == NB && !t.fallback,
+              "150 buffers: timing says %u requests, %u messages, %u handles, %u new chunks, %u reserves, %u "
+              "SetAccess, %u maps, fallback %u",
+              t.requests, t.messages, t.handles, t.chunks_new, t.reserves, t.access_calls, t.maps, t.fallback);
+        CHECK(c1.imports - c0.imports == NB && c1.mappings_live - c0.mappings_live == NB &&
+                  c1.reservations_live - c0.reservations_live == 1 &&
+                  c1.calls_cuMemSetAccess - c0.calls_cuMemSetAccess == 1,
+              "150 buffers: the driver saw %llu imports, %llu mappings, %llu reservations, %llu SetAccess",
+              c1.imports - c0.imports, c1.mappings_live - c0.mappings_live,
+              c1.reservations_live - c0.reservations_live, c1.calls_cuMemSetAccess - c0.calls_cuMemSetAccess);
+        printf("stat: 150 chunks in one vmm_import_many: %u request, %u messages, %llu us (find %llu, connect %llu, "
+               "broker %llu of which export %llu, import %llu, map %llu, access %llu, release %llu)\n",
+               t.requests, t.messages, (unsigned long long)t.total_ns / 1000, (unsigned long long)t.find_ns / 1000,
+               (unsigned long long)t.connect_ns / 1000, (unsigned long long)t.broker_ns / 1000,
+               (unsigned long long)t.export_ns / 1000, (unsigned long long)t.import_ns / 1000,
+               (unsigned long long)t.map_ns / 1000, (unsigned long long)t.access_ns / 1000,
+               (unsigned long long)t.release_ns / 1000);
+        if (st == VMM_OK) {
+            int wrong = 0;
+            for (int i = 0; i < NB; i += 10) wrong += first_wrong(vmm_import_ptr(out[i]), 2 * MIB, 1000 + (uint64_t)i, 0) >= 0;
+            CHECK(wrong == 0, "150 buffers: %d of 15 written ones read wrong", wrong);
+            release_all(out, NB);
+        }
+        same_as_before(c0, "150 buffers");
+
+        /* the same with 4 importing threads */
+        setenv("VMMSHIM_IMPORT_THREADS", "4", 1);
+        c0 = counters();
+        st = vmm_import_many(reg, pid, bb, sz, NB, out);
+        CHECK(st == VMM_OK, "4 threads: %s", vmm_last_error());
+        CHECK(vmm_import_many_last_timing(&t) == VMM_OK && t.threads == 4 && t.handles == NB && t.access_calls == 1 &&
+                  t.import_ns > 0 && t.map_ns > 0,
+              "4 threads: %u threads, %u handles, %u SetAccess, import %llu ns, map %llu ns (the threads' times)",
+              t.threads, t.handles, t.access_calls, (unsigned long long)t.import_ns, (unsigned long long)t.map_ns);
+        if (st == VMM_OK) {
+            int wrong = 0;
+            for (int i = 0; i < NB; i += 10) wrong += first_wrong(vmm_import_ptr(out[i]), 2 * MIB, 1000 + (uint64_t)i, 0) >= 0;
+            CHECK(wrong == 0, "4 threads: %d of 15 written ones read wrong", wrong);
+            release_all(out, NB);
+        }
+        same_as_before(c0, "4 threads");
+        setenv("VMMSHIM_IMPORT_THREADS", "17", 1);
+        st = vmm_import_many(reg, pid, bb, sz, 2, out);
+        CHECK(st == VMM_ERR_INVALID && all_null(out, 2) && strstr(vmm_last_error(), "VMMSHIM_IMPORT_THREADS"),
+              "VMMSHIM_IMPORT_THREADS=17: %d: %s", (int)st, vmm_last_error());
+        unsetenv("VMMSHIM_IMPORT_THREADS");
+
+        /* ranges across two chunks beside the whole ones: the handles are fetched once */
+        uint64_t xa[4] = {bb[20], bb[21], bb[20] + MIB, bb[20] + 4 * KIB};
+        uint64_t xs[4] = {0, 0, 2 * MIB, 4 * MIB - 8 * KIB};
+        bool side = bb[21] == bb[20] + 2 * MIB && bb[22] == bb[21] + 2 * MIB;
+        if (side) {
+            xa[3] = bb[20] + 4 * KIB; /* across three chunks */
+            xs[3] = 6 * MIB - 8 * KIB;
+            c0 = counters();
+            st = vmm_import_many(reg, pid, xa, xs, 4, out);
+            CHECK(st == VMM_OK, "across chunks: %s", vmm_last_error());
+            c1 = counters();
+            CHECK(vmm_import_many_last_timing(&t) == VMM_OK && t.handles == 3 && t.requests == 1 &&
+                      t.ranges_mapped == 2 && t.reserves == 1 && t.access_calls == 1 &&
+                      c1.imports - c0.imports == 3,
+                  "across chunks: %u handles (3 wanted), %u requests, %u ranges across, %u reserves, %u SetAccess, "
+                  "%llu imports",
+                  t.handles, t.requests, t.ranges_mapped, t.reserves, t.access_calls, c1.imports - c0.imports);
+            if (st == VMM_OK) {
+                CHECK(first_wrong(vmm_import_ptr(out[0]), 2 * MIB, 1020, 0) < 0 &&
+                          first_wrong(vmm_import_ptr(out[2]), MIB, 1020, MIB / 8) < 0,
+                      "across chunks: bytes of buffer 20 read wrong");
+                CHECK(vmm_import_size(out[3]) == 6 * MIB - 8 * KIB &&
+                          first_wrong(vmm_import_ptr(out[3]), 2 * MIB - 4 * KIB, 1020, 4 * KIB / 8) < 0,
+                      "across three chunks: reads wrong");
+                /* the records each covers, as the call read them */
+                vmm_alloc_info rec[4];
+                size_t n0 = vmm_import_records(out[0], rec, 1);
+                CHECK(n0 == 1 && rec[0].address == bb[20], "records of a whole buffer: %zu, 0x%llx", n0,
+                      (unsigned long long)rec[0].address);
+                size_t nr = vmm_import_records(out[3], rec, 4);
+                CHECK(nr == 3 && rec[0].address == bb[20] && rec[1].address == bb[21] && rec[2].address == bb[22] &&
+                          vmm_import_records(out[3], NULL, 0) == 3 && vmm_import_records(NULL, rec, 4) == 0,
+                      "records across three chunks: %zu", nr);
+                release_all(out, 4);
+            }
+            same_as_before(c0, "across chunks");
+        } else {
+            printf("note: buffers 20..22 are not side by side: ranges across chunks not checked\n");
+        }
+
+        /* an old broker: the v3 request comes back -EPROTO, and each chunk is asked alone */
+        g_hook = HOOK_OLD_BROKER;
+        c0 = counters();
+        other = g_sent_other;
+        st = vmm_import_many(reg, pid, bb, sz, 40, out);
+        g_hook = HOOK_NONE;
+        CHECK(st == VMM_OK && vmm_import_many_last_timing(&t) == VMM_OK && t.fallback == 1 &&
+                  g_sent_other - other == 40 && t.handles == 40,
+              "an old broker: %d, fallback %u, %lu v1/v2 requests, %u handles: %s", (int)st, t.fallback,
+              g_sent_other - other, t.handles, vmm_last_error());
+        if (st == VMM_OK) {
+            CHECK(first_wrong(vmm_import_ptr(out[30]), 2 * MIB, 1030, 0) < 0, "an old broker: buffer 30 reads wrong");
+            release_all(out, 40);
+        }
+        same_as_before(c0, "an old broker");
+
+        /* a buffer freed as the request goes: the broker says stale mid-stream; nothing stays */
+        c0 = counters();
+        g_hook = HOOK_FREE;
+        g_hook_index = bidx0 + 100;
+        st = vmm_import_many(reg, pid, bb, sz, NB, out);
+        g_hook = HOOK_NONE;
+        CHECK(st == VMM_ERR_STALE && all_null(out, NB) && strstr(vmm_last_error(), "range 100 of 150"),
+              "freed as the request went: %d: %s", (int)st, vmm_last_error());
+        same_as_before(c0, "freed as the request went");
+        struct fakecuda_counters c2 = counters();
+        CHECK(c2.fds_open == c0.fds_open, "freed as the request went: %llu fds open (%llu before)", c2.fds_open,
+              c0.fds_open);
+        /* and freed before: the find says so, before the owner is asked */
+        v3 = g_sent_v3;
+        st = vmm_import_many(reg, pid, bb, sz, NB, out);
+        CHECK(st == VMM_ERR_NOT_FOUND && all_null(out, NB) && strstr(vmm_last_error(), "range 100 of 150") &&
+                  g_sent_v3 == v3,
+              "freed before: %d, %lu requests: %s", (int)st, g_sent_v3 - v3, vmm_last_error());
+        same_as_before(c0, "freed before");
+    }
+
+    /* 9. memory on two devices: one SetAccess for each set of devices granted; each import says
+     * its device, and its bytes copy out (a copy needs a context its memory is granted to) */
+    {
+        uint64_t d0 = 0, d1a = 0, d1b = 0;
+        bool ok = owner_cmd(NULL, "d 1") && owner_alloc(3 * MIB, 901, &d1a) >= 0 && owner_alloc(5 * MIB, 902, &d1b) >= 0 &&
+                  owner_cmd(NULL, "d 0") && owner_alloc(3 * MIB, 900, &d0) >= 0;
+        CHECK(ok, "the owner could not allocate on two devices");
+        if (ok) {
+            uint64_t a[3] = {d0, d1a, d1b};
+            vmm_imported *out[3];
+            vmm_import_many_timing t;
+            struct fakecuda_counters c0 = counters();
+            vmm_status st = vmm_import_many(reg, pid, a, NULL, 3, out);
+            CHECK(st == VMM_OK, "two devices: %s", vmm_last_error());
+            CHECK(vmm_import_many_last_timing(&t) == VMM_OK && t.access_calls == 2 && t.reserves == 1 && t.handles == 3,
+                  "two devices: %u SetAccess (one per device set), %u reserves, %u handles", t.access_calls,
+                  t.reserves, t.handles);
+            if (st == VMM_OK) {
+                uint64_t w[2] = {0, 0};
+                CHECK(vmm_import_read(out[1], 0, w, sizeof w) == VMM_OK && w[0] == word(901, 0) && w[1] == word(901, 1),
+                      "two devices: device 1's bytes: %s", vmm_last_error());
+                CHECK(vmm_import_read(out[0], 8, w, 8) == VMM_OK && w[0] == word(900, 1),
+                      "two devices: device 0's bytes: %s", vmm_last_error());
+                CHECK(first_wrong(vmm_import_ptr(out[2]), 5 * MIB, 902, 0) < 0, "two devices: device 1's second reads wrong");
+                printf("stat: two devices: imports report devices %d, %d, %d\n", vmm_import_device(out[0]),
+                       vmm_import_device(out[1]), vmm_import_device(out[2]));
+                release_all(out, 3);
+            }
+            same_as_before(c0, "two devices");
+        }
+    }
+
     /* 6. a dead owner: nothing imported */
     fputs("q\n", g_to);
     fclose(g_to);
@@ -294,6 +544,28 @@ int main(void)
         vmm_status st = vmm_import_many(reg, pid, addr, NULL, 2, out);
         CHECK(st != VMM_OK && all_null(out, 2) && strstr(vmm_last_error(), "range 0 of 2"), "dead owner: %d: %s",
               (int)st, vmm_last_error());
+    }
+    /* 8. an owner killed as the request goes: a clean error, nothing left */
+    if (g_from) fclose(g_from);
+    g_from = NULL;
+    if (spans_start()) {
+        uint64_t kb[80];
+        bool ok = true;
+        for (int i = 0; i < 80 && ok; i++) ok = owner_alloc_with('a', 2 * MIB, &kb[i]) >= 0;
+        CHECK(ok, "the second owner could not allocate");
+        vmm_imported *out[80];
+        struct fakecuda_counters c0 = counters();
+        g_hook = HOOK_KILL;
+        vmm_status st = ok ? vmm_import_many(reg, (uint32_t)g_pid, kb, NULL, 80, out) : VMM_ERR_OWNER_DEAD;
+        g_hook = HOOK_NONE;
+        CHECK(st == VMM_ERR_OWNER_DEAD && all_null(out, 80), "an owner killed as the request went: %d: %s", (int)st,
+              vmm_last_error());
+        same_as_before(c0, "an owner killed");
+        if (g_to) fclose(g_to);
+        if (g_from) fclose(g_from);
+        g_to = g_from = NULL;
+    } else {
+        CHECK(0, "cannot start the second owner");
     }
     CHECK(vmm_import_drop_idle() == VMM_OK, "drop_idle: %s", vmm_last_error());
     CHECK(counters().fds_open == 0, "%llu fds on imported memory left open", counters().fds_open);

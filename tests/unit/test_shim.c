@@ -105,6 +105,21 @@ static void test_async_order(void)
     CHECK(strstr(out, "other stream after the freeing stream was destroyed: new") != NULL, "%s", out);
 }
 
+/* One device's cudaMalloc memory copied while another device is current, natively and under
+ * the shim (the emulated driver refuses a copy of VMM memory not granted to the current device,
+ * as an H100 does). */
+static void test_cross_device_copy(void)
+{
+    char prog[600], nat[4096], sh[4096], err[4096];
+    snprintf(prog, sizeof prog, "%s/progs/cross_copy", build);
+    char *argv[] = {prog, NULL};
+    const char *native[] = {"FAKECUDA_DEVICES=2", NULL}, *shimmed[] = {preload, "FAKECUDA_DEVICES=2", NULL};
+    int rc = run(argv, native, nat, sizeof nat, err, sizeof err);
+    CHECK(rc == 0 && strstr(nat, "no peer access: cudaSuccess, first byte 0x5a"), "natively: rc %d\n%s%s", rc, nat, err);
+    rc = run(argv, shimmed, sh, sizeof sh, err, sizeof err);
+    CHECK(rc == 0 && strcmp(nat, sh) == 0, "under the shim (rc %d):\n%s---\nnatively:\n%s%s", rc, sh, nat, err);
+}
+
 static void test_fallback_and_strict(void)
 {
     char prog[600], nat[8192], sh[8192], e1[8192], e2[8192];
@@ -605,6 +620,7 @@ int main(void)
     test_captured_free();
     test_threads();
     test_async_order();
+    test_cross_device_copy();
     test_rtld_next();
     test_fallback_and_strict();
     test_publish_and_import();

@@ -41,11 +41,21 @@ VMM_PUBLIC vmm_status vmm_import_check(vmm_registry *reg, const vmm_imported *im
 
 VMM_PUBLIC vmm_status vmm_import_last_timing(vmm_import_timing *out) { return vmm__import_last_timing(out); }
 
+VMM_PUBLIC vmm_status vmm_import_many_last_timing(vmm_import_many_timing *out)
+{
+    return vmm__import_many_last_timing(out);
+}
+
 VMM_PUBLIC uint64_t vmm_import_ptr(const vmm_imported *imp) { return vmm__import_ptr(imp); }
 
 VMM_PUBLIC uint64_t vmm_import_size(const vmm_imported *imp) { return vmm__import_size(imp); }
 
 VMM_PUBLIC int vmm_import_device(const vmm_imported *imp) { return vmm__import_device(imp); }
+
+VMM_PUBLIC size_t vmm_import_records(const vmm_imported *imp, vmm_alloc_info *out, size_t max)
+{
+    return vmm__import_records(imp, out, max);
+}
 
 VMM_PUBLIC vmm_status vmm_import_release(vmm_imported *imp) { return vmm__import_release(imp); }
 

@@ -268,15 +268,24 @@ vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, u
  * the range's length.  sizes[i] 0 (or sizes NULL) means the whole allocation holding addresses[i]
  * (any interior address), as vmm_import maps it: the pointer is where the allocation starts and
  * the size its requested size.  All ranges must be of one owner (the process the first is of).
+ * The ranges may lie anywhere: inside one allocation, across allocations or mappings, several in
+ * one chunk, overlapping.
  *
  * The work is shared: a range inside one chunk (one allocation, or allocations of the shim's pool
  * side by side in one chunk, or one MULTI-HANDLE allocation) is a reference to that chunk's
- * mapping in vmm_import's table, so however many ranges of the call lie in a chunk, its owner's
- * broker exports it once and it is imported and mapped here once (the first range maps it; the
- * others re-read their records, as a cached vmm_import does); a chunk mapped here before the call
- * is not fetched at all.  Releasing such an import is vmm_import_release on a vmm_import.  A
- * range across several chunks is mapped as vmm_import_range maps it, on its own (not shared with
- * the others of the call).
+ * mapping in vmm_import's table, so however many ranges of the call lie in a chunk, it is fetched,
+ * imported and mapped here once; a chunk mapped here before the call is not fetched at all.
+ * Releasing such an import is vmm_import_release on a vmm_import.  A range across several chunks
+ * gets a mapping of its own, as vmm_import_range makes, sharing the handles fetched.  Every handle
+ * the call needs comes from the owner's broker in one round trip (protocol v3: one request, fds
+ * streamed 64 a message; more than 2048 allocations take one request per 2048; an owner whose
+ * broker predates v3 is asked one allocation at a time), each is imported once, and everything new
+ * is mapped into one reservation (cuMemAddressReserve once) and granted access with one
+ * cuMemSetAccess (one per set of devices granted, when the ranges' memory lies on several GPUs).
+ * With VMMSHIM_IMPORT_THREADS=N (1 to 16, default 1; read at each call) N threads import the
+ * handles as they arrive and map them; whether more than one pays is measured on a GPU
+ * (tests/gpu/weight_sync.sh).  A bad value fails the call with VMM_ERR_INVALID.
+ * vmm_import_many_last_timing says where the call's time went.
  *
  * All or nothing: on any failure every import the call made is released, out[0..n) are all NULL,
  * and vmm_last_error names the failing range (its index, address and size) and the reason, with
@@ -290,6 +299,12 @@ vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addr
  * lies on (vmm_import says which devices are granted); -1 for NULL.  The Python package uses it
  * as the buffer's DLPack device. */
 int vmm_import_device(const vmm_imported *imp);
+/* The records the import covers, as read when it was made (owner_alive as judged then): for
+ * vmm_import the allocation's, for vmm_import_range and vmm_import_many the records under the
+ * range, in address order (the first holds its first byte).  Copies at most max of them to out
+ * (out may be NULL with max 0) and returns how many there are; 0 for NULL.  What a companion
+ * needs to describe an import without looking the records up again. */
+size_t vmm_import_records(const vmm_imported *imp, vmm_alloc_info *out, size_t max);
 /* Is the allocation imp was imported from (vmm_import) still live in its owner?  VMM_OK;
  * VMM_ERR_STALE once the owner freed it -- also when the same address or record slot now holds
  * another allocation (its generation tells them apart); VMM_ERR_OWNER_DEAD once the owner exited.
@@ -345,6 +360,40 @@ typedef struct vmm_import_timing {
     uint32_t route;      /* VMM_KIND_BROKER or VMM_KIND_PIDFD; 0 when cached */
 } vmm_import_timing;
 vmm_status vmm_import_last_timing(vmm_import_timing *out);
+
+/* Where the calling thread's last vmm_import_many spent its time (a failed call's too, up to its
+ * failure), in nanoseconds, with what it did.  Times of work done by several threads at once
+ * (VMMSHIM_IMPORT_THREADS) are summed over them, so they may add up to more than total_ns. */
+typedef struct vmm_import_many_timing {
+    uint64_t total_ns;   /* the whole call */
+    uint64_t find_ns;    /* registry reads: the records under every range, and re-reading them after the fetch */
+    uint64_t context_ns; /* finding (or making current) the CUDA context */
+    uint64_t connect_ns; /* connecting to the owner's broker (0: the kept connection served) */
+    uint64_t broker_ns;  /* waiting on the broker: each request sent until its last reply came, less the imports
+                            this thread made meanwhile */
+    uint64_t export_ns;  /* of broker_ns, what the owner spent exporting (its broker says) */
+    uint64_t import_ns;  /* cuMemImportFromShareableHandle */
+    uint64_t reserve_ns; /* cuMemAddressReserve */
+    uint64_t map_ns;     /* cuMemMap */
+    uint64_t access_ns;  /* cuMemSetAccess (of new mappings, and of mapped chunks for a further device) */
+    uint64_t release_ns; /* cuMemRelease of the imported handles once mapped (the mappings keep the memory) */
+    uint32_t ranges;     /* n */
+    uint32_t chunks_cached; /* chunks the ranges lie in that were mapped here already: nothing fetched */
+    uint32_t chunks_new;    /* chunks mapped for ranges inside one chunk */
+    uint32_t ranges_mapped; /* ranges across chunks, each mapped on its own */
+    uint32_t handles;    /* handles fetched and imported */
+    uint32_t requests;   /* broker requests (round trips): 1 when everything fits one batch, 0 when cached */
+    uint32_t connects;   /* broker connections opened (0: the kept one served) */
+    uint32_t messages;   /* broker replies received */
+    uint32_t reserves;   /* cuMemAddressReserve calls */
+    uint32_t maps;       /* cuMemMap calls */
+    uint32_t access_calls; /* cuMemSetAccess calls */
+    uint32_t threads;    /* threads that imported and mapped (VMMSHIM_IMPORT_THREADS) */
+    uint32_t fallback;   /* 1: the owner's broker predates protocol v3 (or has not started and pidfd served):
+                            one request per allocation */
+    uint32_t reserved_;
+} vmm_import_many_timing;
+vmm_status vmm_import_many_last_timing(vmm_import_many_timing *out);
 
 /* ---- Reading imported bytes ----------------------------------------------------------------
  * Both copy device-to-host from vmm_import_ptr(imp) + offset, on the import's device (its primary

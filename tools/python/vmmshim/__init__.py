@@ -25,6 +25,7 @@ opens them by name (all at once, sharing each chunk's import):
 import ctypes
 import operator
 import threading
+import time
 import weakref
 
 from . import _dlpack, _dtypes, _lib
@@ -37,6 +38,7 @@ from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_S
 __version__ = "0.1.0"
 
 __all__ = ["Registry", "Allocation", "Process", "Tensor", "Buffer", "View", "publish", "publish_many", "unpublish",
+           "drop_idle",
            "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
            "Access", "Corrupt", "VersionMismatch", "Busy", "Stale", "OwnerDead", "CudaError", "OutOfMemory",
            "IOFailure", "NotUnderShim", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN", "OWNER_KEPT", "KIND_BROKER",
@@ -56,6 +58,14 @@ def _check(status):
 
 def _text(raw):
     return raw.decode("utf-8", "replace")
+
+
+def drop_idle():
+    """Unmap every imported chunk that no Buffer, view or tensor holds now (vmm_import_drop_idle).
+    A chunk otherwise stays mapped while its owner holds it, so that opening it again costs a
+    registry read; after this the next open imports it afresh (what a benchmark of first
+    imports wants)."""
+    _check(_lib.lib().vmm_import_drop_idle())
 
 
 class Allocation:
@@ -239,14 +249,18 @@ class Registry:
         _check(_lib.lib().vmm_foreach_tensor(self._h(), pid, _lib.TENSOR_FN(visit), None))
         return found
 
-    def open_tensors(self, pid, names=None):
+    def open_tensors(self, pid, names=None, timing=False):
         """{name: View} of pid's named tensors (all of them, or those named in names), imported with
         one open_many, so tensors that share a chunk share its one import here.  Each View has the
         tensor's dtype, shape and strides, and keeps its import alive until it (and every tensor
         taken from it with DLPack) is gone.  NotFound names a tensor pid does not publish;
         ValueError one whose dtype a view cannot take; Stale when an allocation was freed between
-        reading the names and importing them (open again)."""
+        reading the names and importing them (open again).  timing=True returns (views, timing):
+        open_many's timing (see there) with names_ns (reading the name table) and views_ns (making
+        the views) added, total_ns and python_ns covering the whole call."""
+        t0 = time.perf_counter_ns()
         published = self.tensors(pid)
+        t_names = time.perf_counter_ns() - t0
         if names is None:
             wanted = list(published.values())
         else:
@@ -264,20 +278,27 @@ class Registry:
                 raise ValueError(f"vmmshim: tensor {t.name!r} of pid {pid} is of DLPack dtype {t.dlpack_dtype}, which "
                                  f"a view cannot take (one of: {', '.join(_dtypes.DTYPES)})")
         if not wanted:
-            return {}
-        buffers = self.open_many(pid, [(t.address, t.nbytes) for t in wanted])
+            return ({}, _timing_of(None, time.perf_counter_ns() - t0, 0)) if timing else {}
+        buffers, times = self.open_many(pid, [(t.address, t.nbytes) for t in wanted], timing=True)
+        t1 = time.perf_counter_ns()
         views = {}
         try:
             for t, buf in zip(wanted, buffers):
                 # the allocation imported is the one the name was read from (ids are never reused)
-                if buf.allocation.id != t.alloc_id:
+                if buf._allocation_id() != t.alloc_id:
                     raise Stale(f"pid {pid}'s allocation holding {t.name!r} was freed since its name was read",
                                 _lib.STALE)
                 views[t.name] = buf.view(t.shape, dtypes[t.name], 0, t.strides)
         finally:
             for buf in buffers:
                 buf.close()  # the views hold what they need
-        return views
+        if not timing:
+            return views
+        t2 = time.perf_counter_ns()
+        times["names_ns"], times["views_ns"] = t_names, t2 - t1
+        times["python_ns"] += t2 - t0 - times["total_ns"]
+        times["total_ns"] = t2 - t0
+        return views, times
 
     def open(self, pid, address, size=None):
         """Import pid's bytes at address: without size, the whole live allocation containing
@@ -325,12 +346,24 @@ class Registry:
             self._ranges.append(shared)
         return Buffer(imp, alloc, self, address=address, size=size, ranged=covered, shared=shared)
 
-    def open_many(self, pid, ranges):
+    def open_many(self, pid, ranges, timing=False):
         """Import several ranges of pid at once (vmm_import_many): ranges is a list of (address,
         size) pairs, size None for the whole allocation holding address (as open without a size).
         A list of Buffers, one per pair, in order.  Ranges inside one chunk share its one import
         and mapping here (however many there are); a range across several chunks is mapped on its
-        own.  All or nothing: when one range cannot be imported none is, and the error names it."""
+        own.  Every handle comes from the owner in one round trip, everything is mapped into one
+        reservation and granted access with one cuMemSetAccess (vmm_import_many in vmmshim.h).
+        All or nothing: when one range cannot be imported none is, and the error names it.
+
+        timing=True returns (buffers, timing): a dict of where the time went, in nanoseconds:
+        total_ns (this call), python_ns (of it, outside the C library: arguments, Buffers),
+        library_ns (vmm_import_many), and the library's own steps (vmm_import_many_timing):
+        find_ns (registry reads), context_ns, connect_ns, broker_ns (waiting on the owner's
+        broker), export_ns (of it, the owner exporting), import_ns, reserve_ns, map_ns,
+        access_ns, release_ns (the driver calls), with counts: ranges, chunks_cached,
+        chunks_new, ranges_mapped, handles, requests, connects, messages, reserves, maps,
+        access_calls, threads, fallback.  A failed call raises as without it."""
+        t0 = time.perf_counter_ns()
         items = []
         for entry in ranges:
             try:
@@ -344,24 +377,32 @@ class Registry:
                                  f"0x{address:x}, {size}")
             items.append((address, size))
         if not items:
-            return []
+            return ([], _timing_of(None, time.perf_counter_ns() - t0, 0)) if timing else []
         n = len(items)
         L = _lib.lib()
         addresses = (_lib.c_u64 * n)(*(a for a, _ in items))
         sizes = (_lib.c_u64 * n)(*(0 if z is None else z for _, z in items))
         out = (ctypes.c_void_p * n)()
-        _check(L.vmm_import_many(self._h(), pid, addresses, sizes, n, out))
+        t1 = time.perf_counter_ns()
+        status = L.vmm_import_many(self._h(), pid, addresses, sizes, n, out)
+        t_lib = time.perf_counter_ns() - t1
+        _check(status)
+        c_timing = _lib.ManyTiming()
+        if timing:
+            L.vmm_import_many_last_timing(ctypes.byref(c_timing))
         imps = [ctypes.c_void_p(out[i]) for i in range(n)]
         buffers = []
+        recs = (_lib.AllocInfo * 4)()
         try:
             for (address, size), imp in zip(items, imps):
-                # the records it covers, for allocation(s) and check(); an import in one record's
-                # chunk is checked by the library itself
-                start = address if size is not None else None
-                alloc = self.find(pid, address)
-                if start is None:
-                    start = alloc.address
-                covered = self._walk(pid, start, L.vmm_import_size(imp))
+                # the records it covers, as the library read them: for allocation(s) and check();
+                # an import in one record's chunk is checked by the library itself
+                k = L.vmm_import_records(imp, recs, 4)
+                if k > 4:
+                    recs = (_lib.AllocInfo * k)()
+                    k = L.vmm_import_records(imp, recs, k)
+                covered = [_lib.AllocInfo.from_buffer_copy(recs[j]) for j in range(k)]
+                start = address if size is not None else covered[0].address
                 buf = Buffer(imp, covered[0], self, address=start, size=L.vmm_import_size(imp),
                              ranged=covered if len(covered) > 1 else None)
                 buffers.append(buf)
@@ -371,7 +412,9 @@ class Registry:
             for imp in imps[len(buffers):]:
                 L.vmm_import_release(imp)
             raise
-        return buffers
+        if not timing:
+            return buffers
+        return buffers, _timing_of(c_timing, time.perf_counter_ns() - t0, t_lib)
 
     def _shared_range(self, pid, address, size, covered):
         """A live range import holding [address, address + size) of the same records, with a
@@ -407,6 +450,15 @@ class Registry:
             covered.append(a)
             at = a.address + a.extent
         return covered
+
+
+def _timing_of(c_timing, total_ns, library_ns):
+    """open_many's timing dict: the whole call, the library's share, and its own steps."""
+    t = {"total_ns": total_ns, "library_ns": library_ns, "python_ns": total_ns - library_ns}
+    for name, _ in _lib.ManyTiming._fields_:
+        if name != "reserved_":
+            t[name if name != "total_ns" else "library_total_ns"] = getattr(c_timing, name) if c_timing else 0
+    return t
 
 
 def _names(allocations):
@@ -461,8 +513,10 @@ class Buffer:
         self._import_size = L.vmm_import_size(imp)
         self.size = self._import_size if size is None else size
         self.device = L.vmm_import_device(imp)
-        self.allocation = allocation
-        self.allocations = list(ranged) if ranged is not None else [allocation]
+        # Allocation objects, or the raw records (open_many: made into objects when first asked for,
+        # since a take of hundreds of tensors rarely looks at them)
+        self._allocation = allocation
+        self._allocations = list(ranged) if ranged is not None else None
         self.address = allocation.address if address is None else address
         self._closed = False
         self._exports = 0
@@ -471,6 +525,28 @@ class Buffer:
     def _open(self):
         if self._closed:
             raise ValueError("vmmshim: the buffer is closed")
+
+    @property
+    def allocation(self):
+        """The record holding the first byte (an Allocation)."""
+        if isinstance(self._allocation, _lib.AllocInfo):
+            self._allocation = Allocation(self._allocation)
+        return self._allocation
+
+    @property
+    def allocations(self):
+        """Every record the buffer covers, in address order (Allocations)."""
+        if self._allocations is None:
+            return [self.allocation]
+        if self._allocations and isinstance(self._allocations[0], _lib.AllocInfo):
+            self._allocations = [Allocation(a) for a in self._allocations]
+            self._allocation = self._allocations[0]
+        return self._allocations
+
+    def _allocation_id(self):
+        """The first record's id (hex), without making an Allocation of it."""
+        a = self._allocation
+        return bytes(a.alloc_id).hex() if isinstance(a, _lib.AllocInfo) else a.id
 
     @property
     def ptr(self):

@@ -133,6 +133,15 @@ class TensorDesc(ctypes.Structure):
     ]
 
 
+class ManyTiming(ctypes.Structure):
+    """vmm_import_many_timing."""
+    _fields_ = [(name, c_u64) for name in (
+        "total_ns", "find_ns", "context_ns", "connect_ns", "broker_ns", "export_ns", "import_ns", "reserve_ns",
+        "map_ns", "access_ns", "release_ns")] + [(name, c_u32) for name in (
+            "ranges", "chunks_cached", "chunks_new", "ranges_mapped", "handles", "requests", "connects", "messages",
+            "reserves", "maps", "access_calls", "threads", "fallback", "reserved_")]
+
+
 ALLOC_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(AllocInfo))
 PROC_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(ProcInfo))
 TENSOR_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(TensorInfo))
@@ -154,7 +163,10 @@ _PROTOTYPES = {
     "vmm_import_ptr": (c_u64, [_P]),
     "vmm_import_size": (c_u64, [_P]),
     "vmm_import_device": (c_int, [_P]),
+    "vmm_import_records": (ctypes.c_size_t, [_P, ctypes.POINTER(AllocInfo), ctypes.c_size_t]),
+    "vmm_import_many_last_timing": (c_int, [ctypes.POINTER(ManyTiming)]),
     "vmm_import_release": (c_int, [_P]),
+    "vmm_import_drop_idle": (c_int, []),
     "vmm_import_read": (c_int, [_P, c_u64, ctypes.c_void_p, c_u64]),
     "vmm_import_check": (c_int, [_P, _P]),
     "vmm_foreach_tensor": (c_int, [_P, c_u32, TENSOR_FN, ctypes.c_void_p]),
