@@ -626,7 +626,7 @@ static vmm_status broker_fetch(vmm_registry *reg, const vmm_alloc_info *a, int *
 
 /* A multi-handle allocation's handles, imported here, in address order. */
 typedef struct multi_parts {
-    uint32_t n;
+    uint32_t n, n_imported;
     CUmemGenericAllocationHandle *h;
     uint64_t *size;
 } multi_parts;
@@ -670,28 +670,20 @@ static int recv_v2(int s, void *ctx)
 }
 
 /* Every handle of a MULTI-HANDLE allocation from its owner's broker (protocol v2: up to 64 a
- * reply, asking again from where the last reply ended), each imported.  The broker checks the
- * allocation anew on each request, so one freed midway fails as stale, never mixes handles. */
-static vmm_status multi_fetch(vmm_registry *reg, const vmm_alloc_info *a, multi_parts *p)
+ * reply, asking again from where the last reply ended), handed to take() a reply at a time, in
+ * order: take owns the fds it is given (closes or keeps each, also when it fails).  The broker
+ * checks the allocation anew on each request, so one freed midway fails as stale, never mixes
+ * handles. */
+typedef vmm_status (*handles_fn)(void *ctx, const int *fds, const uint64_t *sizes, uint32_t n, uint32_t first);
+
+static vmm_status fetch_handles(vmm_registry *reg, const vmm_alloc_info *a, uint32_t want, handles_fn take, void *ctx)
 {
-    memset(p, 0, sizeof *p);
-    p->n = a->n_handles;
-    p->h = calloc(p->n, sizeof *p->h);
-    p->size = calloc(p->n, sizeof *p->size);
-    if (!p->h || !p->size) {
-        parts_release(p, 0);
-        return set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
-    }
-    tm.route = VMM_KIND_BROKER;
     owner_ref *o;
     vmm_status st = owner_get(a, &o);
-    if (st != VMM_OK) {
-        parts_release(p, 0);
-        return st;
-    }
+    if (st != VMM_OK) return st;
     uint32_t have = 0;
     uint64_t bytes = 0;
-    while (st == VMM_OK && have < p->n) {
+    while (st == VMM_OK && have < want) {
         vmm_broker_request2 req;
         memset(&req, 0, sizeof req);
         req.magic = VMM_BROKER_MAGIC;
@@ -715,43 +707,74 @@ static vmm_status multi_fetch(vmm_registry *reg, const vmm_alloc_info *a, multi_
         if (rep.status == -EPROTO)
             st = set_err(VMM_ERR_IO, "owner pid %u's broker does not speak protocol v2, which a multi-handle "
                                      "allocation (%u handles) needs; its shim is older than this library",
-                         a->pid, p->n);
+                         a->pid, want);
         else if (rep.status == -ERANGE)
             st = set_err(VMM_ERR_STALE, "owner pid %u's allocation no longer has the %u handles its record says "
-                                        "(no handle %u)", a->pid, p->n, have);
+                                        "(no handle %u)", a->pid, want, have);
         else if (rep.status != 0)
             st = reply_failed(a, rep.status);
-        else if (rep.n_total != p->n)
+        else if (rep.n_total != want)
             st = set_err(VMM_ERR_IO, "owner pid %u's broker says the allocation has %u handles; the record says %u",
-                         a->pid, rep.n_total, p->n);
-        else if (rep.n_here == 0 || rep.n_here != r.n_fds || rep.n_here > p->n - have)
+                         a->pid, rep.n_total, want);
+        else if (rep.n_here == 0 || rep.n_here != r.n_fds || rep.n_here > want - have)
             st = set_err(VMM_ERR_IO, "owner pid %u's broker sent %u fds for %u handles from handle %u of %u", a->pid,
-                         r.n_fds, rep.n_here, have, p->n);
+                         r.n_fds, rep.n_here, have, want);
         tm.export_ns += rep.export_ns;
-        for (uint32_t i = 0; i < r.n_fds; i++) {
-            if (st == VMM_OK && (rep.sizes[i] == 0 || rep.sizes[i] > a->mapped_size - bytes))
+        for (uint32_t i = 0; i < r.n_fds && st == VMM_OK; i++) {
+            if (rep.sizes[i] == 0 || rep.sizes[i] > a->mapped_size - bytes)
                 st = set_err(VMM_ERR_IO, "owner pid %u's broker sent handles of more bytes than the record's %llu",
                              a->pid, (unsigned long long)a->mapped_size);
-            if (st == VMM_OK) {
-                uint64_t t0 = now_ns();
-                CUresult cr = cu.MemImportFromShareableHandle(&p->h[have], (void *)(uintptr_t)fds[i],
-                                                              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-                tm.import_ns += now_ns() - t0;
-                if (cr != CUDA_SUCCESS) {
-                    st = cu_fail("cuMemImportFromShareableHandle", cr);
-                } else {
-                    p->size[have++] = rep.sizes[i];
-                    bytes += rep.sizes[i];
-                }
-            }
-            close(fds[i]); /* the driver keeps its own reference */
+            else
+                bytes += rep.sizes[i];
+        }
+        if (st == VMM_OK) {
+            st = take(ctx, fds, rep.sizes, r.n_fds, have);
+            have += r.n_fds;
+        } else {
+            for (uint32_t i = 0; i < r.n_fds; i++) close(fds[i]);
         }
     }
     owner_put(o);
     if (st == VMM_OK && bytes != a->mapped_size)
         st = set_err(VMM_ERR_IO, "owner pid %u's broker sent %u handles of %llu bytes; the record says %llu", a->pid,
-                     p->n, (unsigned long long)bytes, (unsigned long long)a->mapped_size);
-    if (st != VMM_OK) parts_release(p, have);
+                     want, (unsigned long long)bytes, (unsigned long long)a->mapped_size);
+    return st;
+}
+
+/* fetch_handles' take for an import: each fd becomes a handle of p (the driver keeps its own
+ * reference, so the fd is closed either way). */
+static vmm_status import_handles(void *ctx, const int *fds, const uint64_t *sizes, uint32_t n, uint32_t first)
+{
+    multi_parts *p = ctx;
+    vmm_status st = VMM_OK;
+    for (uint32_t i = 0; i < n; i++) {
+        if (st == VMM_OK) {
+            uint64_t t0 = now_ns();
+            CUresult cr = cu.MemImportFromShareableHandle(&p->h[first + i], (void *)(uintptr_t)fds[i],
+                                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+            tm.import_ns += now_ns() - t0;
+            if (cr != CUDA_SUCCESS) st = cu_fail("cuMemImportFromShareableHandle", cr);
+            else p->size[p->n_imported++] = sizes[i];
+        }
+        close(fds[i]);
+    }
+    return st;
+}
+
+/* Every handle of a MULTI-HANDLE allocation, each imported. */
+static vmm_status multi_fetch(vmm_registry *reg, const vmm_alloc_info *a, multi_parts *p)
+{
+    memset(p, 0, sizeof *p);
+    p->n = a->n_handles;
+    p->h = calloc(p->n, sizeof *p->h);
+    p->size = calloc(p->n, sizeof *p->size);
+    if (!p->h || !p->size) {
+        parts_release(p, 0);
+        return set_err(VMM_ERR_NOMEM, "vmm_import: out of memory");
+    }
+    tm.route = VMM_KIND_BROKER;
+    vmm_status st = fetch_handles(reg, a, p->n, import_handles, p);
+    if (st != VMM_OK) parts_release(p, p->n_imported);
     return st;
 }
 
@@ -3135,8 +3158,26 @@ vmm_status vmm__import_release(vmm_imported *imp)
 /* ------------------------------------------------------------------------------------------ */
 /* Every handle's fd (vmm_import_fds)                                                           */
 
-/* A MULTI-HANDLE record's handles as fds, asked of its owner's broker as multi_fetch asks (v2,
- * up to 64 a reply), not imported: for a companion that keeps or maps them itself (vmmctl keep). */
+/* fetch_handles' take for vmm__import_fds: the fds are the caller's. */
+typedef struct fds_out {
+    int *fds;
+    uint64_t *sizes;
+    uint32_t n;
+} fds_out;
+
+static vmm_status keep_fds(void *ctx, const int *fds, const uint64_t *sizes, uint32_t n, uint32_t first)
+{
+    fds_out *out = ctx;
+    (void)first;
+    for (uint32_t i = 0; i < n; i++) {
+        out->fds[out->n] = fds[i];
+        out->sizes[out->n++] = sizes[i];
+    }
+    return VMM_OK;
+}
+
+/* A record's handles as fds, asked of its owner's broker as multi_fetch asks, not imported: for
+ * a companion that keeps or maps them itself (vmmctl keep). */
 vmm_status vmm__import_fds(vmm_registry *reg, const vmm_alloc_info *a, int *fds, uint64_t *sizes, uint32_t max,
                            uint32_t *n)
 {
@@ -3158,61 +3199,12 @@ vmm_status vmm__import_fds(vmm_registry *reg, const vmm_alloc_info *a, int *fds,
     }
     if (want < 2 || !(a->handle_kinds & VMM_KIND_BROKER))
         return set_err(VMM_ERR_INVALID, "a multi-handle record with %u handles and no broker", want);
-    owner_ref *o;
-    vmm_status st = owner_get(a, &o);
-    if (st != VMM_OK) return st;
-    uint32_t have = 0;
-    uint64_t bytes = 0;
-    while (st == VMM_OK && have < want) {
-        vmm_broker_request2 req;
-        memset(&req, 0, sizeof req);
-        req.magic = VMM_BROKER_MAGIC;
-        req.version = VMM_BROKER_VERSION2;
-        req.slot = a->slot;
-        req.generation = a->generation;
-        memcpy(req.alloc_id, a->alloc_id, sizeof req.alloc_id);
-        req.first = have;
-        req.max = VMM_BROKER_MAX_FDS;
-        vmm_broker_reply2 rep;
-        int got[VMM_BROKER_MAX_FDS];
-        v2_recv r = {.rep = &rep, .fds = got};
-        pthread_mutex_lock(&o->io);
-        int rc = broker_roundtrip(reg, a, o, &req, sizeof req, recv_v2, &r, &st);
-        pthread_mutex_unlock(&o->io);
-        if (st != VMM_OK) break;
-        if (rc) {
-            st = exchange_failed(a, rc);
-            break;
-        }
-        if (rep.status == -ERANGE)
-            st = set_err(VMM_ERR_STALE, "owner pid %u's allocation no longer has the %u handles its record says", a->pid,
-                         want);
-        else if (rep.status != 0)
-            st = reply_failed(a, rep.status);
-        else if (rep.n_total != want || rep.n_here == 0 || rep.n_here != r.n_fds || rep.n_here > want - have)
-            st = set_err(VMM_ERR_IO, "owner pid %u's broker sent %u fds of %u handles from handle %u; the record says %u",
-                         a->pid, r.n_fds, rep.n_total, have, want);
-        for (uint32_t i = 0; i < r.n_fds; i++) {
-            if (st == VMM_OK && (rep.sizes[i] == 0 || rep.sizes[i] > a->mapped_size - bytes))
-                st = set_err(VMM_ERR_IO, "owner pid %u's broker sent handles of more bytes than the record's %llu",
-                             a->pid, (unsigned long long)a->mapped_size);
-            if (st == VMM_OK) {
-                fds[have] = got[i];
-                sizes[have++] = rep.sizes[i];
-                bytes += rep.sizes[i];
-            } else {
-                close(got[i]);
-            }
-        }
-    }
-    owner_put(o);
-    if (st == VMM_OK && bytes != a->mapped_size)
-        st = set_err(VMM_ERR_IO, "owner pid %u's broker sent %u handles of %llu bytes; the record says %llu", a->pid,
-                     have, (unsigned long long)bytes, (unsigned long long)a->mapped_size);
+    fds_out out = {.fds = fds, .sizes = sizes};
+    vmm_status st = fetch_handles(reg, a, want, keep_fds, &out);
     if (st != VMM_OK) {
-        while (have) close(fds[--have]);
+        while (out.n) close(fds[--out.n]);
         return st;
     }
-    *n = have;
+    *n = out.n;
     return VMM_OK;
 }
