@@ -5,7 +5,6 @@ Registry.tensors / open_tensors / open / open_many on its dead pid read every by
 the pid reads as dead again (OwnerDead).  Ends with "N passed, N failed"."""
 import ctypes
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -27,36 +26,19 @@ def words(seed, first, count):
     return b"".join((((seed * K) + k) & MASK).to_bytes(8, "little") for k in range(first, first + count))
 
 
-class PyOwner:
+class PyOwner(harness.LineProcess):
     """tests/python/named_owner.py under the shim; ok(src) runs one line of Python there."""
 
     def __init__(self):
-        env = dict(os.environ)
-        env["LD_PRELOAD"] = " ".join(p for p in (os.environ.get("LD_PRELOAD", ""), str(BUILD / "libvmmshim.so")) if p)
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "python" / "named_owner.py"), str(PACKAGE)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
-        self._pending = b""
+        super().__init__([sys.executable, str(ROOT / "tests" / "python" / "named_owner.py"), str(PACKAGE)],
+                         harness.preload_env())
         line = self.readline(60)
         if not line.startswith("ready "):
             raise RuntimeError(f"the Python owner did not start: {line!r}")
         self.pid = int(line.split()[1])
 
-    def readline(self, timeout=30):
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
-                return ""
-            chunk = os.read(self.proc.stdout.fileno(), 65536)
-            if not chunk:
-                return ""
-            self._pending += chunk
-        line, self._pending = self._pending.split(b"\n", 1)
-        return line.decode()
-
     def ok(self, src):
-        self.proc.stdin.write(src.encode() + b"\n")
-        line = self.readline()
+        line = self.command(src)
         T.check(line.startswith("ok"), f"owner: {src}: {line}")
         return line[3:]
 
