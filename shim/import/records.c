@@ -226,11 +226,17 @@ static int live_cached(live_cache *c, const vmm__reg *r, const vmm_reg_alloc *a)
     return e->kept ? VMM__KEPT : VMM__DEAD;
 }
 
+/* The owner's state given its process's liveness: a kept record of a dead owner is served by its
+ * keeper (layout.h KEEP). */
+static int owner_state(const vmm__reg *r, const vmm_reg_alloc *a, int liveness)
+{
+    if (liveness == VMM__DEAD && (a->flags & VMM_REG_F_KEPT) && vmm__keep_held(r, a->pid, a->start_time)) return VMM__KEPT;
+    return liveness;
+}
+
 static int record_owner(const vmm__reg *r, const vmm_reg_alloc *a)
 {
-    int l = vmm__reg_liveness(a->pid, a->start_time, a->pidns);
-    if (l == VMM__DEAD && (a->flags & VMM_REG_F_KEPT) && vmm__keep_held(r, a->pid, a->start_time)) return VMM__KEPT;
-    return l;
+    return owner_state(r, a, vmm__reg_liveness(a->pid, a->start_time, a->pidns));
 }
 
 bool vmm__kept_now(vmm_registry *reg, const vmm_alloc_info *a)
@@ -450,20 +456,26 @@ vmm_status vmm__find_proc(vmm_registry *reg, uint32_t pid, vmm_proc_info *out)
     return VMM_OK;
 }
 
-vmm_status vmm__find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_alloc_info *out)
+/* The live record of pid holding address, or the error a caller reports. */
+static vmm_status find_record(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_reg_alloc *rec, uint64_t *slot)
 {
-    vmm_reg_alloc rec;
-    uint64_t slot = 0;
-    int rc = vmm__reg_find(&reg->r, pid, address, &rec, &slot);
+    int rc = vmm__reg_find(&reg->r, pid, address, rec, slot);
     if (rc == -ENOENT)
         return set_error(VMM_ERR_NOT_FOUND, "registry %s: no live allocation of pid %u contains 0x%llx", reg->r.name,
                          pid, (unsigned long long)address);
     if (rc == -EAGAIN)
         return set_error(VMM_ERR_BUSY, "registry %s: the index or record for pid %u at 0x%llx stayed mid-update",
                          reg->r.name, pid, (unsigned long long)address);
-    if (rc) return vmm__reg_error(rc, NULL, false);
-    alloc_info_from(out, slot, &rec, record_owner(&reg->r, &rec));
-    return VMM_OK;
+    return rc ? vmm__reg_error(rc, NULL, false) : VMM_OK;
+}
+
+vmm_status vmm__find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_alloc_info *out)
+{
+    vmm_reg_alloc rec;
+    uint64_t slot = 0;
+    vmm_status st = find_record(reg, pid, address, &rec, &slot);
+    if (st == VMM_OK) alloc_info_from(out, slot, &rec, record_owner(&reg->r, &rec));
+    return st;
 }
 
 vmm_status vmm__find_cached(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_alloc_info *out,
@@ -471,14 +483,8 @@ vmm_status vmm__find_cached(vmm_registry *reg, uint32_t pid, uint64_t address, v
 {
     vmm_reg_alloc rec;
     uint64_t slot = 0;
-    int rc = vmm__reg_find(&reg->r, pid, address, &rec, &slot);
-    if (rc == -ENOENT)
-        return set_error(VMM_ERR_NOT_FOUND, "registry %s: no live allocation of pid %u contains 0x%llx", reg->r.name,
-                         pid, (unsigned long long)address);
-    if (rc == -EAGAIN)
-        return set_error(VMM_ERR_BUSY, "registry %s: the index or record for pid %u at 0x%llx stayed mid-update",
-                         reg->r.name, pid, (unsigned long long)address);
-    if (rc) return vmm__reg_error(rc, NULL, false);
+    vmm_status st = find_record(reg, pid, address, &rec, &slot);
+    if (st != VMM_OK) return st;
     if (!cache->valid || cache->pid != rec.pid || cache->start_time != rec.start_time || cache->pidns != rec.pidns) {
         cache->alive = vmm__reg_liveness(rec.pid, rec.start_time, rec.pidns);
         cache->pid = rec.pid;
@@ -486,11 +492,7 @@ vmm_status vmm__find_cached(vmm_registry *reg, uint32_t pid, uint64_t address, v
         cache->pidns = rec.pidns;
         cache->valid = true;
     }
-    /* a kept record of a dead owner: its keeper serves it (layout.h KEEP) */
-    int alive = cache->alive;
-    if (alive == VMM__DEAD && (rec.flags & VMM_REG_F_KEPT) && vmm__keep_held(&reg->r, rec.pid, rec.start_time))
-        alive = VMM__KEPT;
-    alloc_info_from(out, slot, &rec, alive);
+    alloc_info_from(out, slot, &rec, owner_state(&reg->r, &rec, cache->alive));
     return VMM_OK;
 }
 
