@@ -26,7 +26,6 @@ import ctypes
 import operator
 import threading
 import time
-import weakref
 
 from . import _dlpack, _dtypes, _lib
 from ._errors import (BY_STATUS, Access, Busy, Corrupt, CudaError, Error, InvalidArgument, IOFailure, LibraryNotFound,
@@ -673,11 +672,15 @@ class View:
 
     def __init__(self, buffer, shape, dtype, offset, strides):
         dt = _dtypes.resolve(dtype)
-        if isinstance(shape, (list, tuple)):
+        # plain ints (the common case, hundreds per take) skip _index's conversion
+        if type(shape) is tuple and all(type(n) is int for n in shape):
+            pass
+        elif isinstance(shape, (list, tuple)):
             shape = tuple(_index(n, "a shape entry") for n in shape)
         else:
             shape = (_index(shape, "shape"),)
-        offset = _index(offset, "offset")
+        if type(offset) is not int:
+            offset = _index(offset, "offset")
         if any(n < 0 for n in shape):
             raise ValueError(f"vmmshim: negative extent in shape {shape}")
         if offset < 0:
@@ -688,13 +691,14 @@ class View:
         if strides is None:
             strides, step = [], 1
             for n in reversed(shape):
-                strides.insert(0, step)
+                strides.append(step)
                 step *= max(n, 1)
-            strides = tuple(strides)
+            strides = tuple(reversed(strides))
         else:
             if not isinstance(strides, (list, tuple)):
                 raise ValueError(f"vmmshim: strides must be a tuple of {len(shape)} integers, not {strides!r}")
-            strides = tuple(_index(s, "a stride") for s in strides)
+            if type(strides) is not tuple or not all(type(s) is int for s in strides):
+                strides = tuple(_index(s, "a stride") for s in strides)
             if len(strides) != len(shape):
                 raise ValueError(f"vmmshim: {len(strides)} strides for {len(shape)} dimensions (shape {shape})")
             if any(s < 0 for s in strides):
@@ -713,9 +717,13 @@ class View:
         self.device = buffer.device
         self.ptr = buffer._ptr + offset
         self.buffer = buffer
+        # the import stays until this view is gone (__del__; the buffer object with it)
         buffer._export_taken()
-        # the import stays until this view is gone (the buffer object with it: the callback holds it)
-        self._finalizer = weakref.finalize(self, buffer._export_freed)
+        self._holds = True
+
+    def __del__(self):
+        if self.__dict__.pop("_holds", False):
+            self.buffer._export_freed()
 
     def __dlpack_device__(self):
         return (_dlpack.KDL_CUDA, self.device)

@@ -6,6 +6,7 @@ consumer owns it and calls its deleter when the tensor dies.  Until that deleter
 unconsumed capsule is destroyed) the exporting Buffer, and with it the import that maps the
 bytes, must stay alive: _live holds it, keyed by the DLManagedTensor's address."""
 import ctypes
+import struct
 import threading
 
 KDL_CUDA = 2
@@ -40,21 +41,26 @@ class DLManagedTensor(ctypes.Structure):
     _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", DELETER)]
 
 
+# The exported tensor is written with one struct.pack_into per part rather than field by field
+# through ctypes: a take of a whole model exports hundreds of them, and ctypes' per-field cost was
+# most of a view's.  The byte layout is DLManagedTensor's, which the assert below holds to it.
+_HEAD = struct.Struct("<QiiiBBHQQQQQ")  # data, device, ndim, dtype, shape, strides, byte_offset, ctx, deleter
+assert _HEAD.size == ctypes.sizeof(DLManagedTensor) == 64
+assert DLManagedTensor.deleter.offset == 56 and DLTensor.shape.offset == 24 and DLTensor.dtype.offset == 20
+
 _export_types = {}
 
 
 def _export_type(ndim):
-    """A structure with the managed tensor first, so that its address is the export's, and room
-    for ndim shape and stride entries, which live with it for as long as the consumer holds the
-    tensor (ndim 0: arrays of one entry, never read, so that the pointers are not NULL)."""
-    cls = _export_types.get(ndim)
-    if cls is None:
+    """Room for the managed tensor first, so that its address is the export's, then ndim shape and
+    stride entries, which live with it for as long as the consumer holds the tensor (ndim 0: one
+    entry each, never read, so that the pointers are not NULL); with the Struct that packs them."""
+    kind = _export_types.get(ndim)
+    if kind is None:
         n = max(ndim, 1)
-        cls = type(f"_Export{ndim}", (ctypes.Structure,),
-                   {"_fields_": [("managed", DLManagedTensor), ("shape", ctypes.c_int64 * n),
-                                 ("strides", ctypes.c_int64 * n)]})
-        _export_types[ndim] = cls
-    return cls
+        kind = (ctypes.c_uint64 * (_HEAD.size // 8 + 2 * n), struct.Struct(f"<{n}q{n}q"), n)
+        _export_types[ndim] = kind
+    return kind
 
 
 NAME = b"dltensor"  # referenced by every capsule: it must outlive them, so it is module-level
@@ -71,6 +77,7 @@ def _delete(managed):
 
 
 _DELETER = DELETER(_delete)
+_DELETER_ADDRESS = ctypes.cast(_DELETER, ctypes.c_void_p).value
 
 # Own function objects, so that the argtypes set here never change ctypes.pythonapi's for others.
 _api = ctypes.PyDLL(None)
@@ -103,20 +110,14 @@ def capsule(owner, ptr, size, device, shape=None, strides=None, dtype=(KDL_UINT,
     once the tensor is deleted."""
     if shape is None:
         shape, strides = (size,), (1,)
-    exp = _export_type(len(shape))()
-    for i, (n, s) in enumerate(zip(shape, strides)):
-        exp.shape[i] = n
-        exp.strides[i] = s
-    t = exp.managed.dl_tensor
-    t.data = ptr
-    t.device = DLDevice(KDL_CUDA, device)
-    t.ndim = len(shape)
-    t.dtype = DLDataType(*dtype)
-    t.shape = ctypes.cast(exp.shape, ctypes.POINTER(ctypes.c_int64))
-    t.strides = ctypes.cast(exp.strides, ctypes.POINTER(ctypes.c_int64))
-    t.byte_offset = 0
-    exp.managed.deleter = _DELETER
+    ndim = len(shape)
+    array_type, tail, room = _export_type(ndim)
+    exp = array_type()
     address = ctypes.addressof(exp)
+    _HEAD.pack_into(exp, 0, ptr, KDL_CUDA, device, ndim, dtype[0], dtype[1], dtype[2], address + 64,
+                    address + 64 + 8 * room, 0, 0, _DELETER_ADDRESS)
+    if ndim:
+        tail.pack_into(exp, 64, *shape, *strides)
     with _live_lock:
         _live[address] = (exp, owner)
     try:
