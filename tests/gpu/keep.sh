@@ -145,6 +145,8 @@ sys.exit(p.returncode if p.returncode >= 0 else 128 - p.returncode)' "$d/reap" p
     return
   fi
   echo "trainer pid $pid: $(grep -c '^fnv' "$d/trainer.out") parameter checksums, $(grep -c '^alloc' "$d/trainer.out") allocations"
+  # what a failed name or record check below is read against: the living trainer's records and names
+  { "$B/vmmctl" list --pid "$pid"; "$B/vmmctl" list --names --pid "$pid"; } >"$d/alive-list.txt" 2>&1
   local want="killed by signal 9 (SIGKILL)"
   if [ "$die" = kill ]; then
     sleep 1.5 # the trainer sleeps: all of it older than the keeper's settle time
