@@ -131,6 +131,7 @@ def run_torch(steps, report):
         vmmshim.publish_many(state)
         report(step, {n: t.data_ptr() for n, t in state.items()}, {n: t.numel() * t.element_size() for n, t in state.items()},
                logits.flatten().tolist())
+    return model, opt, probe
 
 
 def run_jax(steps, report):
@@ -157,6 +158,7 @@ def run_jax(steps, report):
         vmmshim.publish_many(params)  # new buffers every step: the names move with them
         ptrs = {n: a.unsafe_buffer_pointer() for n, a in params.items()}
         report(step, ptrs, {n: a.nbytes for n, a in params.items()}, [float(v) for v in logits.reshape(-1).tolist()])
+    return params, probe
 
 
 def run_stub(steps, report):
@@ -185,6 +187,7 @@ def run_stub(steps, report):
             blobs[n] = bytes(words)
         vmmshim.publish_many({n: CAI(ptrs[n], sizes[n]) for n in sizes})
         report(step, ptrs, sizes, stub_logits(blobs))
+    return ptrs
 
 
 def warm(framework):
@@ -214,7 +217,11 @@ def main():
             print(f"fnv {step} {n} {fnv(dev.read(ptrs[n], sizes[n]))}")
         print(f"logits {step} {hexes(logits)}", flush=True)
 
-    {"torch": run_torch, "jax": run_jax, "stub": run_stub}[framework](steps, report)
+    # The model lives until the process dies: a trainer killed mid-run still holds it.  (Dropped
+    # on return, PyTorch's cudaMallocAsync backend frees every tensor with cudaFreeAsync, and their
+    # records and names go with them, as they must; the caching allocator and JAX's arena keep
+    # the memory cached, which hid this.)
+    model = {"torch": run_torch, "jax": run_jax, "stub": run_stub}[framework](steps, report)  # noqa: F841
     # what vmmctl dump writes: each exportable allocation's requested bytes from its start
     with vmmshim.Registry() as reg:
         for a in reg.allocations(os.getpid()):
