@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -1485,10 +1486,25 @@ void vmm__pool_usage_reset_high(int dev, int which)
     pthread_mutex_unlock(&S.lock);
 }
 
+/* Natively a trim gives back what frees the device has completed, synchronized or not.  A free
+ * whose event the shim has not recorded yet gets it now; an idle stream reaches it a few
+ * microseconds later, so the trim waits that long (outside the lock, at most TRIM_SETTLE_NS) before
+ * it looks again.  A stream still busy then keeps its memory, as natively. */
+#define TRIM_SETTLE_NS 2000000u
 void vmm__pool_trim(int dev, uint64_t keep)
 {
     device_state *d = dev_at(dev);
     if (!d) return;
+    void *ev[64];
+    unsigned n = 0;
+    pthread_mutex_lock(&S.lock);
+    if (d->pool_ready && d->pool[1].n_unrecorded) n = vmm__pool_pending_events(&d->pool[1], ev, 64);
+    if (d->pool_ready) vmm__pool_release(&d->pool[1], keep, 0, UINT64_MAX);
+    pthread_mutex_unlock(&S.lock);
+    if (!n) return;
+    uint64_t give_up = now_ns(NULL) + TRIM_SETTLE_NS;
+    for (unsigned i = 0; i < n; i++) /* one recycled meanwhile is only looked at longer */
+        while (!event_done(NULL, ev[i]) && now_ns(NULL) < give_up) sched_yield();
     pthread_mutex_lock(&S.lock);
     if (d->pool_ready) vmm__pool_release(&d->pool[1], keep, 0, UINT64_MAX);
     pthread_mutex_unlock(&S.lock);

@@ -10,6 +10,9 @@
  *                                 100 MiB cudaMalloc block and an 8 MiB cudaMallocAsync block live
  *   trim_reserved / trim_extra    after freeing the async block, synchronize and TrimTo(0): the
  *                                 pool's reserved bytes, and bytes held beyond the cudaMalloc block
+ *   unsynced_reserved / unsynced_extra   the same after cudaFreeAsync with no synchronization, the
+ *                                 stream idle for 20 ms, then TrimTo(0): natively the driver sees the
+ *                                 free has completed and gives its memory back
  *   trace_live_peak / trace_phys_peak   a transformer-like trace (varying sequence lengths,
  *                                 stream-ordered, release threshold UINT64_MAX as PyTorch sets it)
  *   trace_held / lowered_left     what that pool keeps once all is freed, and what stays after the
@@ -103,6 +106,26 @@ static void attributes_and_trim(cudaStream_t s)
     must(cudaFree(sync_block), "cudaFree");
 }
 
+/* cudaFreeAsync, nothing synchronized, the stream idle: a trim finds the free completed. */
+static void trim_unsynced(cudaStream_t s)
+{
+    cudaMemPool_t pool;
+    must(cudaDeviceGetDefaultMemPool(&pool, 0), "cudaDeviceGetDefaultMemPool");
+    uint64_t keep = UINT64_MAX;
+    must(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "ReleaseThreshold");
+    unsigned long long base = phys(), reserved = 0;
+    void *p;
+    must(cudaMallocAsync(&p, 24 * MiB, s), "cudaMallocAsync");
+    must(cudaFreeAsync(p, s), "cudaFreeAsync");
+    usleep(20000);
+    must(cudaMemPoolTrimTo(pool, 0), "cudaMemPoolTrimTo");
+    must(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved), "ReservedMemCurrent");
+    printf("unsynced_reserved %llu\nunsynced_extra %lld\n", reserved, (long long)(phys() - base));
+    keep = 0;
+    must(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "ReleaseThreshold");
+    must(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+}
+
 /* Six layers whose activations scale with a sequence length drawn per step, freed in reverse
  * order after the "backward", over long-lived weights: the shape that split the old pool's chunks. */
 static void trace(cudaStream_t s)
@@ -180,6 +203,7 @@ int main(void)
     giveback();
     sync_release(s);
     attributes_and_trim(s);
+    trim_unsynced(s);
     trace(s);
     must(cudaStreamDestroy(s), "cudaStreamDestroy");
     printf("end_left %llu\n", phys());

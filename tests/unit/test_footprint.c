@@ -20,13 +20,16 @@ typedef struct run_out {
     char out[4096], err[4096];
 } run_out;
 
-static void run(int shim, const char *give_back_ms, run_out *o)
+/* event_delay_us: how long after cuEventRecord the emulated driver reports the event reached (a
+ * real GPU takes microseconds even on an idle stream; 0 makes it instant) */
+static void run(int shim, const char *give_back_ms, const char *event_delay_us, run_out *o)
 {
-    char prog[600], gb[64];
+    char prog[600], gb[64], delay[64];
     snprintf(prog, sizeof prog, "%s/progs/footprint", g_build);
     snprintf(gb, sizeof gb, "VMMSHIM_GIVE_BACK_MS=%s", give_back_ms);
+    snprintf(delay, sizeof delay, "FAKECUDA_EVENT_DELAY_US=%s", event_delay_us);
     char *const argv[] = {prog, NULL};
-    const char *with_shim[] = {g_preload, gb, NULL}, *native[] = {gb, NULL};
+    const char *with_shim[] = {g_preload, gb, delay, NULL}, *native[] = {gb, delay, NULL};
     const char *const *env = shim ? with_shim : native;
     o->rc = spawn_capture(argv, env, o->out, sizeof o->out, o->err, sizeof o->err, 60);
 }
@@ -49,12 +52,12 @@ int main(void)
     spawn_preload(g_preload, sizeof g_preload, shim);
 
     static run_out native, shimmed, quick;
-    run(0, "200", &native);
+    run(0, "200", "0", &native);
     CHECK(native.rc == 0, "natively: rc %d\n%s%s", native.rc, native.out, native.err);
     CHECK(value(&native, "giveback_left") == 0 && value(&native, "sync_left") == 0,
           "natively memory goes back at the free:\n%s", native.out);
 
-    run(1, "200", &shimmed);
+    run(1, "200", "0", &shimmed);
     CHECK(shimmed.rc == 0, "under the shim: rc %d\n%s%s", shimmed.rc, shimmed.out, shimmed.err);
     CHECK(!strstr(shimmed.err, "vmmshim:"), "the shim printed: %s", shimmed.err);
     CHECK(value(&shimmed, "early_threshold_held") >= 50 * MiB && value(&native, "early_threshold_held") >= 50 * MiB,
@@ -73,6 +76,19 @@ int main(void)
     CHECK(value(&shimmed, "trim_reserved") == 0 && value(&shimmed, "trim_extra") == 0,
           "TrimTo(0) with a cudaMalloc block live: reserved %.0f, %.0f bytes held beyond the live block",
           value(&shimmed, "trim_reserved"), value(&shimmed, "trim_extra"));
+    CHECK(value(&native, "unsynced_reserved") == 0 && value(&native, "unsynced_extra") == 0,
+          "natively TrimTo(0) after an unsynchronized, completed cudaFreeAsync gives it back: reserved %.0f, %.0f bytes held",
+          value(&native, "unsynced_reserved"), value(&native, "unsynced_extra"));
+    CHECK(value(&shimmed, "unsynced_reserved") == 0 && value(&shimmed, "unsynced_extra") == 0,
+          "TrimTo(0) after an unsynchronized, completed cudaFreeAsync: reserved %.0f, %.0f bytes held",
+          value(&shimmed, "unsynced_reserved"), value(&shimmed, "unsynced_extra"));
+    /* The free's event, recorded only at the trim, is reached 100 us later, as on a GPU: the trim
+     * still gives the memory back (it held all 24 MiB before it waited for such events). */
+    static run_out late;
+    run(1, "200", "100", &late);
+    CHECK(late.rc == 0 && value(&late, "unsynced_reserved") == 0 && value(&late, "unsynced_extra") == 0,
+          "TrimTo(0) when an event is reached 100 us after it is recorded: rc %d, reserved %.0f, %.0f bytes held", late.rc,
+          value(&late, "unsynced_reserved"), value(&late, "unsynced_extra"));
     double live = value(&shimmed, "trace_live_peak"), phys = value(&shimmed, "trace_phys_peak");
     CHECK(live > 500 * MiB && live == value(&native, "trace_live_peak") && phys <= 1.10 * live,
           "varying-size trace: physical peak %.1f MiB over a live peak of %.1f MiB (%.3fx; at most 1.10x)", phys / MiB,
@@ -85,11 +101,11 @@ int main(void)
            "(%.3fx); give-back %.0f ms after cudaFree (delay 200 ms)\n",
            live / MiB, value(&native, "trace_phys_peak") / MiB, phys / MiB, phys / live, ms);
 
-    run(1, "40", &quick);
+    run(1, "40", "0", &quick);
     ms = value(&quick, "giveback_ms");
     CHECK(quick.rc == 0 && value(&quick, "giveback_left") == 0 && ms >= 35 && ms <= 250,
           "VMMSHIM_GIVE_BACK_MS=40: back after %.0f ms (rc %d)\n%s", ms, quick.rc, quick.err);
-    run(1, "0", &quick);
+    run(1, "0", "0", &quick);
     ms = value(&quick, "giveback_ms");
     CHECK(quick.rc == 0 && ms >= 0 && ms < 20, "VMMSHIM_GIVE_BACK_MS=0: back after %.0f ms (at the free)", ms);
     CHECK_DONE();
