@@ -222,6 +222,20 @@ def with_owner(reg, own):
     out = subprocess.run([str(BUILD / "vmmctl"), "list", "--names", "--pid", str(pid)], capture_output=True, text=True)
     T.check(out.returncode == 0 and re.search(r"\bbf\s+bfloat16\s+16x16\b", out.stdout) and "24 names in 1 process" in out.stdout,
             f"vmmctl list --names: {out.returncode} {out.stdout} {out.stderr}")
+    # python -m vmmshim prints the same, table and JSON, for one process and for every living one
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE))
+    env.pop("LD_PRELOAD", None)
+    for args in (["--pid", str(pid)], ["--pid", str(pid), "--json"], [], ["--json"]):
+        ours = subprocess.run([sys.executable, "-m", "vmmshim", "list", "--names", *args], capture_output=True, text=True,
+                              env=env)
+        ctl = subprocess.run([str(BUILD / "vmmctl"), "list", "--names", *args], capture_output=True, text=True)
+        T.check(ours.returncode == ctl.returncode == 0 and ours.stdout == ctl.stdout and "bfloat16" in ours.stdout,
+                f"python -m vmmshim list --names {' '.join(args)} differs from vmmctl's:\n{ours.stdout}{ours.stderr}---\n"
+                f"{ctl.stdout}{ctl.stderr}")
+    bad = subprocess.run([sys.executable, "-m", "vmmshim", "list", "--names", "--all"], capture_output=True, text=True,
+                         env=env)
+    T.check(bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--names shows living processes only" in bad.stderr,
+            f"--names --all refused in one line: {bad.returncode} {bad.stderr!r}")
 
     # freeing B drops its 20 names; unpublish drops one
     own.ok("free(B)")

@@ -141,6 +141,7 @@ class Tensor:
 
     def __init__(self, info):
         self.name = _text(info.name)
+        self._name_raw = bytes(info.name)  # as the table holds it (python -m vmmshim list --names)
         self.pid = info.pid
         self.address = info.address
         self.nbytes = info.nbytes

@@ -1,12 +1,13 @@
-"""python -m vmmshim list [--json] [--pid PID] [--all] [--registry NAME]: vmmctl's `list`, the same
-table and, with --json, byte for byte the same JSON (age_s aside, which ticks).  The registry is
+"""python -m vmmshim list [--json] [--pid PID] [--all | --names] [--registry NAME]: vmmctl's `list`,
+the same table and, with --json, byte for byte the same JSON (age_s aside, which ticks); --names
+lists the tensors living processes publish by name, as `vmmctl list --names`.  The registry is
 --registry, else $VMMSHIM_REGISTRY, else the per-user one: unlike vmmctl, no VMMSHIM_CONFIG file is
 read.  Exit status: 0 ok, 1 the registry could not be read, 2 usage error; every error is one line."""
 import argparse
 import sys
 import time
 
-from . import OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, KIND_BROKER, KIND_FABRIC, KIND_PIDFD, Error, Registry
+from . import OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, KIND_BROKER, KIND_FABRIC, KIND_PIDFD, Error, OwnerDead, Registry
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,6 +112,67 @@ def _list(args):
     return "\n".join(lines) + "\n"
 
 
+_DTYPE_KINDS = {0: "int", 1: "uint", 2: "float", 4: "bfloat", 5: "complex", 6: "bool", 10: "float8_e4m3fn",
+                12: "float8_e5m2"}
+
+
+def _dtype_name(code, bits, lanes):
+    """vmmctl's: bfloat16, float8_e4m3fn, bool, float32x4, dlpack(code,bits) for others."""
+    kind = _DTYPE_KINDS.get(code)
+    name = f"dlpack({code},{bits})" if kind is None else kind if code == 6 or code >= 10 else f"{kind}{bits}"
+    return name + (f"x{lanes}" if lanes > 1 else "")
+
+
+def _cell(raw):
+    """vmmctl's table cell of registry bytes: control bytes as '?', '-' when empty."""
+    raw = raw.split(b"\0", 1)[0]
+    return bytes(0x3F if b < 0x20 or b == 0x7F else b for b in raw).decode("utf-8", "surrogateescape") or "-"
+
+
+def _names(args):
+    with Registry(args.registry) as reg:
+        if args.pid:
+            pids, asked = [args.pid], True
+        else:
+            pids, asked = [p.pid for p in reg.processes() if p.alive != OWNER_DEAD], False
+        per = []
+        for pid in pids:
+            try:
+                per.append(sorted(reg.tensors(pid).values(), key=lambda t: t._name_raw))
+            except OwnerDead:
+                if asked:
+                    raise
+    rows = [t for ts in per for t in ts]
+    if args.json:
+        out = []
+        for t in rows:
+            code, bits, lanes = t.dlpack_dtype
+            dims = lambda v: ", ".join(str(x) for x in v)
+            name = _json_str(t._name_raw.split(b"\0", 1)[0])
+            out.append(f'  {{"pid": {t.pid}, "name": {name}, '
+                       f'"dtype": "{_dtype_name(code, bits, lanes)}", "dtype_code": {code}, "dtype_bits": {bits}, '
+                       f'"dtype_lanes": {lanes}, "shape": [{dims(t.shape)}], "strides": [{dims(t.strides)}], '
+                       f'"address": {t.address}, "address_hex": "0x{t.address:x}", "nbytes": {t.nbytes}, '
+                       f'"alloc_id": "{t.alloc_id}", "published_ns": {t.published_ns}}}')
+        return "[" + ("\n" + ",\n".join(out) + "\n" if out else "") + "]\n"
+    lines = [f"{'PID':>7} {'NAME':<40} {'DTYPE':<14} {'SHAPE':<24} {'ADDRESS':<14} {'SIZE':>10}"]
+    for t in rows:
+        shape = "x".join(str(n) for n in t.shape) or "-"
+        step, row_major = 1, True
+        for n, st in zip(reversed(t.shape), reversed(t.strides)):
+            if n > 1 and st != step:
+                row_major = False
+            step *= n
+        if not row_major:
+            shape += f" (strides {'x'.join(str(n) for n in t.strides) or '-'})"
+        lines.append(f"{t.pid:7} {_cell(t._name_raw):<40} {_dtype_name(*t.dlpack_dtype):<14} {shape:<24} "
+                     f"0x{t.address:012x} {_human(t.nbytes):>10}")
+    procs = sum(1 for ts in per if ts)
+    lines.append(f"{len(rows)} name{'' if len(rows) == 1 else 's'} in {procs} process{'' if procs == 1 else 'es'}, "
+                 f"{_human(sum(t.nbytes for t in rows))}")
+    return "\n".join(lines) + "\n"
+
+
 def _pid(text):
     if not text.isdigit() or not 0 < int(text) <= 2**31 - 1:
         raise argparse.ArgumentTypeError(f"bad pid '{text}'")
@@ -125,14 +187,17 @@ def main(argv=None):
     ls.add_argument("--pid", type=_pid, help="only this process's allocations")
     ls.add_argument("--json", action="store_true", help="JSON, as `vmmctl list --json`")
     ls.add_argument("--all", action="store_true", help="dead processes' allocations too")
+    ls.add_argument("--names", action="store_true", help="the tensors living processes publish by name")
     ls.add_argument("--registry", metavar="NAME", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.names and args.all:
+        p.error("list: --names shows living processes only (a dead one's names went with it); drop --all")
     try:
-        text = _list(args)
+        text = _names(args) if args.names else _list(args)
     except Error as e:
         print(f"vmmshim: error: {e}", file=sys.stderr)
         return 1
-    sys.stdout.buffer.write(text.encode("utf-8"))
+    sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
     sys.stdout.flush()
     return 0
 
