@@ -393,18 +393,18 @@ class Registry:
         imps = [ctypes.c_void_p(out[i]) for i in range(n)]
         buffers = []
         recs = (_lib.AllocInfo * 4)()
+        records, copy = L.vmm_import_records, _lib.AllocInfo.from_buffer_copy  # hundreds of ranges per call
         try:
             for (address, size), imp in zip(items, imps):
                 # the records it covers, as the library read them: for allocation(s) and check();
                 # an import in one record's chunk is checked by the library itself
-                k = L.vmm_import_records(imp, recs, 4)
+                k = records(imp, recs, 4)
                 if k > 4:
                     recs = (_lib.AllocInfo * k)()
-                    k = L.vmm_import_records(imp, recs, k)
-                covered = [_lib.AllocInfo.from_buffer_copy(recs[j]) for j in range(k)]
+                    k = records(imp, recs, k)
+                covered = [copy(recs[j]) for j in range(k)] if k > 1 else [copy(recs[0])]
                 start = address if size is not None else covered[0].address
-                buf = Buffer(imp, covered[0], self, address=start, size=L.vmm_import_size(imp),
-                             ranged=covered if len(covered) > 1 else None)
+                buf = Buffer(imp, covered[0], self, address=start, ranged=covered if k > 1 else None)
                 buffers.append(buf)
         except BaseException:
             for buf in buffers:
