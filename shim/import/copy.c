@@ -59,17 +59,8 @@ static char drv_error[200]; /* why the driver cannot be used; "" when it can */
 /* The exported ABI names (cuda.h maps cuMemcpyDtoH and friends to these _v2 symbols). */
 static void driver_load(void)
 {
-    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-        const char *e = dlerror();
-        snprintf(drv_error, sizeof drv_error, "libcuda.so.1 not found: %s", e ? e : "dlopen failed");
-        return;
-    }
-    struct {
-        const char *name;
-        void **slot;
-    } syms[] = {
-#define SYM(field, name) {name, (void **)&drv.field}
+    const vmm__driver_sym syms[] = {
+#define SYM(field, name) {name, (void **)&drv.field, false}
         SYM(CtxGetCurrent, "cuCtxGetCurrent"),
         SYM(CtxSetCurrent, "cuCtxSetCurrent"),
         SYM(CtxGetDevice, "cuCtxGetDevice"),
@@ -91,15 +82,7 @@ static void driver_load(void)
         SYM(GetErrorName, "cuGetErrorName"),
 #undef SYM
     };
-    for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
-        void *p = dlsym(h, syms[i].name);
-        if (!p) {
-            snprintf(drv_error, sizeof drv_error, "libcuda.so.1 lacks %s (driver too old?)", syms[i].name);
-            memset(&drv, 0, sizeof drv);
-            return; /* the handle stays open: harmless, and dlclose of a driver is not */
-        }
-        memcpy(syms[i].slot, &p, sizeof p);
-    }
+    (void)vmm__driver_load(syms, sizeof syms / sizeof syms[0], &drv, sizeof drv, drv_error, sizeof drv_error);
 }
 
 static vmm_status driver_ready(void)

@@ -93,21 +93,31 @@ static cuda_api cu;
 static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
 static char cu_error[200]; /* why the driver cannot be used; "" when it can */
 
-/* The exported ABI names: none of these is renamed to a _v2 by cuda.h at CUDA 13 (the macros in
- * cuda.h only cover e.g. cuDevicePrimaryCtxRelease_v2 and cuMemcpyDtoH_v2, not used here). */
-static void cuda_load(void)
+int vmm__driver_load(const vmm__driver_sym *syms, size_t n, void *table, size_t size, char *err, size_t errlen)
 {
     void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!h) {
         const char *e = dlerror();
-        snprintf(cu_error, sizeof cu_error, "libcuda.so.1 not found: %s", e ? e : "dlopen failed");
-        return;
+        snprintf(err, errlen, "libcuda.so.1 not found: %s", e ? e : "dlopen failed");
+        return -1;
     }
-    struct {
-        const char *name;
-        void **slot;
-        bool optional;
-    } syms[] = {
+    for (size_t i = 0; i < n; i++) {
+        void *p = dlsym(h, syms[i].name);
+        if (!p && !syms[i].optional) {
+            snprintf(err, errlen, "libcuda.so.1 lacks %s (driver too old?)", syms[i].name);
+            memset(table, 0, size);
+            return -1; /* the handle stays open: harmless, and dlclose of a driver is not */
+        }
+        memcpy(syms[i].slot, &p, sizeof p);
+    }
+    return 0;
+}
+
+/* The exported ABI names: none of these is renamed to a _v2 by cuda.h at CUDA 13 (the macros in
+ * cuda.h only cover e.g. cuDevicePrimaryCtxRelease_v2 and cuMemcpyDtoH_v2, not used here). */
+static void cuda_load(void)
+{
+    const vmm__driver_sym syms[] = {
 #define SYM(field, name, opt) {name, (void **)&cu.field, opt}
         SYM(Init, "cuInit", false),
         SYM(CtxGetCurrent, "cuCtxGetCurrent", false),
@@ -131,15 +141,7 @@ static void cuda_load(void)
         SYM(GetErrorName, "cuGetErrorName", true),
 #undef SYM
     };
-    for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
-        void *p = dlsym(h, syms[i].name);
-        if (!p && !syms[i].optional) {
-            snprintf(cu_error, sizeof cu_error, "libcuda.so.1 lacks %s (driver too old?)", syms[i].name);
-            memset(&cu, 0, sizeof cu);
-            return; /* the handle stays open: harmless, and dlclose of a driver is not */
-        }
-        memcpy(syms[i].slot, &p, sizeof p);
-    }
+    (void)vmm__driver_load(syms, sizeof syms / sizeof syms[0], &cu, sizeof cu, cu_error, sizeof cu_error);
 }
 
 static vmm_status cuda_ready(void)
