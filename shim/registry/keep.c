@@ -5,7 +5,6 @@
 
 #include "registry/seq.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -185,37 +184,21 @@ void vmm__keep_unlink_unheld(const vmm__reg *r, uint32_t pid, uint64_t start_tim
     close(fd);
 }
 
-unsigned vmm__keep_sweep(const vmm__reg *r)
+/* A keep file whose owner died and that no keeper holds; one whose owner lives may be claimed
+ * right now (the file made, not yet locked). */
+static bool keep_file_dead(const vmm__reg *r, const char *name, uint32_t pid, uint64_t start)
 {
-    /* POSIX shared memory objects are files in /dev/shm ("/name" is /dev/shm/name) */
-    char prefix[sizeof r->name + 16];
-    int plen = snprintf(prefix, sizeof prefix, "%s.keep.", r->name[0] == '/' ? r->name + 1 : r->name);
-    if (plen <= 0 || (size_t)plen >= sizeof prefix) return 0;
-    DIR *dir = opendir("/dev/shm");
-    if (!dir) return 0;
-    unsigned removed = 0;
-    struct dirent *de;
-    while ((de = readdir(dir)) != NULL) {
-        unsigned pid;
-        unsigned long long start;
-        int end = 0;
-        if (strncmp(de->d_name, prefix, (size_t)plen) != 0 ||
-            sscanf(de->d_name + plen, "%u.%llu%n", &pid, &start, &end) != 2 || de->d_name[plen + end] != 0)
-            continue;
-        char name[sizeof r->name + 48];
-        if (snprintf(name, sizeof name, "/%s", de->d_name) >= (int)sizeof name) continue;
-        int fd = shm_open(name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0);
-        if (fd < 0) continue;
-        vmm_keep_file f;
-        bool ours = pread(fd, &f, sizeof f, 0) == (ssize_t)sizeof f && file_of(&f, pid, start);
-        /* an owner that lives may be claimed right now (the file made, not yet locked) */
-        if (ours && !locked(fd) && vmm__reg_liveness(pid, start, f.pidns) == VMM__DEAD && shm_unlink(name) == 0)
-            removed++;
-        close(fd);
-    }
-    closedir(dir);
-    return removed;
+    (void)r;
+    int fd = shm_open(name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0);
+    if (fd < 0) return false;
+    vmm_keep_file f;
+    bool ours = pread(fd, &f, sizeof f, 0) == (ssize_t)sizeof f && file_of(&f, pid, start);
+    bool dead = ours && !locked(fd) && vmm__reg_liveness(pid, start, f.pidns) == VMM__DEAD;
+    close(fd);
+    return dead;
 }
+
+unsigned vmm__keep_sweep(const vmm__reg *r) { return vmm__reg_sweep_files(r, "keep", false, keep_file_dead); }
 
 int vmm__keep_ask_release(const vmm__reg *r, uint32_t pid, uint64_t start_time, unsigned wait_ms)
 {

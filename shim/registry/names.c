@@ -16,7 +16,6 @@
 #include "registry/names.h"
 #include "registry/seq.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -575,42 +574,21 @@ void vmm__names_unlink(const vmm__reg *r, uint32_t pid, uint64_t start_time)
     if (pid && start_time && table_path(r, pid, start_time, path, sizeof path) == 0) shm_unlink(path);
 }
 
-unsigned vmm__names_sweep(const vmm__reg *r)
+/* A name table (or a ".tmp" one its owner died making) whose owner died and is not kept: the
+ * header says which pid namespace the owner is in, so one in another is never judged dead. */
+static bool table_dead(const vmm__reg *r, const char *name, uint32_t pid, uint64_t start)
 {
-    /* Linux keeps POSIX shared memory objects as files in /dev/shm ("/name" is /dev/shm/name) */
-    char prefix[sizeof r->name + 16];
-    int plen = snprintf(prefix, sizeof prefix, "%s.names.", r->name[0] == '/' ? r->name + 1 : r->name);
-    if (plen <= 0 || (size_t)plen >= sizeof prefix) return 0;
-    DIR *dir = opendir("/dev/shm");
-    if (!dir) return 0;
-    unsigned removed = 0;
-    struct dirent *de;
-    while ((de = readdir(dir)) != NULL) {
-        unsigned pid;
-        unsigned long long start;
-        int end = 0;
-        /* "<pid>.<start time>", or with ".tmp" one its owner died making */
-        if (strncmp(de->d_name, prefix, (size_t)plen) != 0 ||
-            sscanf(de->d_name + plen, "%u.%llu%n", &pid, &start, &end) != 2 ||
-            (de->d_name[plen + end] != 0 && strcmp(de->d_name + plen + end, ".tmp") != 0))
-            continue;
-        char path[sizeof r->name + 48];
-        if (snprintf(path, sizeof path, "/%s", de->d_name) >= (int)sizeof path) continue;
-        /* the header says which pid namespace the owner is in: one in another cannot be judged */
-        int fd = shm_open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0);
-        if (fd < 0) continue;
-        vmm_names_header h;
-        ssize_t got = pread(fd, &h, sizeof h, 0);
-        close(fd);
-        if (got != (ssize_t)sizeof h || h.magic != VMM_NAMES_MAGIC || h.pid != pid || h.start_time != start) continue;
-        /* a dead owner a living keeper keeps still has its names (layout.h KEEP) */
-        if (vmm__reg_liveness(pid, start, h.pidns) == VMM__DEAD && !vmm__keep_held(r, pid, start) &&
-            shm_unlink(path) == 0)
-            removed++;
-    }
-    closedir(dir);
-    return removed;
+    int fd = shm_open(name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0);
+    if (fd < 0) return false;
+    vmm_names_header h;
+    ssize_t got = pread(fd, &h, sizeof h, 0);
+    close(fd);
+    if (got != (ssize_t)sizeof h || h.magic != VMM_NAMES_MAGIC || h.pid != pid || h.start_time != start) return false;
+    /* a dead owner a living keeper keeps still has its names (layout.h KEEP) */
+    return vmm__reg_liveness(pid, start, h.pidns) == VMM__DEAD && !vmm__keep_held(r, pid, start);
 }
+
+unsigned vmm__names_sweep(const vmm__reg *r) { return vmm__reg_sweep_files(r, "names", true, table_dead); }
 
 /* ---- reader ---- */
 

@@ -6,6 +6,7 @@
 #include "registry/names.h"
 #include "registry/seq.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -996,6 +997,32 @@ int vmm__reg_for_each(const vmm__reg *r, vmm__reg_visit_fn fn, void *ctx)
 }
 
 /* ---- reclamation ---- */
+
+unsigned vmm__reg_sweep_files(const vmm__reg *r, const char *kind, bool tmp_too, vmm__reg_file_dead_fn dead)
+{
+    /* Linux keeps POSIX shared memory objects as files in /dev/shm ("/name" is /dev/shm/name) */
+    char prefix[sizeof r->name + 16];
+    int plen = snprintf(prefix, sizeof prefix, "%s.%s.", r->name[0] == '/' ? r->name + 1 : r->name, kind);
+    if (plen <= 0 || (size_t)plen >= sizeof prefix) return 0;
+    DIR *dir = opendir("/dev/shm");
+    if (!dir) return 0;
+    unsigned removed = 0;
+    struct dirent *de;
+    while ((de = readdir(dir)) != NULL) {
+        unsigned pid;
+        unsigned long long start;
+        int end = 0;
+        if (strncmp(de->d_name, prefix, (size_t)plen) != 0 ||
+            sscanf(de->d_name + plen, "%u.%llu%n", &pid, &start, &end) != 2 ||
+            (de->d_name[plen + end] != 0 && !(tmp_too && strcmp(de->d_name + plen + end, ".tmp") == 0)))
+            continue;
+        char name[sizeof r->name + 48];
+        if (snprintf(name, sizeof name, "/%s", de->d_name) >= (int)sizeof name) continue;
+        if (dead(r, name, pid, start) && shm_unlink(name) == 0) removed++;
+    }
+    closedir(dir);
+    return removed;
+}
 
 /* A dead owner's call-site names (layout.h, FRAMES) go with its records. */
 static void remove_frames_file(const vmm__reg *r, uint32_t pid, uint64_t start_time)

@@ -98,6 +98,11 @@ int vmm__reg_liveness(uint32_t pid, uint64_t start_time, uint64_t pidns);
 int vmm__proc_identity(uint32_t pid, uint64_t *start_time, uint64_t *pidns);
 /* Reclaim the records of dead owners (needs write access). */
 int vmm__reg_gc(vmm__reg *r, vmm__reg_gc_stats *st);
+/* The files beside registry r of one kind ("<r's name>.<kind>.<pid>.<start time>" in /dev/shm,
+ * with a ".tmp" one an owner died making too when tmp_too): `dead` opens its "/name" and says
+ * whether its owner is gone for good; those it says so of are unlinked.  Returns how many. */
+typedef bool (*vmm__reg_file_dead_fn)(const vmm__reg *r, const char *name, uint32_t pid, uint64_t start_time);
+unsigned vmm__reg_sweep_files(const vmm__reg *r, const char *kind, bool tmp_too, vmm__reg_file_dead_fn dead);
 /* Bytes of the segment actually backed by memory. */
 uint64_t vmm__reg_footprint(const vmm__reg *r);
 
