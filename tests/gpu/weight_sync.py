@@ -11,6 +11,8 @@ run by tests/gpu/weight_sync.sh (`make bench-gpu BENCH_ONLY=weightsync`).
                     (b) Registry.open_many(pid, [(address, nbytes)...]) + torch.from_dlpack,
                     (c) Registry.open_tensors(pid) after the trainer's vmmshim.publish_many(
                         model.state_dict()) + torch.from_dlpack,
+                    (d) to_torch: (b)'s open_many + vmmshim.to_torch (one DLPack import per
+                        stretch of nearby views, each tensor a view of its storage),
                     each in a companion process of its own, the ways' order rotating from round to
                     round; a warm-up round (the owner's first exports: reported as "first"), then
                     ROUNDS rounds.  Every take computes logits with the taken tensors and compares
@@ -52,7 +54,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-WAYS = ("reduce-native", "reduce-shim", "open_many", "open_tensors")
+WAYS = ("reduce-native", "reduce-shim", "open_many", "open_tensors", "to_torch")
 CONFS = ("default", "backend:cudaMallocAsync", "expandable_segments:True")
 STEPS = ("python_ns", "find_ns", "context_ns", "connect_ns", "broker_wait_ns", "export_ns", "import_ns",
          "reserve_ns", "map_ns", "access_ns", "release_ns")
@@ -237,6 +239,10 @@ class TorchBackend:
     def from_views(self, views):
         return {n: self.torch.from_dlpack(v) for n, v in views.items()}
 
+    def from_views_at_once(self, views):
+        import vmmshim
+        return vmmshim.to_torch(views)
+
     def compare(self, kind, skel, tensors, path):
         """(max abs difference, scale) of the companion's fingerprint against the trainer's file."""
         torch = self.torch
@@ -345,6 +351,9 @@ class StandinBackend:
     def from_views(self, views):
         return dict(views)
 
+    def from_views_at_once(self, views):  # no torch: what (b) gives, so the orchestration runs
+        return dict(views)
+
     def compare(self, kind, skel, tensors, path):
         with open(path) as f:
             want = json.load(f)
@@ -425,12 +434,14 @@ def take(be, reg, way, cmd):
     import, and the next take would find it mapped)."""
     if way.startswith("reduce"):
         return be.rebuild(cmd["reduce"])[0], None
-    if way == "open_many":
+    if way in ("open_many", "to_torch"):
         params = cmd["params"]
         bufs, timing = reg.open_many(cmd["pid"], [(p["address"], p["nbytes"]) for p in params], timing=True)
         views = {p["name"]: b.view(tuple(p["shape"]), p["dtype"], 0, tuple(p["strides"])) for p, b in zip(params, bufs)}
         for b in bufs:
             b.close()  # the views hold the imports
+        if way == "to_torch":
+            return be.from_views_at_once(views), timing
     else:
         views, timing = reg.open_tensors(cmd["pid"], timing=True)
     return be.from_views(views), timing
@@ -814,11 +825,11 @@ def part_takes(run, kind):
                 print("VMMSHIM_IMPORT_THREADS (open_many's import call, median of 3): " +
                       ", ".join(f"{k}: {v:.2f} ms" for k, v in sweep.items()) + f"; fastest: {best}")
             fractions_table(f"{tag}: where a take's time went (median shares; python = outside the C library, "
-                            f"other = tensors and views)", {w: timings[w] for w in ("open_many", "open_tensors")
-                                                             if w in timings})
+                            f"other = tensors and views)",
+                            {w: timings[w] for w in ("open_many", "open_tensors", "to_torch") if w in timings})
             if base and conf == "default":
                 run.base_native = median(base)
-            for w in ("open_many", "open_tensors"):
+            for w in ("open_many", "open_tensors", "to_torch"):
                 if w not in meds:
                     continue
                 if meds[w][1] is not None:

@@ -1,7 +1,9 @@
 """Shared by tests/python/test_*.py: the build under test, owners running tests/progs/owner under
 the shim over the emulated driver, FNV-1a, and the closing "N passed, N failed" tally."""
+import ctypes
 import os
 import pathlib
+import re
 import select
 import shutil
 import signal
@@ -149,3 +151,28 @@ class Tally:
     def done(self):
         print(f"{self.passed} passed, {self.failed} failed", flush=True)
         sys.exit(1 if self.failed else 0)
+
+
+# ---- the emulated driver's counters, this process's (the client library maps through it) ----
+
+def _counter_names():
+    text = (ROOT / "tests" / "fakecuda" / "fakecuda.h").read_text()
+    block = re.search(r"#define FAKECUDA_COUNTER_FIELDS\(X\)(.*?)\n\n", text, re.S).group(1)
+    block = re.sub(r"/\*.*?\*/", "", block, flags=re.S)
+    return re.findall(r"X\((\w+)\)", block)
+
+
+_counters_type = None
+
+
+def fakecuda_counters():
+    """{name: value} of tests/fakecuda/fakecuda.h's counters, as the libcuda.so.1 loaded here has them."""
+    global _counters_type
+    if _counters_type is None:
+        _counters_type = type("Counters", (ctypes.Structure,),
+                              {"_fields_": [(n, ctypes.c_ulonglong) for n in _counter_names()]})
+    c = _counters_type()
+    fake = ctypes.CDLL("libcuda.so.1")
+    fake.fakecuda_counters.argtypes = [ctypes.POINTER(_counters_type)]
+    fake.fakecuda_counters(ctypes.byref(c))
+    return {name: getattr(c, name) for name, _ in _counters_type._fields_}

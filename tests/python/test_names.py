@@ -223,8 +223,7 @@ def with_owner(reg, own):
     T.check(out.returncode == 0 and re.search(r"\bbf\s+bfloat16\s+16x16\b", out.stdout) and "24 names in 1 process" in out.stdout,
             f"vmmctl list --names: {out.returncode} {out.stdout} {out.stderr}")
     # python -m vmmshim prints the same, table and JSON, for one process and for every living one
-    env = dict(os.environ, PYTHONPATH=str(PACKAGE))
-    env.pop("LD_PRELOAD", None)
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE))  # LD_PRELOAD as ours: a sanitizer's runtime, never the shim
     for args in (["--pid", str(pid)], ["--pid", str(pid), "--json"], [], ["--json"]):
         ours = subprocess.run([sys.executable, "-m", "vmmshim", "list", "--names", *args], capture_output=True, text=True,
                               env=env)

@@ -6,8 +6,8 @@ names it), bad arguments, and a freed owner's buffers.  Then an owner of 70 buff
 chunks): one open_many is one broker request, 70 handles in 2 messages, one reservation and one
 cuMemSetAccess (timing=True, and the emulated driver's counters), its Python share per range printed.
 Ends with "N passed, N failed"."""
-import ctypes
 import os
+import types
 
 import harness
 from harness import Owner, fnv1a, pattern
@@ -70,19 +70,8 @@ def test_freed(reg, own):
     held.close()
 
 
-class Counters(ctypes.Structure):
-    """The emulated driver's counters (tests/fakecuda/fakecuda.h), the fields read here."""
-    _fields_ = [(name, ctypes.c_ulonglong) for name in (
-        "handles_live", "handles_created", "mappings_live", "reservations_live", "exports", "imports",
-        "imports_live", "phys_bytes_live", "memalloc_live", "ipc_opens_live", "host_allocs_live", "fds_open",
-        "calls_cuMemCreate", "calls_cuMemAlloc", "calls_cuMemAllocAsync", "calls_cuMemFree", "calls_cuMemFreeAsync",
-        "calls_cuMemMap", "calls_cuMemSetAccess")] + [("rest", ctypes.c_ulonglong * 64)]
-
-
 def counters():
-    c = Counters()
-    ctypes.CDLL("libcuda.so.1").fakecuda_counters(ctypes.byref(c))
-    return c
+    return types.SimpleNamespace(**harness.fakecuda_counters())
 
 
 def test_batch(reg):

@@ -28,29 +28,8 @@ from vmmshim import _dlpack  # noqa: E402
 T = harness.Tally()
 MiB = 1 << 20
 
-# ---- the emulated driver's counters (this process's: the client library maps through it) ----
-
-
-def _counter_names():
-    text = (ROOT / "tests" / "fakecuda" / "fakecuda.h").read_text()
-    block = re.search(r"#define FAKECUDA_COUNTER_FIELDS\(X\)(.*?)\n\n", text, re.S).group(1)
-    block = re.sub(r"/\*.*?\*/", "", block, flags=re.S)
-    return re.findall(r"X\((\w+)\)", block)
-
-
-class Counters(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_ulonglong) for name in _counter_names()]
-
-
-_fake = ctypes.CDLL("libcuda.so.1")  # the one the client library loaded (LD_LIBRARY_PATH)
-_fake.fakecuda_counters.argtypes = [ctypes.POINTER(Counters)]
-_fake.fakecuda_counters.restype = None
-
-
 def counters():
-    c = Counters()
-    _fake.fakecuda_counters(ctypes.byref(c))
-    return {name: getattr(c, name) for name, _ in Counters._fields_}
+    return harness.fakecuda_counters()
 
 
 def delta(before, after, *names):
