@@ -957,10 +957,15 @@ static vmm__block *alloc_locked(device_state *d, size_t size, int ordered, uint6
     return vmm__pool_alloc(&d->pool[ordered], size, ordered, stream, err);
 }
 
-int vmm__keep_let_go(void)
+static int kept_by_a_keeper(void)
 {
     vmm_reg_proc *self = S.ready && S.registry_ok ? vmm__reg_self(&S.reg) : NULL;
-    if (!self || !__atomic_load_n(&self->keeper_pid, __ATOMIC_RELAXED)) return 0;
+    return self && __atomic_load_n(&self->keeper_pid, __ATOMIC_RELAXED);
+}
+
+int vmm__keep_let_go(void)
+{
+    if (!kept_by_a_keeper()) return 0;
     vmm__keep_ring(&S.reg, VMM__KEEP_LET_GO_MS);
     return 1;
 }
@@ -971,8 +976,7 @@ int vmm__keep_let_go(void)
 static vmm__block *alloc_kept_locked(device_state *d, size_t size, int ordered, uint64_t stream, int *err)
 {
     vmm__block *b = alloc_locked(d, size, ordered, stream, err);
-    vmm_reg_proc *self = S.registry_ok ? vmm__reg_self(&S.reg) : NULL;
-    if (b || *err != -ENOMEM || !self || !__atomic_load_n(&self->keeper_pid, __ATOMIC_RELAXED)) return b;
+    if (b || *err != -ENOMEM || !kept_by_a_keeper()) return b;
     pthread_mutex_unlock(&S.lock);
     vmm__keep_ring(&S.reg, VMM__KEEP_LET_GO_MS);
     pthread_mutex_lock(&S.lock);
