@@ -573,6 +573,19 @@ static bool batch_pump(const broker_cfg *cfg, broker_conn *c, const struct times
     return true;
 }
 
+/* A batch refused whole: one last message with the status and no fds. */
+static void refuse_batch(int fd, int status, uint32_t entry)
+{
+    vmm_broker_reply3 m;
+    memset(&m, 0, sizeof m);
+    m.magic = VMM_BROKER_MAGIC;
+    m.version = VMM_BROKER_VERSION3;
+    m.status = status;
+    m.flags = VMM_BROKER_REPLY_LAST;
+    m.entry = entry;
+    send_datagram(fd, &m, sizeof m, NULL, 0);
+}
+
 /* A v3 request of n bytes in raw: start its batch (answered by batch_pump), or refuse it. */
 static bool serve_v3(const broker_cfg *cfg, broker_conn *c, const uint8_t *raw, size_t n, const struct timespec *now)
 {
@@ -584,25 +597,12 @@ static bool serve_v3(const broker_cfg *cfg, broker_conn *c, const uint8_t *raw, 
         return false;
     }
     if (h.n_entries == 0 || h.n_entries > VMM_BROKER_MAX_ENTRIES || h.flags != 0) {
-        vmm_broker_reply3 m;
-        memset(&m, 0, sizeof m);
-        m.magic = VMM_BROKER_MAGIC;
-        m.version = VMM_BROKER_VERSION3;
-        m.status = -EINVAL;
-        m.flags = VMM_BROKER_REPLY_LAST;
-        m.entry = h.n_entries;
-        send_datagram(c->fd, &m, sizeof m, NULL, 0);
+        refuse_batch(c->fd, -EINVAL, h.n_entries);
         return true;
     }
     broker_batch *b = malloc(sizeof *b + h.n_entries * sizeof(vmm_broker_entry3));
     if (!b) {
-        vmm_broker_reply3 m;
-        memset(&m, 0, sizeof m);
-        m.magic = VMM_BROKER_MAGIC;
-        m.version = VMM_BROKER_VERSION3;
-        m.status = -ENOMEM;
-        m.flags = VMM_BROKER_REPLY_LAST;
-        send_datagram(c->fd, &m, sizeof m, NULL, 0);
+        refuse_batch(c->fd, -ENOMEM, 0);
         return true;
     }
     memset(b, 0, sizeof *b);
