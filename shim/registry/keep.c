@@ -18,20 +18,6 @@
 #include <time.h>
 #include <unistd.h>
 
-static uint64_t mono_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-
-static uint64_t real_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t);
-    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-
 /* Shared (not private) futexes: the words live in a file two processes map. */
 static void futex_wake(uint32_t *w)
 {
@@ -116,7 +102,7 @@ static vmm_keep_file *own_file(vmm__reg *r)
 static bool beating(const vmm_keep_file *f)
 {
     uint64_t hb = __atomic_load_n(&f->heartbeat_ns, __ATOMIC_ACQUIRE);
-    return hb && mono_ns() - hb < VMM__KEEP_HEARTBEAT_NS;
+    return hb && clock_ns(CLOCK_MONOTONIC) - hb < VMM__KEEP_HEARTBEAT_NS;
 }
 
 static void ring_wait(vmm_keep_file *f, unsigned wait_ms)
@@ -124,11 +110,11 @@ static void ring_wait(vmm_keep_file *f, unsigned wait_ms)
     uint32_t b = __atomic_add_fetch(&f->bell, 1, __ATOMIC_ACQ_REL);
     futex_wake(&f->bell);
     if (!wait_ms || !beating(f)) return;
-    uint64_t until = mono_ns() + (uint64_t)wait_ms * 1000000u;
+    uint64_t until = clock_ns(CLOCK_MONOTONIC) + (uint64_t)wait_ms * 1000000u;
     for (;;) {
         uint32_t d = __atomic_load_n(&f->done, __ATOMIC_ACQUIRE);
         if ((int32_t)(d - b) >= 0) return;
-        uint64_t now = mono_ns();
+        uint64_t now = clock_ns(CLOCK_MONOTONIC);
         if (now >= until || __atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != VMM_KEEP_WATCHING) return;
         futex_wait(&f->done, d, until - now);
     }
@@ -218,9 +204,9 @@ int vmm__keep_ask_release(const vmm__reg *r, uint32_t pid, uint64_t start_time, 
         __atomic_store_n(&f->release, 1, __ATOMIC_RELEASE);
         __atomic_add_fetch(&f->bell, 1, __ATOMIC_ACQ_REL);
         futex_wake(&f->bell);
-        uint64_t until = mono_ns() + (uint64_t)wait_ms * 1000000u;
+        uint64_t until = clock_ns(CLOCK_MONOTONIC) + (uint64_t)wait_ms * 1000000u;
         rc = -ETIMEDOUT;
-        while (mono_ns() < until) {
+        while (clock_ns(CLOCK_MONOTONIC) < until) {
             if (!locked(fd) || __atomic_load_n(&f->state, __ATOMIC_ACQUIRE) == VMM_KEEP_RELEASED) {
                 rc = 0;
                 break;
@@ -327,13 +313,13 @@ int vmm__keep_claim(vmm__reg *r, uint32_t index, const vmm_reg_proc *p, const ch
     f->end_kind = VMM_KEEP_END_NONE;
     f->end_value = 0;
     f->ended_ns = 0;
-    f->since_ns = real_ns();
+    f->since_ns = clock_ns(CLOCK_REALTIME);
     __atomic_store_n(&f->held_allocs, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&f->held_bytes, 0, __ATOMIC_RELAXED);
     memset(f->socket, 0, sizeof f->socket);
     snprintf(f->socket, sizeof f->socket, "%s", socket ? socket : "");
     __atomic_store_n(&f->state, VMM_KEEP_WATCHING, __ATOMIC_RELEASE);
-    __atomic_store_n(&f->heartbeat_ns, mono_ns(), __ATOMIC_RELEASE);
+    __atomic_store_n(&f->heartbeat_ns, clock_ns(CLOCK_MONOTONIC), __ATOMIC_RELEASE);
     __atomic_store_n(&f->ready, 1, __ATOMIC_RELEASE);
     /* the owner tells with one load that it is kept; then make sure it was that owner */
     __atomic_store_n(&proc_slot(r, index)->keeper_pid, f->keeper_pid, __ATOMIC_RELEASE);
@@ -358,11 +344,11 @@ void vmm__keep_nudge(vmm__keep *k)
     futex_wake(&k->f->bell);
 }
 
-void vmm__keep_beat(vmm__keep *k) { __atomic_store_n(&k->f->heartbeat_ns, mono_ns(), __ATOMIC_RELEASE); }
+void vmm__keep_beat(vmm__keep *k) { __atomic_store_n(&k->f->heartbeat_ns, clock_ns(CLOCK_MONOTONIC), __ATOMIC_RELEASE); }
 
 void vmm__keep_done(vmm__keep *k, uint32_t bell)
 {
-    __atomic_store_n(&k->f->heartbeat_ns, mono_ns(), __ATOMIC_RELEASE);
+    __atomic_store_n(&k->f->heartbeat_ns, clock_ns(CLOCK_MONOTONIC), __ATOMIC_RELEASE);
     if (__atomic_exchange_n(&k->f->done, bell, __ATOMIC_ACQ_REL) != bell) futex_wake(&k->f->done);
 }
 

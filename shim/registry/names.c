@@ -78,13 +78,6 @@ static pthread_mutex_t names_mutex = PTHREAD_MUTEX_INITIALIZER;
  * reachable so a leak checker does not blame the child for it. */
 static struct vmm__names *volatile inherited;
 
-static uint64_t now_realtime_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static int say(char *err, size_t errlen, int code, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 static int say(char *err, size_t errlen, int code, const char *fmt, ...)
 {
@@ -231,7 +224,7 @@ static int table_make(vmm__reg *r, char *err, size_t errlen)
         h->max_dims = VMM_NAMES_MAX_DIMS;
         h->start_time = r->start_time;
         h->pidns = r->pidns;
-        h->created_ns = now_realtime_ns();
+        h->created_ns = clock_ns(CLOCK_REALTIME);
         __atomic_store_n(&h->ready, 1, __ATOMIC_RELEASE);
         if (rename(tmp_file, file) != 0) rc = -errno, step = "rename";
     }
@@ -432,7 +425,7 @@ static void commit(struct vmm__names *t, plan *p, uint32_t entry)
     }
     vmm_names_entry *e = entry_at(t, n->entry);
     p->v.generation = __atomic_load_n(&e->generation, __ATOMIC_RELAXED) + 1;
-    p->v.published_ns = now_realtime_ns();
+    p->v.published_ns = clock_ns(CLOCK_REALTIME);
     entry_write(e, &p->v);
 }
 

@@ -25,19 +25,7 @@
 #define PAGE 4096u
 
 /* Creation stamps only show ages: the coarse clock (a few ms) costs a fraction of the precise one. */
-static uint64_t now_coarse_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME_COARSE, &t);
-    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
-}
-
-static uint64_t now_realtime_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
+static uint64_t now_coarse_ns(void) { return clock_ns(CLOCK_REALTIME_COARSE); }
 
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
@@ -158,7 +146,7 @@ static int init_segment(int fd, uint64_t capacity, char *err, size_t errlen)
     h.index_off = round_up(h.chunk_off + h.chunk_count * 8, PAGE);
     h.rec_off = round_up(h.index_off + h.index_slots * 4, PAGE);
     h.total_size = round_up(h.rec_off + capacity * sizeof(vmm_reg_alloc), PAGE);
-    h.created_ns = now_realtime_ns();
+    h.created_ns = clock_ns(CLOCK_REALTIME);
     h.creator_pid = (uint32_t)getpid();
     h.creator_uid = (uint32_t)getuid();
     if (ftruncate(fd, (off_t)h.total_size) != 0)
@@ -401,7 +389,7 @@ int vmm__reg_attach(vmm__reg *r, const char *broker_path)
         v.pid = pid;
         v.start_time = start;
         v.pidns = ns;
-        v.registered_ns = now_realtime_ns();
+        v.registered_ns = clock_ns(CLOCK_REALTIME);
         v.uid = (uint32_t)getuid();
         v.generation = gen;
         if (broker_path) snprintf(v.broker_path, sizeof v.broker_path, "%s", broker_path);
@@ -425,7 +413,7 @@ int vmm__reg_attach(vmm__reg *r, const char *broker_path)
         r->start_time = start;
         r->pidns = ns;
         if (getrandom(&r->id_nonce, sizeof r->id_nonce, 0) != sizeof r->id_nonce)
-            r->id_nonce = now_realtime_ns() ^ ((uint64_t)pid << 40);
+            r->id_nonce = clock_ns(CLOCK_REALTIME) ^ ((uint64_t)pid << 40);
         r->attached = true;
         /* a table of this (pid, start time) is an earlier image's (exec keeps both): it has
          * published nothing yet */

@@ -15,12 +15,14 @@
 #define READ_RETRIES 4096
 #define BUSY_WAIT_S 0.05 /* longest one reader call waits on records mid-write, all of them together */
 
-static inline double monotonic_s(void)
+static inline uint64_t clock_ns(clockid_t which)
 {
     struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+    clock_gettime(which, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
 }
+
+static inline double monotonic_s(void) { return (double)clock_ns(CLOCK_MONOTONIC) / 1e9; }
 
 /* ---- seq-protected copies: 8-byte atomics, so neither side races in the C11 sense ---- */
 
