@@ -22,6 +22,7 @@
  * the shim, a second keeper for one pid (refused), a dead pid, release of an unkept pid, usage;
  * and the device full when the keeper starts. */
 #include "check.h"
+#include "registry/layout.h"
 #include "spawn.h"
 #include "vmmshim.h"
 
@@ -651,6 +652,65 @@ static void t_keeper_killed(void)
     CHECK(!keep_file_of(o.pid, kf, sizeof kf), "gc removed the dead keeper's keep file");
 }
 
+/* Two MULTI-HANDLE allocations that share a handle: the keeper holds that handle through both
+ * chunks, and says it holds the device memory once (what NVML would show), not the sum. */
+static void t_shared_handle(void)
+{
+    owner o;
+    const char *env[] = {"VMMSHIM_GIVE_BACK_MS=60000", NULL};
+    if (!owner_start(&o, "spans", env)) {
+        CHECK(false, "cannot start the owner");
+        return;
+    }
+    char pid[16];
+    pid_str(o.pid, pid);
+    uint64_t unused, a[2];
+    int first = alloc_fill(&o, 'A', SEG, 1, &unused);
+    alloc_fill(&o, 'A', SEG, 2, &unused);
+    alloc_fill(&o, 'A', SEG, 3, &unused);
+    for (int i = 0; i < 3; i++) cmd(&o, NULL, "f %d", first + i);
+    int i0 = alloc_fill(&o, 'A', 3 * SEG / 2, 41, &a[0]), i1 = alloc_fill(&o, 'A', 3 * SEG / 2, 42, &a[1]);
+    CHECK(first >= 0 && i0 >= 0 && i1 >= 0, "the owner's allocations");
+    vmm_registry *reg = NULL;
+    vmm_alloc_info r[2];
+    memset(r, 0, sizeof r);
+    bool found = vmm_open(g_reg, &reg) == VMM_OK && vmm_find(reg, (uint32_t)o.pid, a[0], &r[0]) == VMM_OK &&
+                 vmm_find(reg, (uint32_t)o.pid, a[1], &r[1]) == VMM_OK;
+    if (reg) vmm_close(reg);
+    uint64_t lo[2], hi[2];
+    for (int i = 0; i < 2; i++) {
+        lo[i] = r[i].address - r[i].chunk_offset;
+        hi[i] = lo[i] + r[i].mapped_size;
+    }
+    uint64_t sum = r[0].mapped_size + r[1].mapped_size;
+    uint64_t both = (hi[0] > hi[1] ? hi[0] : hi[1]) - (lo[0] < lo[1] ? lo[0] : lo[1]);
+    bool shared = found && (r[0].flags & r[1].flags & VMM_ALLOC_MULTI_HANDLE) && lo[0] < hi[1] && lo[1] < hi[0];
+    CHECK(shared && both < sum, "two multi-handle allocations sharing a handle (chunks 0x%llx+%llu, 0x%llx+%llu)",
+          (unsigned long long)lo[0], (unsigned long long)r[0].mapped_size, (unsigned long long)lo[1],
+          (unsigned long long)r[1].mapped_size);
+    keeper k;
+    KEEPER(&k, "shared", pid, "--settle", "0");
+    char want[96];
+    snprintf(want, sizeof want, "holding 2 allocations in 2 chunks, %.1f MiB", (double)both / MIB);
+    CHECK(keeper_says(&k, want, 1, 10000), "the keeper counts the shared handle once: \"%s\"", want);
+    CHECK(nothing_extra(k.pid, o.pid), "the keeper holds nothing the owner does not");
+    char kf[300], raw[sizeof(vmm_keep_file)];
+    vmm_keep_file f;
+    memset(&f, 0, sizeof f);
+    int fd = keep_file_of(o.pid, kf, sizeof kf) ? open(kf, O_RDONLY) : -1;
+    bool read_ok = fd >= 0 && pread(fd, raw, sizeof raw, 0) == (ssize_t)sizeof f;
+    if (read_ok) memcpy(&f, raw, sizeof f);
+    if (fd >= 0) close(fd);
+    CHECK(read_ok && f.held_bytes == both && f.held_allocs == 2, "the keep file's held_bytes %llu (want %llu)",
+          (unsigned long long)f.held_bytes, (unsigned long long)both);
+    CTL("release", pid);
+    char said[96];
+    snprintf(said, sizeof said, "let go of 2 allocations, %.1f MiB", (double)both / MIB);
+    CHECK(R.status == 0 && strstr(R.out, said), "release: %s %s", R.out, R.err);
+    keeper_wait(&k, 5000);
+    owner_quit(&o);
+}
+
 /* Two owners, one keeper; exit(3) kept, a crash kept, --on-exit dump, SIGTERM lets go of all. */
 static void t_two_owners(void)
 {
@@ -881,7 +941,7 @@ int main(void)
         const char *name;
         void (*fn)(void);
     } cases[] = {{"killed", t_killed},     {"churn", t_churn},   {"oom_handshake", t_oom_handshake},
-                 {"keeper_killed", t_keeper_killed}, {"two_owners", t_two_owners}, {"settle", t_settle}, {"names", t_names},
+                 {"keeper_killed", t_keeper_killed}, {"shared_handle", t_shared_handle}, {"two_owners", t_two_owners}, {"settle", t_settle}, {"names", t_names},
                  {"all_daemon_full", t_all_daemon_full}, {"bad_input", t_bad_input}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         int f0 = check__failed;

@@ -61,6 +61,7 @@ typedef struct chunk {
     uint32_t n, device;
     int *fds;
     uint64_t *sizes, bytes;
+    uint64_t base; /* where its handles lie in the owner: what two chunks share is counted once */
     unsigned refs; /* held records in it */
     UT_hash_handle hh;
 } chunk;
@@ -168,7 +169,6 @@ static void chunk_unref(owner *o, chunk *c)
     HASH_DEL(o->chunks, c);
     for (uint32_t i = 0; i < c->n; i++) close(c->fds[i]);
     o->n_chunks--;
-    o->bytes -= c->bytes;
     free(c->fds);
     free(c->sizes);
     free(c);
@@ -203,8 +203,42 @@ static bool held_add(owner *o, chunk *c, const vmm_alloc_info *a)
     return true;
 }
 
+typedef struct span {
+    uint64_t lo, hi;
+} span;
+
+static int span_cmp(const void *a, const void *b)
+{
+    const span *x = a, *y = b;
+    return x->lo < y->lo ? -1 : x->lo > y->lo;
+}
+
+/* The device memory held: the union of the chunks' places in the owner.  Two MULTI-HANDLE
+ * records may share a handle (each is a chunk here, with its own fds of it), and a sum would
+ * count that handle twice, above what NVML shows held.  Only the watcher changes o->chunks. */
+static uint64_t held_bytes(const owner *o)
+{
+    unsigned n = HASH_COUNT(o->chunks), k = 0;
+    span *v = n ? malloc(n * sizeof *v) : NULL;
+    uint64_t sum = 0, total = 0, end = 0;
+    for (const chunk *c = o->chunks; c; c = c->hh.next) {
+        sum += c->bytes;
+        if (v) v[k++] = (span){c->base, c->base + c->bytes};
+    }
+    if (!v) return sum; /* out of memory: an upper bound */
+    qsort(v, k, sizeof *v, span_cmp);
+    for (unsigned i = 0; i < k; i++) {
+        uint64_t lo = v[i].lo > end ? v[i].lo : end;
+        if (v[i].hi > lo) total += v[i].hi - lo;
+        if (v[i].hi > end) end = v[i].hi;
+    }
+    free(v);
+    return total;
+}
+
 static void publish_counts(owner *o)
 {
+    o->bytes = held_bytes(o);
     __atomic_store_n(&o->k.f->held_allocs, o->n_held, __ATOMIC_RELAXED);
     __atomic_store_n(&o->k.f->held_bytes, o->bytes, __ATOMIC_RELAXED);
 }
@@ -364,11 +398,11 @@ static void take_settled(owner *o, uint64_t now, bool all)
         c->fds = fds;
         c->sizes = sizes;
         c->device = p->rep.device;
+        c->base = p->rep.address - p->rep.chunk_offset;
         for (uint32_t i = 0; i < n; i++) c->bytes += sizes[i];
         pthread_mutex_lock(&g_lock);
         HASH_ADD(hh, o->chunks, key, sizeof c->key, c);
         o->n_chunks++;
-        o->bytes += c->bytes;
         pthread_mutex_unlock(&g_lock);
         HASH_DEL(o->pend, p);
         free(p);
@@ -606,7 +640,7 @@ static void release_owner(owner *o, const char *why)
         o->has_death_th = false;
     }
     unsigned n = o->n_held;
-    uint64_t bytes = o->bytes;
+    uint64_t bytes = held_bytes(o);
     pthread_mutex_lock(&g_lock);
     while (o->recs) held_drop(o, o->recs);
     pthread_mutex_unlock(&g_lock);
