@@ -1,9 +1,10 @@
 """vmmshim.to_torch over the emulated driver, with a stand-in for the few torch calls it makes
 (no torch here): from_dlpack consumes the capsule through the C API as torch does and keeps the
-managed tensor until its storage is gone, empty and set_ record what a tensor would see.  The
+managed tensor until its storage is gone; slicing, view(dtype) and as_strided record what a tensor
+would see, and as_strided refuses what torch does (past the storage's end).  The
 owner (tests/progs/owner under the shim) holds 2 MiB buffers; one open_many takes pieces of them.
 Checks: one capsule per stretch of nearby views (views farther apart than vmmshim._torch.GAP get
-their own); each tensor's dtype, shape, strides, and storage offset put its first element at the
+their own), one flat tensor per dtype in it; each tensor's dtype, shape, strides, and storage offset put its first element at the
 view's pointer, the stretch starting at a multiple of 256 below the first view; the stand-in
 tensors read the owner's bytes at those pointers; a dict in gives a dict out with the same keys,
 a list a list; the imports stay while any tensor of a stretch lives, also after the buffers and
@@ -53,15 +54,35 @@ class FakeTensor:
     def untyped_storage(self):
         return self.storage
 
-    def set_(self, storage, offset, shape, strides):
-        return FakeTensor(self.dtype, self.device, storage, offset, shape, strides)
+    def __getitem__(self, index):
+        assert isinstance(index, slice) and index.start is None and index.step is None and len(self.shape) == 1
+        assert 0 <= index.stop <= self.shape[0], f"slice to {index.stop} of {self.shape[0]}"
+        return FakeTensor(self.dtype, self.device, self.storage, self.offset, (index.stop,), (1,))
+
+    def view(self, dtype):
+        """Tensor.view(dtype) of a flat tensor: its bytes seen as another dtype."""
+        CALLS["views"] += 1
+        nbytes = self.shape[0] * ITEMSIZE[self.dtype]
+        assert self.offset == 0 and self.strides == (1,) and nbytes % ITEMSIZE[dtype] == 0
+        return FakeTensor(dtype, self.device, self.storage, 0, (nbytes // ITEMSIZE[dtype],), (1,))
+
+    def as_strided(self, shape, strides, offset):
+        """As torch: offset in elements, and the whole window within the storage."""
+        CALLS["as_strided"] += 1
+        last = offset + sum((n - 1) * s for n, s in zip(shape, strides)) if 0 not in shape else offset - 1
+        if (last + 1) * ITEMSIZE[self.dtype] > self.storage.nbytes:
+            raise RuntimeError(f"as_strided: out of bounds for storage of size {self.storage.nbytes}")
+        return FakeTensor(self.dtype, self.device, self.storage, offset, shape, strides)
 
     def data_ptr(self):
         return self.storage.data + self.offset * ITEMSIZE[self.dtype]
 
 
+CALLS = {"from_dlpack": 0, "capsules": [], "views": 0, "as_strided": 0}
+
+
 def make_torch():
-    calls = {"from_dlpack": 0, "capsules": []}
+    calls = CALLS
     torch = types.ModuleType("torch")
     for name in ITEMSIZE:
         setattr(torch, name, name)
@@ -77,10 +98,7 @@ def make_torch():
         storage = FakeStorage(address, t.data, t.shape[0], f"cuda:{t.device.device_id}")
         return FakeTensor("uint8", storage.device, storage, 0, (t.shape[0],), (1,))
 
-    def empty(n, dtype, device):
-        return FakeTensor(dtype, device)
-
-    torch.from_dlpack, torch.empty = from_dlpack, empty
+    torch.from_dlpack = from_dlpack
     return torch, calls
 
 
@@ -102,9 +120,13 @@ def main():
         ptrs = {k: v.ptr for k, v in views.items()}
         live0 = _dlpack.live_exports()
         deleted0 = FakeStorage.deleted
+        views0, strided0 = calls["views"], calls["as_strided"]
         tensors = vmmshim.to_torch(views)
         T.check(isinstance(tensors, dict) and list(tensors) == list(views),
                 f"a dict with the same keys: {list(tensors)}")
+        T.check(calls["views"] - views0 == 4 and calls["as_strided"] - strided0 == 4,
+                f"one flat tensor per dtype (4 dtypes: {calls['views'] - views0}), one as_strided per view "
+                f"({calls['as_strided'] - strided0})")
         spans = _torch.stretches(list(views.values()))
         T.check(calls["from_dlpack"] == len(spans) == 1 and _dlpack.live_exports() == live0 + 1,
                 f"one capsule for views of one open_many: {calls['from_dlpack']} taken, {len(spans)} stretches")

@@ -4,8 +4,10 @@ On an H100 host torch.from_dlpack costs about 10 us a call (its stream handshake
 its own for each), most of what taking a whole model cost (issue 16).  Views that lie near each
 other here (open_many maps one call's chunks into one reservation) share one uint8 tensor over
 their stretch, taken with a single capsule; each view is then that storage seen with its dtype,
-offset, shape and strides (Tensor.set_), as PyTorch's own rebuild_cuda_tensor reuses one storage
-for every tensor of a segment.  Torch never reads the bytes between the views."""
+offset, shape and strides, as PyTorch's own rebuild_cuda_tensor reuses one storage for every
+tensor of a segment.  Torch never reads the bytes between the views.  Each tensor is one
+as_strided of a flat tensor of its dtype over the stretch (one per dtype and stretch): one torch
+call a tensor, where empty + set_ (what rebuild_cuda_tensor does) are two."""
 from . import _dlpack
 
 GAP = 1 << 30  # views farther apart than this start a stretch of their own
@@ -58,9 +60,13 @@ def to_torch(views):
         except BaseException:
             owner._export_freed()
             raise
-        storage = torch.from_dlpack(capsule).untyped_storage()
+        raw = torch.from_dlpack(capsule)  # uint8, the whole stretch
+        flats = {}  # dtype name: the stretch as a flat tensor of that dtype
         for i in members:
             v = vs[i]
-            t = torch.empty(0, dtype=getattr(torch, v.dtype), device=storage.device)
-            out[i] = t.set_(storage, (v.ptr - start) // v._dtype.itemsize, v.shape, v.strides)
+            flat = flats.get(v.dtype)
+            if flat is None:
+                size = v._dtype.itemsize
+                flat = flats[v.dtype] = raw[:(end - start) // size * size].view(getattr(torch, v.dtype))
+            out[i] = flat.as_strided(v.shape, v.strides, (v.ptr - start) // v._dtype.itemsize)
     return dict(zip(keys, out)) if keys is not None else out
