@@ -19,13 +19,18 @@
 # feeds made-up results through bench_mem.py's analysis (a check of the logic on a machine without one).
 # BENCH_KEEPER=1 attaches a keeper (`vmmctl keep --all`, started before each shim run on its registry)
 # to every shim run: the tables' shim columns are then the shim with a keeper, against the same
-# criteria; run the same rows without it for the difference.  BENCH_ONLY=keeper is BENCH_KEEPER=1 with
-# the rows a keeper could move: churn, oom, torchspeed, step, giveback (about 8 minutes).
+# criteria.  BENCH_KEEPER=beside compares the shim with a keeper against the shim without one, in
+# the same run: the "native" side runs under the shim too (a registry of its own, no keeper), the
+# columns say so, and every timed row's criterion is <= 1.02x (issue 17: the owner can't tell).
+# BENCH_ONLY=keeper is BENCH_KEEPER=beside with the rows a keeper could move: churn, oom, step,
+# giveback (ROUNDS defaults to 7 there: a process lands in a slow phase of this machine now and
+# then, whatever the allocator, and only the median of many rounds sees through it).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 B=$PWD/${BUILD:-build}
 W=${OUT:-/tmp}/vmmshim-bench
 CUDA=${CUDA_HOME:-/usr/local/cuda}
+ROUNDS_GIVEN=${ROUNDS:-}
 ROUNDS=${ROUNDS:-3}
 BUDGET=${BENCH_BUDGET:-480}
 START=$SECONDS
@@ -46,8 +51,9 @@ for tok in $(printf '%s' "${BENCH_ONLY:-all}" | tr ',' ' '); do
   case $tok in
     all) SEL="$SEL$SPEED_JOBS $MEM_JOBS companion weightsync " ;;
     keeper)
-      KEEPER=1
-      SEL="$SEL churn oom torchspeed step giveback "
+      KEEPER=beside
+      ROUNDS=${ROUNDS_GIVEN:-7}
+      SEL="$SEL churn oom step giveback "
       ;;
     speed) SEL="$SEL$SPEED_JOBS " ;;
     mem) SEL="$SEL$MEM_JOBS " ;;
@@ -79,6 +85,7 @@ trap cleanup EXIT
 
 echo "== device; selected:$SEL"
 [ "$KEEPER" = 1 ] && echo "== every shim run has a keeper attached (vmmctl keep --all on its registry)"
+[ "$KEEPER" = beside ] && echo "== the shim with a keeper (vmmctl keep --all) against the shim without one: both columns run under the shim"
 if [ "$DRY" = 1 ]; then
   dev="dry run (BENCH_DRY=1)"
 else
@@ -129,7 +136,7 @@ run_one() {
   t0=$(date +%s.%N)
   if [ "$side" = shim ]; then
     local kp=""
-    if [ "$KEEPER" = 1 ]; then # it waits for the registry, and keeps the job from its first allocation
+    if [ "$KEEPER" != 0 ]; then # it waits for the registry, and keeps the job from its first allocation
       "$B/vmmctl" --registry "$reg" keep --all >>"$W/keeper.log" 2>&1 &
       kp=$!
     fi
@@ -140,6 +147,10 @@ run_one() {
       wait "$kp" || echo "  keeper for $job exited with $? (see $W/keeper.log)"
     fi
     rm -f /dev/shm"$reg" /dev/shm"$reg".*
+  elif [ "$KEEPER" = beside ]; then # the baseline: the shim without a keeper
+    timeout -k 5 "$t" env VMMSHIM_REGISTRY="$reg-base" LD_PRELOAD="$B/libvmmshim.so" "$@" >"$X/out" 2>"$X/err" </dev/null
+    rc=$?
+    rm -f /dev/shm"$reg"-base /dev/shm"$reg"-base.*
   else # a registry name nobody creates: the bench then reports records=na
     timeout -k 5 "$t" env VMMSHIM_REGISTRY="$reg-native" "$@" >"$X/out" 2>"$X/err" </dev/null
     rc=$?
@@ -207,6 +218,7 @@ KEEPER=$KEEPER python3 - "$RAW" "$W/table.md" "$((SECONDS - START))" "$W" "$LEGA
 import os, statistics, sys
 
 raw, table_path, elapsed, wdir = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+beside = os.environ.get("KEEPER") == "beside"  # native column: the shim without a keeper
 selected, dry = set(sys.argv[5].split()), sys.argv[6] == "1"
 data = {}    # case -> side -> round -> {key: value}
 status = {}  # job -> side -> round -> rc text
@@ -349,7 +361,10 @@ for row in ROWS:
                 text += " (stopped at the time limit)"
             return text
         ncell, scell = cell("native", nat), cell("shim", shim)
-        if row.get("max") is not None:
+        if beside and row.get("max") is not None:  # issue 17: within 2% of the run without a keeper
+            crit = "≤ 1.02x the shim without a keeper"
+            ok = ratio is not None and ratio <= 1.02
+        elif row.get("max") is not None:
             crit = f"≤ {row['max']:g}x"
             ok = ratio is not None and ratio <= row["max"]
         else:
@@ -423,10 +438,13 @@ for row in ROWS:
 
 n_rounds = len(set().union(*[set(ran_rounds(j)) for j in status])) if status else 0
 keeper = os.environ.get("KEEPER") == "1"
+head = ("| case | shim, no keeper (median) | shim + keeper (median) | with/without keeper | per-round with/without: "
+        "min–max (each) | criterion |" if beside else
+        "| case | native (median) | shim (median) | shim/native | per-round shim/native: min–max (each) | criterion |")
 lines = [f"bench: {device}, {elapsed} s, {n_rounds} round(s)"
          + ("; the shim side with a keeper attached (vmmctl keep --all)" if keeper else "")
-         + (f"; {skipped}" if skipped else "") + f"; raw results in {wdir}", "",
-         "| case | native (median) | shim (median) | shim/native | per-round shim/native: min–max (each) | criterion |",
+         + ("; both sides under the shim, the second with a keeper attached (vmmctl keep --all)" if beside else "")
+         + (f"; {skipped}" if skipped else "") + f"; raw results in {wdir}", "", head,
          "|---|---|---|---|---|---|"] + out_rows
 
 # alignment: round 1 only, no ratios

@@ -24,7 +24,9 @@ whose previous round would not fit in what is left is skipped), VMMSHIM_GIVE_BAC
 GIVEBACK_SLACK_MS (100) for the give-back criterion, OUT (results in $OUT/vmmshim-bench/), BENCH_DRY=1
 (no GPU: made-up runs through the same analysis, to check the logic), BENCH_KEEPER=1 (every shim run
 with a keeper attached: `$BENCH_VMMCTL keep --all` on its registry, started before it and stopped
-after; the shim column is then the shim with a keeper).  Prints one table
+after; the shim column is then the shim with a keeper; BENCH_KEEPER=beside: the native side runs
+under the shim too, without a keeper, so each row compares the shim with a keeper to the shim
+without one).  Prints one table
 "| row | native | shim | shim/native | spread | criterion |" and "bench-mem: N passed, N failed";
 exit status 1 when a row failed."""
 import json
@@ -56,7 +58,8 @@ COLOC_PROCS = int(os.environ.get("COLOC_PROCS", "8"))
 COLOC_FRACTION = float(os.environ.get("COLOC_FRACTION", "0.1"))
 PY = sys.executable
 REG = f"/vmmshim-benchmem-{os.getpid()}"
-KEEPER = os.environ.get("BENCH_KEEPER") == "1"
+BESIDE = os.environ.get("BENCH_KEEPER") == "beside"  # the native side: the shim without a keeper
+KEEPER = os.environ.get("BENCH_KEEPER") == "1" or BESIDE
 VMMCTL = os.environ.get("BENCH_VMMCTL", os.path.join(HERE, "..", "..", "build", "vmmctl"))
 ALL_JOBS = ("torch", "graphs", "mixed", "giveback", "pool", "cupy", "coloc", "step")
 ASYNC_CONF = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
@@ -117,9 +120,10 @@ def keeper_stop(p):
 
 
 def unlink_registry(reg):
-    """The registry and what lies beside it (keep files, name tables)."""
+    """The registry and what lies beside it (keep files, name tables); BENCH_KEEPER=beside, the
+    baseline side's too."""
     for name in os.listdir("/dev/shm"):
-        if name == reg[1:] or name.startswith(reg[1:] + "."):
+        if name in (reg[1:], reg[1:] + "-base") or name.startswith((reg[1:] + ".", reg[1:] + "-base.")):
             try:
                 os.unlink("/dev/shm/" + name)
             except OSError:
@@ -138,6 +142,9 @@ def child_env(side, reg):
     if side == "shim":
         env["LD_PRELOAD"] = SHIM
         env["VMMSHIM_REGISTRY"] = reg
+    elif BESIDE:  # a registry of its own, which the keeper on reg does not see
+        env["LD_PRELOAD"] = SHIM
+        env["VMMSHIM_REGISTRY"] = reg + "-base"
     else:  # a registry name nobody creates
         env["VMMSHIM_REGISTRY"] = reg + "-native"
     return env
@@ -247,7 +254,7 @@ def run_program(side, argv, env_extra, timeout, reg):
         run.samples = sampler.stop()
         run.base = ns.wmedian(run.samples, None, run.t0)
     keeper_stop(keeper)
-    if side == "shim":
+    if side == "shim" or BESIDE:
         unlink_registry(reg)
     log(f"=== {side}: {' '.join(argv)} (rc {run.rc}, {run.t1 - run.t0:.1f} s)\n{run.out}{err}")
     run.skip = skip_reason(run.out) if run.rc == 3 else None
@@ -469,7 +476,7 @@ def coloc(side, rnd):
         t1 = time.monotonic()
         os.unlink(go)
         keeper_stop(keeper)
-        if side == "shim":
+        if side == "shim" or BESIDE:
             unlink_registry(reg)
         if sampler:
             s = sampler.stop()
@@ -629,7 +636,9 @@ def rows():
 
 
 def table(selected_jobs, elapsed):
-    lines = ["| row | native (median) | shim (median) | shim/native | spread: per-round shim/native min–max (each) "
+    lines = ["| row | shim, no keeper (median) | shim + keeper (median) | with/without keeper | spread: per-round "
+             "with/without min–max (each) | criterion |" if BESIDE else
+             "| row | native (median) | shim (median) | shim/native | spread: per-round shim/native min–max (each) "
              "| criterion |", "|---|---|---|---|---|---|"]
     passed = failed = 0
     for row in rows():
@@ -738,7 +747,9 @@ def table(selected_jobs, elapsed):
     step_text = f", {STEP_ROUNDS} step round(s)" if any(j.startswith("step-") for j in selected_jobs) else ""
     head = (f"bench-mem: {elapsed:.0f} s, {ROUNDS} memory round(s){step_text}; "
             f"NVML: {how}, device total {size(total_bytes())}; raw results in {W}"
-            + ("; the shim side with a keeper attached (vmmctl keep --all)" if KEEPER else ""))
+            + ("; both sides under the shim, the second with a keeper attached (vmmctl keep --all): native "
+               "means the shim without a keeper" if BESIDE else
+               "; the shim side with a keeper attached (vmmctl keep --all)" if KEEPER else ""))
     text = "\n".join([head, ""] + lines + ["", f"bench-mem: {passed} passed, {failed} failed"])
     return text, failed
 
