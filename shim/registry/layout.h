@@ -157,7 +157,7 @@
  * the keeper drops (closes the fds of) a chunk within its tick (10 ms) of the registry showing no
  * live allocation in it.  The owner rings the keeper (bell += 1, FUTEX_WAKE on bell: a shared
  * futex) when it gives a segment back, and before it fails for lack of memory it rings and waits
- * (FUTEX_WAIT on done, some tens of milliseconds at most) until done reaches its ring: the keeper
+ * (FUTEX_WAIT on done, 2 s at most: as long as the pass takes) until done reaches its ring: the keeper
  * stores in done the bell value it read before a pass over the registry that dropped every chunk
  * without a live allocation.  An owner waits only while heartbeat_ns (CLOCK_MONOTONIC, stored by
  * the keeper every tick) is less than a second old.  When an owner that a living keeper keeps

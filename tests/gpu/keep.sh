@@ -202,9 +202,15 @@ PY
   }
   kept_mib=$(python3 - "$pid" <<'PY'
 import sys, vmmshim
-with vmmshim.Registry() as reg:  # the chunks the keeper holds: each (chunk, size) once
-    chunks = {(a.chunk_id, a.mapped_size) for a in reg.allocations(int(sys.argv[1])) if a.flags & vmmshim.ALLOC_KEPT}
-print(sum(s for _, s in chunks) >> 20)
+with vmmshim.Registry() as reg:  # the device memory the keeper holds: its chunks' places in the owner,
+    # overlaps once (two multi-handle records can share a handle)
+    spans = sorted((a.address - a.chunk_offset, a.address - a.chunk_offset + a.mapped_size)
+                   for a in reg.allocations(int(sys.argv[1])) if a.flags & vmmshim.ALLOC_KEPT)
+total = end = 0
+for lo, hi in spans:
+    total += max(0, hi - max(lo, end))
+    end = max(end, hi)
+print(total >> 20)
 PY
 )
   before=$(used_mib)
