@@ -90,6 +90,31 @@ else
 fi
 ONLY=",${KEEP_ONLY:-all},"
 
+# dump_rate NAME DIR: the keeper's dump rate against what the dump's directory takes from dd, the
+# same bytes (at most 4 GiB) written the same way (through the page cache, no sync): the dump may
+# not be slower than 0.9x that bound (pinned device-to-host copies are far faster: tests/gpu/dump.sh).
+# Judged from 1 GiB up; a smaller dump's rate is reported only.
+dump_rate() {
+  local name=$1 d=$2 line bytes secs rate ref t0 t1 mib
+  line=$(grep -m1 '^dumped ' "$d/keeper.out" 2>/dev/null)
+  bytes=$(printf '%s' "$line" | sed -nE 's/.*: ([0-9]+) bytes .* in ([0-9.]+) s, .*/\1/p')
+  secs=$(printf '%s' "$line" | sed -nE 's/.*: ([0-9]+) bytes .* in ([0-9.]+) s, .*/\2/p')
+  [ -n "$bytes" ] && [ -n "$secs" ] || return 0
+  mib=$(((bytes >> 20) + 1))
+  [ "$mib" -gt 4096 ] && mib=4096
+  t0=$(date +%s.%N)
+  dd if=/dev/zero of="$d/dumps/dd-ref.bin" bs=1M count="$mib" status=none 2>/dev/null
+  t1=$(date +%s.%N)
+  rm -f "$d/dumps/dd-ref.bin"
+  read -r rate ref < <(awk -v b="$bytes" -v s="$secs" -v m="$mib" -v a="$t0" -v z="$t1" \
+    'BEGIN { printf "%.2f %.2f\n", b / s / 1e9, m * 1048576 / (z - a) / 1e9 }')
+  echo "$name: the keeper's dump: $rate GB/s; dd into the same directory: $ref GB/s"
+  if [ "$bytes" -lt $((1 << 30)) ] || [ "$DRY" = 1 ]; then return 0; fi
+  if awk -v r="$rate" -v f="$ref" 'BEGIN { exit !(r >= 0.9 * f) }'; then
+    ok "$name: the keeper's dump at $rate GB/s, >= 0.9x what its directory takes ($ref GB/s)"
+  else bad "$name: the keeper's dump at $rate GB/s, under 0.9x what its directory takes ($ref GB/s)"; fi
+}
+
 run_variant() {
   local name=$1 fw=$2 die=$3 envs=$4 d=$W/$1 l pid="" kp kept_mib before after
   mkdir -p "$d"
@@ -163,6 +188,7 @@ sys.exit(p.returncode if p.returncode >= 0 else 128 - p.returncode)' "$d/reap" p
   if [ -n "${TR_PID:-}" ]; then wait "$TR_PID" 2>/dev/null; fi
   if wait_for "$d/keeper.out" "dump written to" 300; then ok "$name: the keeper wrote the dump itself"
   else bad "$name: no dump from the keeper"; fi
+  dump_rate "$name" "$d"
   if python3 - "$d/dumps/$pid/manifest.json" "$d/trainer.out" "$want" >"$d/manifest-check.txt" 2>&1 <<'PY'
 import json, sys
 m = json.load(open(sys.argv[1]))
