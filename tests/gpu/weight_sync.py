@@ -13,6 +13,9 @@ run by tests/gpu/weight_sync.sh (`make bench-gpu BENCH_ONLY=weightsync`).
                         model.state_dict()) + torch.from_dlpack,
                     (d) to_torch: (b)'s open_many + vmmshim.to_torch (one DLPack import per
                         stretch of nearby views, each tensor a view of its storage),
+                    (e) open_torch: Registry.open_torch(pid, {name: (address, dtype, shape,
+                        strides)}): (d) in one call, no Buffer or View made per tensor (the
+                        stand-in run, without torch, takes (d)'s path),
                     each in a companion process of its own, the ways' order rotating from round to
                     round; a warm-up round (the owner's first exports: reported as "first"), then
                     ROUNDS rounds.  Every take computes logits with the taken tensors and compares
@@ -58,7 +61,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-WAYS = ("reduce-native", "reduce-shim", "open_many", "open_tensors", "to_torch")
+WAYS = ("reduce-native", "reduce-shim", "open_many", "open_tensors", "to_torch", "open_torch")
 CONFS = ("default", "backend:cudaMallocAsync", "expandable_segments:True")
 STEPS = ("python_ns", "find_ns", "context_ns", "connect_ns", "broker_wait_ns", "export_ns", "import_ns",
          "reserve_ns", "map_ns", "access_ns", "release_ns")
@@ -247,6 +250,10 @@ class TorchBackend:
         import vmmshim
         return vmmshim.to_torch(views)
 
+    def open_torch(self, reg, pid, params):
+        return reg.open_torch(pid, {p["name"]: (p["address"], p["dtype"], tuple(p["shape"]), tuple(p["strides"]))
+                                    for p in params}, timing=True)
+
     def compare(self, kind, skel, tensors, path):
         """(max abs difference, scale) of the companion's fingerprint against the trainer's file."""
         torch = self.torch
@@ -358,6 +365,8 @@ class StandinBackend:
     def from_views_at_once(self, views):  # no torch: what (b) gives, so the orchestration runs
         return dict(views)
 
+    open_torch = None  # no torch: (d)'s path
+
     def compare(self, kind, skel, tensors, path):
         with open(path) as f:
             want = json.load(f)
@@ -438,13 +447,15 @@ def take(be, reg, way, cmd):
     import, and the next take would find it mapped)."""
     if way.startswith("reduce"):
         return be.rebuild(cmd["reduce"])[0], None
-    if way in ("open_many", "to_torch"):
+    if way == "open_torch" and be.open_torch:
+        return be.open_torch(reg, cmd["pid"], cmd["params"])
+    if way in ("open_many", "to_torch", "open_torch"):
         params = cmd["params"]
         bufs, timing = reg.open_many(cmd["pid"], [(p["address"], p["nbytes"]) for p in params], timing=True)
         views = {p["name"]: b.view(tuple(p["shape"]), p["dtype"], 0, tuple(p["strides"])) for p, b in zip(params, bufs)}
         for b in bufs:
             b.close()  # the views hold the imports
-        if way == "to_torch":
+        if way in ("to_torch", "open_torch"):
             return be.from_views_at_once(views), timing
     else:
         views, timing = reg.open_tensors(cmd["pid"], timing=True)
@@ -830,10 +841,10 @@ def part_takes(run, kind):
                       ", ".join(f"{k}: {v:.2f} ms" for k, v in sweep.items()) + f"; fastest: {best}")
             fractions_table(f"{tag}: where a take's time went (median shares; python = outside the C library, "
                             f"other = tensors and views)",
-                            {w: timings[w] for w in ("open_many", "open_tensors", "to_torch") if w in timings})
+                            {w: timings[w] for w in ("open_many", "open_tensors", "to_torch", "open_torch") if w in timings})
             if base and conf == "default":
                 run.base_native = median(base)
-            for w in ("open_many", "open_tensors", "to_torch"):
+            for w in ("open_many", "open_tensors", "to_torch", "open_torch"):
                 if w not in meds:
                     continue
                 if meds[w][1] is not None:

@@ -218,6 +218,21 @@ def with_owner(reg, own):
              "publishes no tensor named 'missing'")
     del views, some, v
 
+    # open_torch: the published names straight to tensors (torch's calls stood in for, as test_to_torch)
+    import test_to_torch
+    sys.modules["torch"] = test_to_torch.make_torch()[0]
+    try:
+        ts = reg.open_torch(pid)
+        T.check(set(ts) == set(got) and (ts["w"].dtype, ts["w"].shape) == ("int64", (8,)) and ts["g"].strides == (1, 8) and
+                ts["bf"].dtype == "bfloat16" and ctypes.string_at(ts["w"].data_ptr(), 64) == words(3, 65536 // 8, 8) and
+                ctypes.string_at(ts["layer7.weight"].data_ptr(), 4096) == words(4, 7 * 512, 512),
+                f"open_torch(pid): every published name as a tensor of its dtype, shape and strides: {sorted(ts)}")
+        some = reg.open_torch(pid, {k: got[k] for k in ("w", "bf")})
+        T.check(list(some) == ["w", "bf"], f"open_torch of some Tensors: {list(some)}")
+        del ts, some
+    finally:
+        sys.modules.pop("torch", None)
+
     # vmmctl sees them
     out = subprocess.run([str(BUILD / "vmmctl"), "list", "--names", "--pid", str(pid)], capture_output=True, text=True)
     T.check(out.returncode == 0 and re.search(r"\bbf\s+bfloat16\s+16x16\b", out.stdout) and "24 names in 1 process" in out.stdout,
@@ -237,11 +252,18 @@ def with_owner(reg, own):
             f"--names --all refused in one line: {bad.returncode} {bad.stderr!r}")
 
     # freeing B drops its 20 names; unpublish drops one
+    old = got
     own.ok("free(B)")
     got = reg.tensors(pid)
     T.check(set(got) == {"w", "bf", "g", "s"}, f"freeing B dropped the state dict: {sorted(got)}")
     T.raises(vmmshim.NotFound, lambda: reg.open_tensors(pid, ["layer0.weight"]), "a name whose memory was freed",
              "layer0.weight")
+    sys.modules["torch"] = test_to_torch.make_torch()[0]
+    try:
+        T.raises(vmmshim.NotFound, lambda: reg.open_torch(pid, {"l0": old["layer0.weight"]}),
+                 "open_torch of a Tensor whose memory was freed")
+    finally:
+        sys.modules.pop("torch", None)
     own.ok("vmmshim.unpublish('bf')")
     T.check(set(reg.tensors(pid)) == {"w", "g", "s"}, "unpublished")
     own.fails("vmmshim.unpublish('bf')", "NotFound", "no tensor named")

@@ -29,7 +29,7 @@ _get_pointer.restype, _get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object
 _set_name = _api.PyCapsule_SetName
 _set_name.restype, _set_name.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "uint8": 1, "int64": 8, "bool": 1}
+ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "uint8": 1, "int64": 8, "bool": 1}
 
 
 class FakeStorage:
@@ -127,7 +127,7 @@ def main():
         T.check(calls["views"] - views0 == 4 and calls["as_strided"] - strided0 == 4,
                 f"one flat tensor per dtype (4 dtypes: {calls['views'] - views0}), one as_strided per view "
                 f"({calls['as_strided'] - strided0})")
-        spans = _torch.stretches(list(views.values()))
+        spans = _torch.stretches([(v.device, v.ptr, v.nbytes) for v in views.values()])
         T.check(calls["from_dlpack"] == len(spans) == 1 and _dlpack.live_exports() == live0 + 1,
                 f"one capsule for views of one open_many: {calls['from_dlpack']} taken, {len(spans)} stretches")
         cap = calls["capsules"][0]
@@ -188,6 +188,45 @@ def main():
         del bufs
         gc.collect()
         T.check(vmmshim.to_torch({}) == {} and vmmshim.to_torch([]) == [], "no views: nothing taken")
+
+        # Registry.open_torch: (address, dtype, shape[, strides]) straight to tensors, no Buffer or View
+        vmmshim.drop_idle()
+        live1, mapped1, taken1 = _dlpack.live_exports(), harness.fakecuda_counters()["mappings_live"], calls["from_dlpack"]
+        specs = {"w": (b0 + 4096, "float32", (16, 16)), "t": (b1 + 1024, "int64", (4, 2), (1, 4)),
+                 "h": (b2 + 2 * MiB - 64, "bfloat16", 32)}
+        got, tm = reg.open_torch(own.pid, specs, timing=True)
+        T.check(isinstance(got, dict) and list(got) == list(specs) and calls["from_dlpack"] - taken1 == 1 and
+                _dlpack.live_exports() == live1 + 1 and tm["ranges"] == 3 and tm["library_ns"] > 0,
+                f"open_torch: a dict, one capsule for three tensors of one call ({calls['from_dlpack'] - taken1}), "
+                f"timing {tm.get('ranges')} ranges")
+        T.check(got["w"].dtype == "float32" and got["w"].shape == (16, 16) and got["w"].strides == (16, 1) and
+                got["t"].shape == (4, 2) and got["t"].strides == (1, 4) and got["h"].shape == (32,),
+                f"open_torch: dtype, shape and strides as asked: {[(t.dtype, t.shape, t.strides) for t in got.values()]}")
+        T.check(ctypes.string_at(got["w"].data_ptr(), 32) == pattern(0, 4096, 32) and
+                ctypes.string_at(got["t"].data_ptr(), 32) == pattern(1, 1024, 32) and
+                ctypes.string_at(got["h"].data_ptr(), 64) == pattern(2, 2 * MiB - 64, 64),
+                "open_torch: each tensor reads the owner's bytes at its address")
+        as_list = reg.open_torch(own.pid, [specs["h"], specs["w"]])
+        T.check(isinstance(as_list, list) and [t.shape for t in as_list] == [(32,), (16, 16)],
+                "open_torch: a list gives a list in the same order")
+        del as_list, tm
+        gc.collect()
+        T.check(_dlpack.live_exports() == live1 + 1, "open_torch: the stretch stays while its tensors live")
+        del got
+        gc.collect()
+        vmmshim.drop_idle()
+        T.check(_dlpack.live_exports() == live1 and harness.fakecuda_counters()["mappings_live"] == mapped1,
+                "open_torch: the last tensor gone, its imports and mappings are gone")
+        # bad specs: one clear error, nothing imported or left behind
+        T.raises(TypeError, lambda: reg.open_torch(own.pid, [(b0, "float32")]), "open_torch: a spec of two fields")
+        T.raises(ValueError, lambda: reg.open_torch(own.pid, [(b0, "float32", (0, 4))]),
+                 "open_torch: a tensor of no element", "at least one element")
+        T.raises(ValueError, lambda: reg.open_torch(own.pid, [(b0 + 2, "float32", 4)]),
+                 "open_torch: an address unaligned for the dtype", "aligned")
+        T.raises(vmmshim.NotFound, lambda: reg.open_torch(own.pid, [(b0, "float32", 4), (0x10, "float32", 4)]),
+                 "open_torch: an address in no allocation of pid")
+        T.check(_dlpack.live_exports() == live1 and harness.fakecuda_counters()["mappings_live"] == mapped1,
+                "open_torch: the refused calls left no import or mapping")
     finally:
         own.kill()
         sys.modules.pop("torch", None)

@@ -301,6 +301,19 @@ class Registry:
         times["total_ns"] = t2 - t0
         return views, times
 
+    def open_torch(self, pid, tensors=None, timing=False):
+        """PyTorch tensors of pid's memory, zero-copy, in one call: tensors is a dict {name: spec}
+        (a dict comes back) or a list of specs (a list, in order), each spec a Tensor of
+        tensors(pid) or a tuple (address, dtype, shape[, strides in elements]); None: every tensor
+        pid publishes, by name.  One open_many imports them all; then, as to_torch, one DLPack
+        import per stretch of nearby tensors and one as_strided a tensor, with no Buffer or View
+        made on the way.  The imports under a stretch stay until its last tensor is gone.  All or
+        nothing, with open_many's errors; Stale for a Tensor whose allocation was freed since its
+        name was read; ValueError for a tensor of no element or unaligned for its dtype.
+        timing=True returns (tensors, timing): open_many's, with names_ns (reading the names)."""
+        from . import _torch
+        return _torch.open_torch(self, pid, tensors, timing)
+
     def open(self, pid, address, size=None):
         """Import pid's bytes at address: without size, the whole live allocation containing
         address (any interior address); with size, exactly [address, address + size), whatever
@@ -493,6 +506,39 @@ def _index(value, what):
         raise TypeError(f"vmmshim: {what} must be an integer, not {type(value).__name__}") from None
 
 
+def _layout(shape, strides, dt):
+    """(shape, strides, nbytes) of a typed window: shape a tuple (or an int for 1-D), strides in
+    elements (None: row-major, contiguous), nbytes the bytes from its first element to the end of
+    its last; ValueError for negative extents or strides, or strides that do not fit the shape."""
+    # plain ints (the common case, hundreds per take) skip _index's conversion
+    if type(shape) is tuple and all(type(n) is int for n in shape):
+        pass
+    elif isinstance(shape, (list, tuple)):
+        shape = tuple(_index(n, "a shape entry") for n in shape)
+    else:
+        shape = (_index(shape, "shape"),)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"vmmshim: negative extent in shape {shape}")
+    if strides is None:
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.append(step)
+            step *= max(n, 1)
+        strides = tuple(reversed(strides))
+    else:
+        if not isinstance(strides, (list, tuple)):
+            raise ValueError(f"vmmshim: strides must be a tuple of {len(shape)} integers, not {strides!r}")
+        if type(strides) is not tuple or not all(type(s) is int for s in strides):
+            strides = tuple(_index(s, "a stride") for s in strides)
+        if len(strides) != len(shape):
+            raise ValueError(f"vmmshim: {len(strides)} strides for {len(shape)} dimensions (shape {shape})")
+        if any(s < 0 for s in strides):
+            raise ValueError(f"vmmshim: negative strides {strides} (PyTorch and JAX take none)")
+    if 0 in shape:
+        return shape, strides, 0
+    return shape, strides, (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * dt.itemsize
+
+
 class Buffer:
     """Imported bytes of another process.  ptr is their device pointer here, size their length,
     device the CUDA device they are for here (the DLPack device: the calling thread's current
@@ -674,41 +720,14 @@ class View:
 
     def __init__(self, buffer, shape, dtype, offset, strides):
         dt = _dtypes.resolve(dtype)
-        # plain ints (the common case, hundreds per take) skip _index's conversion
-        if type(shape) is tuple and all(type(n) is int for n in shape):
-            pass
-        elif isinstance(shape, (list, tuple)):
-            shape = tuple(_index(n, "a shape entry") for n in shape)
-        else:
-            shape = (_index(shape, "shape"),)
         if type(offset) is not int:
             offset = _index(offset, "offset")
-        if any(n < 0 for n in shape):
-            raise ValueError(f"vmmshim: negative extent in shape {shape}")
+        shape, strides, nbytes = _layout(shape, strides, dt)
         if offset < 0:
             raise ValueError(f"vmmshim: negative offset {offset}")
         if offset % dt.itemsize or (buffer._ptr + offset) % dt.itemsize:
             raise ValueError(f"vmmshim: offset {offset} (device address 0x{buffer._ptr + offset:x}) is not aligned "
                              f"for {dt.name} ({dt.itemsize} bytes)")
-        if strides is None:
-            strides, step = [], 1
-            for n in reversed(shape):
-                strides.append(step)
-                step *= max(n, 1)
-            strides = tuple(reversed(strides))
-        else:
-            if not isinstance(strides, (list, tuple)):
-                raise ValueError(f"vmmshim: strides must be a tuple of {len(shape)} integers, not {strides!r}")
-            if type(strides) is not tuple or not all(type(s) is int for s in strides):
-                strides = tuple(_index(s, "a stride") for s in strides)
-            if len(strides) != len(shape):
-                raise ValueError(f"vmmshim: {len(strides)} strides for {len(shape)} dimensions (shape {shape})")
-            if any(s < 0 for s in strides):
-                raise ValueError(f"vmmshim: negative strides {strides} (PyTorch and JAX take none)")
-        if 0 in shape:
-            nbytes = 0
-        else:
-            nbytes = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * dt.itemsize
         if offset + nbytes > buffer.size:
             raise ValueError(f"vmmshim: a {dt.name} view of shape {shape}, strides {strides} at offset {offset} spans "
                              f"bytes [{offset}, {offset + nbytes}), past the end of the buffer's {buffer.size}")
