@@ -8,11 +8,12 @@ refused with a clear error and nothing changed (a name of 128 bytes, with a NUL,
 that is not the shim's; an object that is no tensor, one on the CPU, an unknown typestr, a masked
 array, no elements; a bad entry in publish_many); publishing a name again replaces it;
 open_tensors reads the owner's bytes through views of the published dtype, shape and strides,
-importing each chunk once; names vanish when their memory is freed and when unpublished;
+importing each chunk once, and open_torch through tensors (a stand-in for torch's calls); names vanish when their memory is freed and when unpublished;
 tensors() of a process not under the shim, of a dead owner; publish outside the shim and with the
 shim disabled; `vmmctl list --names` shows a Python owner's names; and the README's two examples
 run as they stand.  Ends with "N passed, N failed"."""
 import ctypes
+import gc
 import os
 import re
 import subprocess
@@ -23,7 +24,6 @@ from harness import BUILD, PACKAGE, ROOT
 
 harness.setup()
 import vmmshim  # noqa: E402  (after setup: sys.path, the client library)
-from vmmshim import _dlpack  # noqa: E402
 
 T = harness.Tally()
 MiB = 1 << 20
@@ -61,30 +61,6 @@ class PyOwner(harness.LineProcess):
         status, rest = self.run(src)
         T.check(status == "error" and rest.startswith(exc + " ") and reason in rest,
                 f"owner: {src}: wanted {exc} with {reason!r}, got {status} {rest}")
-
-
-class Capsules:
-    """torch.from_dlpack as far as the README's example needs it: takes the capsule as a consumer
-    does (renamed "used_dltensor") and keeps its fields and deleter."""
-    _api = ctypes.PyDLL(None)
-    _get = _api.PyCapsule_GetPointer
-    _get.restype, _get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    _rename = _api.PyCapsule_SetName
-    _rename.restype, _rename.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
-
-    class Tensor:
-        def __init__(self, data, shape, strides, dtype, delete):
-            self.data, self.shape, self.strides, self.dtype, self.delete = data, shape, strides, dtype, delete
-
-    @classmethod
-    def from_dlpack(cls, obj):
-        capsule = obj.__dlpack__()
-        address = cls._get(capsule, b"dltensor")
-        cls._rename(capsule, b"used_dltensor")
-        m = _dlpack.DLManagedTensor.from_address(address)
-        t = m.dl_tensor
-        return cls.Tensor(t.data, tuple(t.shape[i] for i in range(t.ndim)), tuple(t.strides[i] for i in range(t.ndim)),
-                          (t.dtype.code, t.dtype.bits, t.dtype.lanes), lambda: m.deleter(address))
 
 
 class StandInModel:
@@ -294,20 +270,25 @@ def readme(reg):
         own.ok("P = alloc(1 << 20); fill(P, 1 << 20, 9)")
         own.ok("model = Model({'fc.weight': CAI(P, (128, 256), '<f4'), 'fc.bias': DL(P + 131072, (128,), (2, 32, 1))})")
         own.ok(owner[0].strip())
-        space = {"vmmshim": vmmshim, "torch": Capsules, "model": StandInModel(), "pid": own.pid}
+        import test_to_torch  # its stand-in for the torch calls open_torch makes
+        sys.modules["torch"] = test_to_torch.make_torch()[0]
+        space = {"vmmshim": vmmshim, "model": StandInModel(), "pid": own.pid}
         try:
             exec(compile(companion[0], "README.md (names-companion)", "exec"), space)
         except Exception as e:
             T.check(False, f"the README's companion raised {type(e).__name__}: {e}")
             return
+        finally:
+            sys.modules.pop("torch", None)
         loaded = space["model"].loaded
         T.check(set(loaded) == {"fc.weight", "fc.bias"} and space["model"].assign, f"loaded: {loaded}")
         wt = loaded["fc.weight"]
-        T.check(wt.shape == (128, 256) and wt.strides == (256, 1) and wt.dtype == (2, 32, 1) and
-                ctypes.string_at(wt.data, 64) == words(9, 0, 8), "fc.weight zero-copy, with the owner's bytes")
-        T.check(ctypes.string_at(loaded["fc.bias"].data, 16) == words(9, 131072 // 8, 2), "fc.bias")
-        for t in loaded.values():
-            t.delete()
+        T.check(wt.shape == (128, 256) and wt.strides == (256, 1) and wt.dtype == "float32" and
+                ctypes.string_at(wt.data_ptr(), 64) == words(9, 0, 8), "fc.weight zero-copy, with the owner's bytes")
+        T.check(ctypes.string_at(loaded["fc.bias"].data_ptr(), 16) == words(9, 131072 // 8, 2), "fc.bias")
+        del wt, loaded
+        space.clear()
+        gc.collect()
     finally:
         own.end()
 
