@@ -13,8 +13,8 @@ run by tests/gpu/weight_sync.sh (`make bench-gpu BENCH_ONLY=weightsync`).
                         model.state_dict()) + torch.from_dlpack,
                     (d) to_torch: (b)'s open_many + vmmshim.to_torch (one DLPack import per
                         stretch of nearby views, each tensor a view of its storage),
-                    (e) open_torch: Registry.open_torch(pid, {name: (address, dtype, shape,
-                        strides)}): (d) in one call, no Buffer or View made per tensor (the
+                    (e) open_torch: Registry.open_torch(pid), the README's companion: (c)'s names
+                        straight to tensors in one call, no Buffer or View made per tensor (the
                         stand-in run, without torch, takes (d)'s path),
                     each in a companion process of its own, the ways' order rotating from round to
                     round; a warm-up round (the owner's first exports: reported as "first"), then
@@ -250,9 +250,8 @@ class TorchBackend:
         import vmmshim
         return vmmshim.to_torch(views)
 
-    def open_torch(self, reg, pid, params):
-        return reg.open_torch(pid, {p["name"]: (p["address"], p["dtype"], tuple(p["shape"]), tuple(p["strides"]))
-                                    for p in params}, timing=True)
+    def open_torch(self, reg, pid):
+        return reg.open_torch(pid, timing=True)
 
     def compare(self, kind, skel, tensors, path):
         """(max abs difference, scale) of the companion's fingerprint against the trainer's file."""
@@ -448,7 +447,7 @@ def take(be, reg, way, cmd):
     if way.startswith("reduce"):
         return be.rebuild(cmd["reduce"])[0], None
     if way == "open_torch" and be.open_torch:
-        return be.open_torch(reg, cmd["pid"], cmd["params"])
+        return be.open_torch(reg, cmd["pid"])
     if way in ("open_many", "to_torch", "open_torch"):
         params = cmd["params"]
         bufs, timing = reg.open_many(cmd["pid"], [(p["address"], p["nbytes"]) for p in params], timing=True)

@@ -609,7 +609,20 @@ static void test_under_shim(void)
               bt->nbytes == 2 * (1 + 63 + 31 * 64),
           "model.b");
     CHECK(st && st->ndim == 0 && st->nbytes == 8 && st->address == b1, "the scalar");
-    vmm_tensor_info one;
+    vmm_tensor_info one, arr[3];
+    size_t n_list = 99;
+    CHECK(vmm_list_tensors(reg, (uint32_t)g_pid, arr, 3, &n_list) == VMM_OK && n_list == 3 && w &&
+              !memcmp(&arr[0], &s.t[0], sizeof arr) && !memcmp(&arr[2], &s.t[2], sizeof arr[2]),
+          "vmm_list_tensors: the three names as vmm_foreach_tensor gives them (%zu)", n_list);
+    memset(arr, 0, sizeof arr);
+    CHECK(vmm_list_tensors(reg, (uint32_t)g_pid, arr, 1, &n_list) == VMM_OK && n_list == 3 &&
+              !memcmp(&arr[0], &s.t[0], sizeof arr[0]) && arr[1].name[0] == 0,
+          "vmm_list_tensors with room for one: the first, and 3 for the count (%zu)", n_list);
+    CHECK(vmm_list_tensors(reg, (uint32_t)g_pid, NULL, 0, &n_list) == VMM_OK && n_list == 3, "vmm_list_tensors: a count only");
+    CHECK(vmm_list_tensors(reg, (uint32_t)g_pid, NULL, 2, &n_list) == VMM_ERR_INVALID && n_list == 0,
+          "vmm_list_tensors: out NULL with room asked for");
+    CHECK(vmm_list_tensors(reg, 0x7ffffff0u, arr, 3, &n_list) == VMM_ERR_NOT_FOUND && n_list == 0,
+          "vmm_list_tensors of a pid not under the shim: %s", vmm_last_error());
     CHECK(vmm_find_tensor(reg, (uint32_t)g_pid, "model.b", &one) == VMM_OK && one.address == b0 + MIB, "vmm_find_tensor");
     CHECK(vmm_find_tensor(reg, (uint32_t)g_pid, "nope", &one) == VMM_ERR_NOT_FOUND && strstr(vmm_last_error(), "no tensor named"),
           "%s", vmm_last_error());

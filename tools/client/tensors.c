@@ -114,6 +114,30 @@ VMM_PUBLIC vmm_status vmm_find_tensor(vmm_registry *reg, uint32_t pid, const cha
     return st;
 }
 
+typedef struct tensor_list {
+    vmm_tensor_info *out;
+    size_t max, n;
+} tensor_list;
+
+static int list_one(void *ctx, const vmm_tensor_info *t)
+{
+    tensor_list *l = ctx;
+    if (l->n < l->max) l->out[l->n] = *t;
+    l->n++;
+    return 0;
+}
+
+VMM_PUBLIC vmm_status vmm_list_tensors(vmm_registry *reg, uint32_t pid, vmm_tensor_info *out, size_t max, size_t *n)
+{
+    NEED(n, "n is NULL");
+    *n = 0;
+    NEED(out || max == 0, "out is NULL");
+    tensor_list l = {.out = out, .max = max};
+    vmm_status st = vmm_foreach_tensor(reg, pid, list_one, &l);
+    *n = l.n;
+    return st;
+}
+
 /* ---- the owner side, without the shim ---- */
 
 #define NO_SHIM(fn)                                                                                                  \

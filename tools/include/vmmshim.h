@@ -503,6 +503,10 @@ typedef int (*vmm_tensor_fn)(void *ctx, const vmm_tensor_info *tensor);
 vmm_status vmm_foreach_tensor(vmm_registry *reg, uint32_t pid, vmm_tensor_fn fn, void *ctx);
 /* One name of pid; VMM_ERR_NOT_FOUND when pid publishes none by that name (or as above). */
 vmm_status vmm_find_tensor(vmm_registry *reg, uint32_t pid, const char *name, vmm_tensor_info *out);
+/* vmm_foreach_tensor into an array, for callers to whom a callback a name costs (Python's ctypes:
+ * ~1 us each): out[0..min(max, *n)) filled, *n every name pid publishes now, so *n > max asks
+ * for a larger array (the names may change between two calls).  Statuses as vmm_foreach_tensor. */
+vmm_status vmm_list_tensors(vmm_registry *reg, uint32_t pid, vmm_tensor_info *out, size_t max, size_t *n);
 
 #ifdef __cplusplus
 }

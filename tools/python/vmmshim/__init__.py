@@ -140,20 +140,20 @@ class Tensor:
     dlpack_dtype (code, bits, lanes), shape and strides (in elements), alloc_id (hex, of the
     allocation holding address), published_ns."""
 
-    def __init__(self, info):
-        self.name = _text(info.name)
-        self._name_raw = bytes(info.name)  # as the table holds it (python -m vmmshim list --names)
-        self.pid = info.pid
-        self.address = info.address
-        self.nbytes = info.nbytes
-        self.dlpack_dtype = (info.dtype.code, info.dtype.bits, info.dtype.lanes)
+    def __init__(self, f):
+        """f: a vmm_tensor_info's fields (_lib.TENSOR_UNPACK)."""
+        name = f[0].split(b"\0", 1)[0]
+        self.name = _text(name)
+        self._name_raw = name  # as the table holds it (python -m vmmshim list --names)
+        self.pid, self.address, self.nbytes, self.published_ns = f[1], f[6], f[7], f[-1]
+        self.dlpack_dtype = f[2:5]
         dt = _dtypes.from_dlpack(*self.dlpack_dtype)
         self.dtype = dt.name if dt else "dlpack(%d,%d,%d)" % self.dlpack_dtype
-        n = min(info.ndim, _lib.MAX_DIMS)
-        self.shape = tuple(info.shape[:n])
-        self.strides = tuple(info.strides[:n])
-        self.alloc_id = bytes(info.alloc_id).hex()
-        self.published_ns = info.published_ns
+        n = min(f[5], _lib.MAX_DIMS)
+        m = _lib.MAX_DIMS
+        self.shape = f[8:8 + n]
+        self.strides = f[8 + m:8 + m + n]
+        self.alloc_id = f[8 + 2 * m].hex()
 
     def __repr__(self):
         return (f"<vmmshim.Tensor {self.name!r} of pid {self.pid}: {self.dtype}{list(self.shape)} at "
@@ -240,14 +240,18 @@ class Registry:
         vmm_publish in C), each checked against the live allocation it lies in.  {} for a living
         owner that publishes none; NotFound when pid has no record in this registry (it does not
         run under the shim); OwnerDead once it has exited."""
+        listed, n, room = _lib.lib().vmm_list_tensors, ctypes.c_size_t(), 256
+        while True:
+            buf = ctypes.create_string_buffer(room * _lib.TENSOR_UNPACK.size)
+            _check(listed(self._h(), pid, buf, room, ctypes.byref(n)))
+            if n.value <= room:
+                break
+            room = n.value + 64  # more names than room: again, with room for them and some more
+        raw = memoryview(buf)[:n.value * _lib.TENSOR_UNPACK.size]
         found = {}
-
-        def visit(_ctx, info):
-            t = Tensor(info.contents)
+        for fields in _lib.TENSOR_UNPACK.iter_unpack(raw):
+            t = Tensor(fields)
             found[t.name] = t
-            return 0
-
-        _check(_lib.lib().vmm_foreach_tensor(self._h(), pid, _lib.TENSOR_FN(visit), None))
         return found
 
     def open_tensors(self, pid, names=None, timing=False):

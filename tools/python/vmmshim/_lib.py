@@ -2,6 +2,7 @@
 and the functions' prototypes.  The library is loaded on first use, so that importing the package
 (for its exceptions, or `--help`) works where the library is not installed."""
 import ctypes
+import struct
 import ctypes.util
 import os
 import pathlib
@@ -144,7 +145,14 @@ class ManyTiming(ctypes.Structure):
 
 ALLOC_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(AllocInfo))
 PROC_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(ProcInfo))
-TENSOR_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(TensorInfo))
+# Registry.tensors reads vmm_list_tensors' array with one struct.iter_unpack (TENSOR_UNPACK), where
+# a callback a name and reading each field through ctypes cost ~3.5 us a tensor
+TENSOR_UNPACK = struct.Struct("<%dsIBBHI4xQQ%dq%dq16sQ" % (NAME_MAX + 1, MAX_DIMS, MAX_DIMS))
+assert TENSOR_UNPACK.size == ctypes.sizeof(TensorInfo) and all(
+    getattr(TensorInfo, f).offset == o for f, o in
+    (("pid", 128), ("dtype", 132), ("ndim", 136), ("address", 144), ("nbytes", 152), ("shape", 160),
+     ("strides", 160 + 8 * MAX_DIMS), ("alloc_id", 160 + 16 * MAX_DIMS), ("published_ns", 176 + 16 * MAX_DIMS))), \
+    "vmm_tensor_info's layout"
 
 _P = ctypes.c_void_p  # vmm_registry *, vmm_imported *: opaque
 _PROTOTYPES = {
@@ -169,7 +177,7 @@ _PROTOTYPES = {
     "vmm_import_drop_idle": (c_int, []),
     "vmm_import_read": (c_int, [_P, c_u64, ctypes.c_void_p, c_u64]),
     "vmm_import_check": (c_int, [_P, _P]),
-    "vmm_foreach_tensor": (c_int, [_P, c_u32, TENSOR_FN, ctypes.c_void_p]),
+    "vmm_list_tensors": (c_int, [_P, c_u32, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
     "vmm_keeper_of": (c_int, [_P, c_u32, ctypes.POINTER(KeeperInfo)]),
 }
 
