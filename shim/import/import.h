@@ -29,8 +29,6 @@ __attribute__((format(printf, 2, 3))) vmm_status vmm__error(vmm_status st, const
 /* The calling thread's last reason (vmm_last_error), and a status's words (vmm_strerror). */
 const char *vmm__error_text(void);
 const char *vmm__status_text(vmm_status status);
-/* A registry error code (-errno style) as a status; with the registry's own reason `msg` (or
- * strerror of rc) as the thread's reason. */
 /* One entry of a table of driver functions: the exported name and where its address goes. */
 typedef struct vmm__driver_sym {
     const char *name;
@@ -41,6 +39,8 @@ typedef struct vmm__driver_sym {
  * in err, for a missing library or a missing required symbol. */
 int vmm__driver_load(const vmm__driver_sym *syms, size_t n, void *table, size_t size, char *err, size_t errlen);
 
+/* A registry error code (-errno style) as a status; with the registry's own reason `msg` (or
+ * strerror of rc) as the thread's reason. */
 vmm_status vmm__status_of(int rc, bool too_new);
 vmm_status vmm__reg_error(int rc, const char *msg, bool too_new);
 bool vmm__pid_exists(uint32_t pid);

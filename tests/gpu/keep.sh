@@ -95,10 +95,9 @@ ONLY=",${KEEP_ONLY:-all},"
 # not be slower than 0.9x that bound (pinned device-to-host copies are far faster: tests/gpu/dump.sh).
 # Judged from 1 GiB up; a smaller dump's rate is reported only.
 dump_rate() {
-  local name=$1 d=$2 line bytes secs rate ref t0 t1 mib
-  line=$(grep -m1 '^dumped ' "$d/keeper.out" 2>/dev/null)
-  bytes=$(printf '%s' "$line" | sed -nE 's/.*: ([0-9]+) bytes .* in ([0-9.]+) s, .*/\1/p')
-  secs=$(printf '%s' "$line" | sed -nE 's/.*: ([0-9]+) bytes .* in ([0-9.]+) s, .*/\2/p')
+  local name=$1 d=$2 bytes="" secs="" rate ref t0 t1 mib
+  read -r bytes secs < <(grep -m1 '^dumped ' "$d/keeper.out" 2>/dev/null |
+    sed -nE 's/.*: ([0-9]+) bytes .* in ([0-9.]+) s, .*/\1 \2/p')
   [ -n "$bytes" ] && [ -n "$secs" ] || return 0
   mib=$(((bytes >> 20) + 1))
   [ "$mib" -gt 4096 ] && mib=4096

@@ -96,7 +96,7 @@ typedef struct owner {
     pending *pend;   /* by key, the watcher's own */
     held *recs;      /* the owner's held records */
     unsigned n_held, n_chunks;
-    uint64_t bytes, pass;
+    uint64_t pass;
     bool dead, done;
     pthread_t th;
     /* its end, read the moment its pidfd turned readable (a thread of its own, blocked on it), so
@@ -236,11 +236,13 @@ static uint64_t held_bytes(const owner *o)
     return total;
 }
 
-static void publish_counts(owner *o)
+/* The keep file's counts, now; the bytes held. */
+static uint64_t publish_counts(owner *o)
 {
-    o->bytes = held_bytes(o);
+    uint64_t bytes = held_bytes(o);
     __atomic_store_n(&o->k.f->held_allocs, o->n_held, __ATOMIC_RELAXED);
-    __atomic_store_n(&o->k.f->held_bytes, o->bytes, __ATOMIC_RELAXED);
+    __atomic_store_n(&o->k.f->held_bytes, bytes, __ATOMIC_RELAXED);
+    return bytes;
 }
 
 /* The broker's export function: fds of a held record's chunk, for the processes that import a
@@ -432,12 +434,12 @@ static void pass_alive(owner *o, uint32_t bell)
         pthread_mutex_unlock(&g_lock);
     }
     free(s.a);
-    publish_counts(o);
+    uint64_t bytes = publish_counts(o);
     if (exiting) vmm__keep_done(&o->k, bell);
     if (o->n_held != before_held || o->n_chunks != before_chunks) {
         hbuf h;
         event("pid %u: holding %u allocation%s in %u chunk%s, %s", o->pid, o->n_held, o->n_held == 1 ? "" : "s",
-              o->n_chunks, o->n_chunks == 1 ? "" : "s", vmm__ctl_human(o->bytes, &h));
+              o->n_chunks, o->n_chunks == 1 ? "" : "s", vmm__ctl_human(bytes, &h));
     }
 }
 
@@ -606,11 +608,11 @@ static void on_death(owner *o)
     DL_FOREACH_SAFE(o->recs, h, htmp)
     if (vmm__keep_mark(&g_wreg, &o->k, h->slot, h->generation) != 0) held_drop(o, h);
     pthread_mutex_unlock(&g_lock);
-    publish_counts(o);
+    uint64_t bytes = publish_counts(o);
     __atomic_store_n(&f->state, VMM_KEEP_KEPT, __ATOMIC_RELEASE);
     hbuf hb;
     event("pid %u %s: keeping %u allocation%s in %u chunk%s, %s; served at %s", o->pid, how, o->n_held,
-          o->n_held == 1 ? "" : "s", o->n_chunks, o->n_chunks == 1 ? "" : "s", vmm__ctl_human(o->bytes, &hb), g_sock);
+          o->n_held == 1 ? "" : "s", o->n_chunks, o->n_chunks == 1 ? "" : "s", vmm__ctl_human(bytes, &hb), g_sock);
     bool normal = kind == VMM_KEEP_END_EXIT && value == 0;
     if (g_dump_dir && !normal) run_dump(o);
 }

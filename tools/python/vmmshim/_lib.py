@@ -2,10 +2,10 @@
 and the functions' prototypes.  The library is loaded on first use, so that importing the package
 (for its exceptions, or `--help`) works where the library is not installed."""
 import ctypes
-import struct
 import ctypes.util
 import os
 import pathlib
+import struct
 import threading
 
 from ._errors import LibraryNotFound
