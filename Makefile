@@ -48,16 +48,17 @@ PROGS    := $(patsubst tests/progs/%.c,$(BUILD)/progs/%,$(PROG_SRC))
 TESTS    := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC) $(HELPER_SRC))
 FUZZ_REPLAY := $(patsubst %,$(BUILD)/tests/test_fuzz_%,$(FUZZ_TARGETS))
 GEN_SEEDS := $(BUILD)/fuzz/gen_seeds
+CHECKSUMS_SO := $(BUILD)/tests/libchecksums.so
 
 .PHONY: all deps fuzz-deps test check fuzz fuzz-seeds test-gpu test-matrix bench-gpu demo install clean
-all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(FUZZ_REPLAY) $(GEN_SEEDS) $(PROGS)
+all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(FUZZ_REPLAY) $(GEN_SEEDS) $(PROGS) $(CHECKSUMS_SO)
 
 # Debian packages the build needs; installed when root, otherwise the exact command is printed.
 deps:
-	@if ! printf '#include <uthash.h>\n#include <libunwind.h>\n' | $(CC) -E -x c - >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ]; then echo "vmmshim: installing uthash-dev libunwind-dev"; \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq uthash-dev libunwind-dev) >/dev/null || exit 1; \
-	  else echo "vmmshim: error: missing build dependencies; run: sudo apt-get install -y uthash-dev libunwind-dev"; exit 1; fi; \
+	@if ! printf '#include <uthash.h>\n#include <libunwind.h>\n#include <xxhash.h>\n' | $(CC) -E -x c - >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then echo "vmmshim: installing uthash-dev libunwind-dev libxxhash-dev"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq uthash-dev libunwind-dev libxxhash-dev) >/dev/null || exit 1; \
+	  else echo "vmmshim: error: missing build dependencies; run: sudo apt-get install -y uthash-dev libunwind-dev libxxhash-dev"; exit 1; fi; \
 	fi
 
 $(BUILD)/obj/%.o: %.c | deps
@@ -113,6 +114,11 @@ $(BUILD)/progs/callsite: LDFLAGS += -rdynamic
 # when it runs under it (tests/progs/named.c).
 $(BUILD)/progs/named: $(CLIENT_SO)
 $(BUILD)/progs/named: LDLIBS := -L$(BUILD) -l:libvmmshim-client.so -Wl,-rpath,'$$ORIGIN/..' $(LDLIBS)
+
+# The checksums the GPU scripts compare with, built here for the GPU machine (tests/gpu/checksums.c).
+$(CHECKSUMS_SO): $(BUILD)/obj/tests/gpu/checksums.o
+	@mkdir -p $(dir $@)
+	$(CC) -shared $(LDFLAGS) -o $@ $^
 
 $(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(CLIENT_A) $(CORE_A)
 	@mkdir -p $(dir $@)

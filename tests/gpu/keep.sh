@@ -3,7 +3,7 @@
 # for every variant, each well under 10).  For each variant a trainer (tests/gpu/keep_train.py)
 # runs under the shim with a keeper attached (`vmmctl keep PID --on-exit dump DIR`), prints after
 # every synchronized step the FNV-1a of each parameter and the logits of a fixed probe batch, then
-# the FNV-1a of each of its allocations, and dies; then:
+# the XXH3-64 of each of its allocations (the dump manifest's checksum), and dies; then:
 #   - the keeper says how it died (SIGKILL, or SIGSEGV) and that it keeps its allocations;
 #   - the dump the keeper wrote by itself: every allocation the trainer listed, with its checksum,
 #     and the manifest naming the keeper and the signal;
@@ -31,7 +31,7 @@ DRY=${KEEP_DRY:-0}
 STEPS=${KEEP_STEPS:-20}
 export VMMSHIM_REGISTRY=/vmmshim-keep-$$ VMMSHIM_BROKER_DIR=$W/brokers PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export VMMSHIM_CLIENT_LIB=$B/libvmmshim-client.so PYTHONPATH=$PWD/tools/python:$PWD/tests/gpu
-export KEEP_FNV_LIB=$W/libfnv.so
+export KEEP_SUM_LIB=$B/tests/libchecksums.so
 [ "$DRY" = 1 ] && export LD_LIBRARY_PATH=$B/fakecuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 pass=0
 fail=0
@@ -64,15 +64,8 @@ used_mib() { # NVML's used memory of GPU 0, MiB (nothing in a dry run)
   timeout 20 nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | tr -d ' '
 }
 
-cat >"$W/fnv.c" <<'C'
-#include <stddef.h>
-/* FNV-1a 64, as vmmctl and the tests compute it: keep_train.py and keep_check.py call it */
-unsigned long long fnv1a(const unsigned char *p, size_t n, unsigned long long h) {
-  for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
-  return h; }
-C
-gcc -O2 -shared -fPIC -o "$KEEP_FNV_LIB" "$W/fnv.c" || {
-  bad "the FNV helper does not build"
+[ -f "$KEEP_SUM_LIB" ] || {
+  bad "$KEEP_SUM_LIB missing (make builds it; carry build/)"
   finish
 }
 if [ ! -x "$B/vmmctl" ] || [ ! -f "$B/libvmmshim.so" ]; then
@@ -193,9 +186,9 @@ import json, sys
 m = json.load(open(sys.argv[1]))
 allocs = [l.split()[1:] for l in open(sys.argv[2]) if l.startswith("alloc ")]
 by = {a["address"]: a for a in m["allocations"]}
-bad = [f"{a} {s} {f} -> {by.get(int(a, 16), {}).get('fnv1a64')} ({by.get(int(a, 16), {}).get('status')})"
+bad = [f"{a} {s} {f} -> {by.get(int(a, 16), {}).get('xxh3_64')} ({by.get(int(a, 16), {}).get('status')})"
        for a, s, f in allocs
-       if by.get(int(a, 16), {}).get("fnv1a64") != f or by[int(a, 16)]["size"] != int(s)]
+       if by.get(int(a, 16), {}).get("xxh3_64") != f or by[int(a, 16)]["size"] != int(s)]
 print("allocations", len(allocs), "mismatches", len(bad))
 for b in bad: print("  ", b)
 print("owner_ended", m.get("owner_ended"), "kept_by", m.get("kept_by"))

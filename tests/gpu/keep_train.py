@@ -1,14 +1,14 @@
 """The trainer of tests/gpu/keep.sh, run under the shim: a small model trained for STEPS steps,
 printing after each synchronized step the FNV-1a of every parameter's bytes ("fnv STEP NAME HEX")
 and the logits of a fixed probe batch ("logits STEP HEX..." as float.hex), then, after the last
-step, the FNV-1a of each of its exportable allocations as the registry lists them ("alloc ADDRESS
-SIZE HEX": what `vmmctl dump` writes), "final STEP", and dies: it sleeps for the script's SIGKILL
+step, the XXH3-64 of each of its exportable allocations as the registry lists them ("alloc ADDRESS
+SIZE HEX": what `vmmctl dump` writes, and its manifest's checksum), "final STEP", and dies: it sleeps for the script's SIGKILL
 (die=kill), or segfaults itself (die=segv, os.kill SIGSEGV, no handler).  Its parameters are
 published by name (vmmshim.publish_many) after every step.
   keep_train.py FRAMEWORK STEPS DIE      FRAMEWORK: torch, jax or stub (the emulated runtime's
                                           libcudart, for the dry run on a machine without a GPU)
 It starts by printing "ready PID" and waiting for a line on stdin (the keeper attaches first).
-FNV-1a runs in C: $KEEP_FNV_LIB (built by keep.sh).  Device bytes are read with the driver's
+Both checksums run in C: $KEEP_SUM_LIB (build/tests/libchecksums.so).  Device bytes are read with the driver's
 cuMemcpyDtoH in the device's primary context (stub: the emulated pointers are host addresses)."""
 import ctypes
 import os
@@ -28,22 +28,30 @@ if "--xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 
 
-def fnv_lib():
-    lib = ctypes.CDLL(os.environ["KEEP_FNV_LIB"])
-    lib.fnv1a.restype = ctypes.c_uint64
-    lib.fnv1a.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64]
-    return lib
+_SUMS = None
 
 
-_FNV = None
+def sums_lib():
+    global _SUMS
+    if _SUMS is None:
+        lib = ctypes.CDLL(os.environ["KEEP_SUM_LIB"])
+        lib.vmm_test_fnv1a.restype = lib.vmm_test_xxh3.restype = ctypes.c_uint64
+        lib.vmm_test_fnv1a.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64]
+        lib.vmm_test_xxh3.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _SUMS = lib
+    return _SUMS
+
+
+def _buffer(data):
+    return ctypes.create_string_buffer(bytes(data), len(data)) if not isinstance(data, ctypes.Array) else data
 
 
 def fnv(data):
-    global _FNV
-    if _FNV is None:
-        _FNV = fnv_lib()
-    buf = ctypes.create_string_buffer(bytes(data), len(data)) if not isinstance(data, ctypes.Array) else data
-    return f"{_FNV.fnv1a(buf, len(data), 0xCBF29CE484222325):016x}"
+    return f"{sums_lib().vmm_test_fnv1a(_buffer(data), len(data), 0xCBF29CE484222325):016x}"
+
+
+def xxh3(data):
+    return f"{sums_lib().vmm_test_xxh3(_buffer(data), len(data)):016x}"
 
 
 class Device:
@@ -226,7 +234,7 @@ def main():
     with vmmshim.Registry() as reg:
         for a in reg.allocations(os.getpid()):
             if a.exportable:
-                print(f"alloc 0x{a.address:x} {a.size} {fnv(dev.read(a.address, a.size))}")
+                print(f"alloc 0x{a.address:x} {a.size} {xxh3(dev.read(a.address, a.size))}")
     print(f"final {steps - 1}", flush=True)
     time.sleep(1.0)  # every allocation older than the keeper's settle time: all of it held
     if die == "segv":

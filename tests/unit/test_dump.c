@@ -28,6 +28,8 @@
 
 #include <dirent.h>
 #include <sys/mman.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -46,21 +48,30 @@ static uint64_t fnv_bytes(uint64_t h, const uint8_t *p, size_t n)
     return h;
 }
 
-/* FNV-1a of a file's bytes and its size; false when it cannot be read. */
-static bool fnv_file(const char *path, uint64_t *fnv, uint64_t *size)
+/* FNV-1a of a file's bytes (what the owner prints), its size and, when xxh3 is not NULL, its
+ * XXH3-64 in one pass (what the manifest must say); false when it cannot be read. */
+static bool fnv_file_xxh3(const char *path, uint64_t *fnv, uint64_t *size, uint64_t *xxh3)
 {
     FILE *f = fopen(path, "rb");
     if (!f) return false;
     static uint8_t buf[1 << 16];
+    uint8_t *whole = NULL;
     *fnv = 0xcbf29ce484222325ull;
     *size = 0;
     for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) {
         *fnv = fnv_bytes(*fnv, buf, n);
+        uint8_t *grown = xxh3 ? realloc(whole, *size + n) : NULL;
+        if (grown) memcpy(grown + *size, buf, n);
+        whole = grown;
         *size += n;
     }
     fclose(f);
+    if (xxh3) *xxh3 = whole || *size == 0 ? XXH3_64bits(whole, (size_t)*size) : 0;
+    free(whole);
     return true;
 }
+
+static bool fnv_file(const char *path, uint64_t *fnv, uint64_t *size) { return fnv_file_xxh3(path, fnv, size, NULL); }
 
 static bool slurp(const char *path, char *buf, size_t len)
 {
@@ -444,7 +455,8 @@ static const char *entry_of(const char *manifest, uint64_t addr, char *buf, size
     return line_with(manifest, key, buf, len);
 }
 
-/* The allocation at addr is listed dumped, with fnv, and its file holds size bytes of that fnv. */
+/* The allocation at addr is listed dumped, its file holds size bytes whose FNV-1a is the owner's
+ * fnv, and the manifest gives the file's XXH3-64 (libxxhash's, over the whole file at once). */
 static void check_dumped(const char *dir, const char *manifest, uint64_t addr, uint64_t size, uint64_t fnv)
 {
     char line[1024], want[200], path[512];
@@ -452,14 +464,14 @@ static void check_dumped(const char *dir, const char *manifest, uint64_t addr, u
     snprintf(want, sizeof want, "\"size\": %llu, ", (unsigned long long)size);
     CHECK(strstr(line, want) && strstr(line, "\"status\": \"dumped\""), "entry of 0x%llx: %s",
           (unsigned long long)addr, line);
-    snprintf(want, sizeof want, "\"file\": \"0x%llx.bin\", \"fnv1a64\": \"%016llx\", \"reason\": null}",
-             (unsigned long long)addr, (unsigned long long)fnv);
-    CHECK(strstr(line, want) != NULL, "want %s in %s", want, line);
     snprintf(path, sizeof path, "%s/0x%llx.bin", dir, (unsigned long long)addr);
-    uint64_t got = 0, got_size = 0;
-    CHECK(fnv_file(path, &got, &got_size) && got == fnv && got_size == size,
+    uint64_t got = 0, got_size = 0, xxh3 = 0;
+    CHECK(fnv_file_xxh3(path, &got, &got_size, &xxh3) && got == fnv && got_size == size,
           "%s: fnv %016llx size %llu, want %016llx size %llu", path, (unsigned long long)got,
           (unsigned long long)got_size, (unsigned long long)fnv, (unsigned long long)size);
+    snprintf(want, sizeof want, "\"file\": \"0x%llx.bin\", \"xxh3_64\": \"%016llx\", \"reason\": null}",
+             (unsigned long long)addr, (unsigned long long)xxh3);
+    CHECK(strstr(line, want) != NULL, "want %s in %s", want, line);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -712,7 +724,7 @@ static void case_dump_all(void)
         if (i != 3) check_dumped(dir, manifest, o.addr[i], o.size[i], o.fnv[i]);
     entry_of(manifest, o.addr[3], line, sizeof line);
     CHECK(strstr(line, "\"api\": \"cudaMallocAsync\"") && strstr(line, "\"status\": \"skipped\"") &&
-              strstr(line, "\"file\": null, \"fnv1a64\": null, \"reason\": \"not exportable"),
+              strstr(line, "\"file\": null, \"xxh3_64\": null, \"reason\": \"not exportable"),
           "the captured allocation: %s", line);
     entry_of(manifest, o.addr[0], line, sizeof line);
     CHECK(strstr(line, "\"api\": \"cudaMalloc\", \"device\": 0, \"tag\": \"\", \"id\": \"") &&
@@ -744,7 +756,7 @@ static void case_dump_all(void)
     CHECK(g_r.status == 1 && strstr(g_r.out, "dumped 3 allocations") && strstr(g_r.out, "; 1 skipped, 1 failed\n") &&
               strstr(g_r.err, "could not be dumped: cuMemImportFromShareableHandle failed") &&
               slurp(path, manifest, sizeof manifest) && strstr(manifest, "\"failed\": 1,") &&
-              strstr(manifest, "\"status\": \"failed\", \"file\": null, \"fnv1a64\": null, \"reason\": "
+              strstr(manifest, "\"status\": \"failed\", \"file\": null, \"xxh3_64\": null, \"reason\": "
                                "\"cuMemImportFromShareableHandle failed"),
           "a failed import: %d %s%s", g_r.status, g_r.out, g_r.err);
     owner_end(&o, false);
@@ -831,7 +843,7 @@ static void case_freed_meanwhile(fork_owner *o)
     entry_of(manifest, o->info.addr[second], line, sizeof line);
     snprintf(want, sizeof want, "\"tag\": \"fo-%d\"", second);
     CHECK(strstr(line, "\"api\": \"test\"") && strstr(line, want) &&
-              strstr(line, "\"status\": \"skipped\", \"file\": null, \"fnv1a64\": null, \"reason\": \"freed before"),
+              strstr(line, "\"status\": \"skipped\", \"file\": null, \"xxh3_64\": null, \"reason\": \"freed before"),
           "the freed allocation: %s", line);
 
     /* by address: the same race fails the dump, and leaves no file */

@@ -2,8 +2,8 @@
  *
  * With ADDR, the allocation holding it goes to the file PATH (its requested size, from its
  * start).  Without, PATH becomes a directory: one file per live allocation of PID, and
- * manifest.json, written last, that lists each (dumped with its FNV-1a, or skipped or failed
- * with the reason), so a directory without one is an incomplete dump.
+ * manifest.json, written last, that lists each (dumped with its XXH3-64 checksum, or skipped or
+ * failed with the reason), so a directory without one is an incomplete dump.
  *
  * Post-mortem: every allocation is imported before the first byte is copied.  An import keeps
  * the owner's memory alive after the owner exits, so once the imports are made, an owner that
@@ -11,19 +11,26 @@
  * bytes are read while the owner runs, so a buffer it writes meanwhile may be caught mid-change.
  *
  * Files are written through vmm_import_copy, whose pinned buffers let the device-to-host copy of
- * one piece overlap the write of the previous one. */
+ * one piece overlap the write of the previous one.  The checksum is XXH3 (`xxhsum -H3 FILE`
+ * checks a file), hashed by a second thread while the first writes the same piece: a byte-serial
+ * hash such as FNV-1a runs at ~0.65 GB/s, a fifth of what a disk's page cache takes, and would
+ * set the dump's pace. */
 #include "vmmctl.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+
+#define XXH_INLINE_ALL /* header-only: vmmctl needs no libxxhash at run time */
+#include <xxhash.h>
 
 /* ------------------------------------------------------------------------------------------ */
 /* Progress                                                                                    */
@@ -71,30 +78,51 @@ static void progress_clear(const progress *p)
 
 typedef struct out_file {
     int fd;
-    bool checksum;
-    uint64_t fnv;
-    int err; /* errno of the write that failed */
+    XXH3_state_t *checksum; /* NULL: none wanted */
+    int err;                /* errno of the write that failed */
     progress *prog;
 } out_file;
 
-/* vmm_import_copy's sink: the whole piece goes to the file, whatever write() takes at a time. */
+typedef struct piece_hash {
+    XXH3_state_t *state;
+    const void *data;
+    size_t length;
+} piece_hash;
+
+static void *hash_piece(void *arg)
+{
+    piece_hash *h = arg;
+    XXH3_64bits_update(h->state, h->data, h->length);
+    return NULL;
+}
+
+/* Below this a thread costs more than the hash it takes off the writer. */
+#define HASH_THREAD_MIN (1u << 20)
+
+/* vmm_import_copy's sink: the whole piece goes to the file, whatever write() takes at a time,
+ * while a second thread hashes the same (read-only) bytes. */
 static int write_piece(void *ctx, const void *data, uint64_t length, uint64_t done)
 {
     (void)done; /* the file is written in order */
     out_file *o = ctx;
-    if (o->checksum) o->fnv = vmm__ctl_fnv1a(o->fnv, data, (size_t)length);
+    piece_hash job = {o->checksum, data, (size_t)length};
+    pthread_t hasher;
+    bool threaded = o->checksum && length >= HASH_THREAD_MIN && pthread_create(&hasher, NULL, hash_piece, &job) == 0;
+    if (o->checksum && !threaded) hash_piece(&job);
     const char *p = data;
     while (length) {
         ssize_t n = write(o->fd, p, length < (uint64_t)SSIZE_MAX ? (size_t)length : (size_t)SSIZE_MAX);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) {
             o->err = n < 0 ? errno : ENOSPC; /* a regular file that takes nothing is full */
-            return 1;
+            break;
         }
         p += n;
         length -= (uint64_t)n;
         o->prog->done += (uint64_t)n;
     }
+    if (threaded) pthread_join(hasher, NULL); /* the piece's buffer is reused once we return */
+    if (o->err) return 1;
     progress_draw(o->prog);
     return 0;
 }
@@ -121,7 +149,7 @@ static double stage_buffers(vmm_imported *imp)
 static int write_import(vmm_imported *imp, int fd, const char *path, out_file *o)
 {
     o->fd = fd;
-    o->fnv = VMM__FNV_BASIS;
+    if (o->checksum) XXH3_64bits_reset(o->checksum);
     o->err = 0;
     vmm_status st = vmm_import_copy(imp, 0, vmm_import_size(imp), write_piece, o);
     if (st == VMM_OK && close(fd) != 0) o->err = errno; /* NFS and friends report here */
@@ -143,7 +171,7 @@ typedef struct target {
     int state;
     char reason[320]; /* SKIPPED, FAILED */
     char file[32];    /* DUMPED */
-    uint64_t fnv;
+    uint64_t xxh3;
 } target;
 
 typedef struct dump_job {
@@ -253,10 +281,10 @@ static void manifest_entry(FILE *f, const target *t, bool last)
     fprintf(f, ", \"id\": \"%s\", \"generation\": %llu, \"status\": \"%s\", ", id, (unsigned long long)a->generation,
             t->state == DUMPED ? "dumped" : t->state == SKIPPED ? "skipped" : "failed");
     if (t->state == DUMPED)
-        fprintf(f, "\"file\": \"%s\", \"fnv1a64\": \"%016llx\", \"reason\": null}", t->file,
-                (unsigned long long)t->fnv);
+        fprintf(f, "\"file\": \"%s\", \"xxh3_64\": \"%016llx\", \"reason\": null}", t->file,
+                (unsigned long long)t->xxh3);
     else {
-        fputs("\"file\": null, \"fnv1a64\": null, \"reason\": ", f);
+        fputs("\"file\": null, \"xxh3_64\": null, \"reason\": ", f);
         vmm__ctl_json_str(f, t->reason);
         fputc('}', f);
     }
@@ -408,6 +436,11 @@ static int dump_all(vmm_registry *reg, dump_job *j, const char *path, progress *
             if (!largest || vmm_import_size(j->t[i].imp) > vmm_import_size(largest)) largest = j->t[i].imp;
         }
     if (largest) tot.stage_seconds = stage_buffers(largest);
+    XXH3_state_t *checksum = XXH3_createState();
+    if (!checksum) {
+        close(dir);
+        return vmm__ctl_error("out of memory for the checksum's state");
+    }
     prog->started = mono_s();
     int rc = EXIT_OK;
     for (size_t i = 0; i < j->n; i++) {
@@ -418,12 +451,12 @@ static int dump_all(vmm_registry *reg, dump_job *j, const char *path, progress *
             char shown[PATH_MAX + 40];
             snprintf(shown, sizeof shown, "%s/%s", path, t->file);
             int fd = openat(dir, t->file, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-            out_file o = {.checksum = true, .prog = prog};
+            out_file o = {.checksum = checksum, .prog = prog};
             if (fd < 0)
                 rc = vmm__ctl_error("cannot create %s: %s", shown, strerror(errno));
             else if ((rc = write_import(t->imp, fd, shown, &o)) != EXIT_OK)
                 unlinkat(dir, t->file, 0);
-            t->fnv = o.fnv;
+            t->xxh3 = XXH3_64bits_digest(checksum);
             t->state = rc == EXIT_OK ? DUMPED : FAILED;
             prog->files_done++;
         }
@@ -433,6 +466,7 @@ static int dump_all(vmm_registry *reg, dump_job *j, const char *path, progress *
     }
     tot.seconds = mono_s() - prog->started;
     tot.bytes = prog->done;
+    XXH3_freeState(checksum);
     progress_clear(prog);
     if (rc) {
         close(dir);

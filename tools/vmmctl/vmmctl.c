@@ -49,7 +49,7 @@ static const char usage_text[] =
     "  dump PID [ADDR] -o PATH\n"
     "                 copy device memory to files: with ADDR, that allocation's bytes to the\n"
     "                 file PATH; without, every live allocation of PID into the new (or empty)\n"
-    "                 directory PATH, one file each, and manifest.json (FNV-1a checksums; what\n"
+    "                 directory PATH, one file each, and manifest.json (XXH3-64 checksums; what\n"
     "                 was skipped and why).  All are imported before the first byte is copied,\n"
     "                 so the dump completes even if PID dies meanwhile.  A progress bar on a\n"
     "                 terminal's stderr; a summary line on stdout.  Exit 1 if anything asked\n"
