@@ -2115,6 +2115,8 @@ typedef struct unit {
     CUmemGenericAllocationHandle *h;
     uint64_t *size;
     uint8_t *ok;         /* h[i] is imported (threads import them in any order) */
+    uint64_t *alias;     /* 0, or 1 + (unit << 32 | handle) of the same segment brought earlier: h[i] is that
+                            one's import (not released here) */
 } unit;
 
 /* Records whose handles are the same: a pooled chunk by its id (as same_chunk), a MULTI-HANDLE
@@ -2222,6 +2224,12 @@ typedef struct many {
     size_t q_len, q_next;
     bool q_closed;
     size_t op_next;
+    /* every handle the stream brought, by the owner's address and size of its segment */
+    struct seg_seen {
+        uint64_t at, size; /* size 0: an empty slot */
+        uint32_t unit, handle;
+    } *segs;
+    size_t segs_mask;
     vmm_status st;
     char why[400];
     uint64_t import_ns, map_ns; /* summed over the threads (mt is each thread's own) */
@@ -2264,10 +2272,12 @@ static long unit_of(many *m, const vmm_alloc_info *a)
             u->h = calloc(u->n, sizeof *u->h);
             u->size = calloc(u->n, sizeof *u->size);
             u->ok = calloc(u->n, 1);
-            if (!u->h || !u->size || !u->ok) {
+            u->alias = calloc(u->n, sizeof *u->alias);
+            if (!u->h || !u->size || !u->ok || !u->alias) {
                 free(u->h);
                 free(u->size);
                 free(u->ok);
+                free(u->alias);
                 return -1;
             }
             m->n_handles += u->n;
@@ -2427,6 +2437,31 @@ static void hand_over(many *m, uint32_t ui, uint32_t hi, int fd)
     pthread_mutex_unlock(&m->lock);
 }
 
+/* The stream's handles are the owner's segments, and a segment may come more than once: in a
+ * stream-ordered pool one segment holds the end of one MULTI-HANDLE allocation and the start of
+ * the next, and each unit brings all of its handles.  Imports and access grants cost the same per
+ * handle whatever its size (~26 and ~29 us on an H200 for another process's handle), so a segment
+ * is imported once and only mapped again.  Two records of the call that were live together and
+ * reach the same address with a handle of the same size reach the same segment: an address holds
+ * one mapping at a time, and neither record could have outlived it (many_verify re-reads every
+ * record after the fetch).  True, with *alias set, when (at, size) came before for another unit. */
+static bool seen_before(many *m, uint64_t at, uint64_t size, uint32_t ui, uint32_t hi, uint64_t *alias)
+{
+    if (!m->segs) return false;
+    for (size_t i = vmm_reg_hash((uint32_t)(at >> 21), at ^ size) & m->segs_mask;; i = (i + 1) & m->segs_mask) {
+        struct seg_seen *e = &m->segs[i];
+        if (!e->size) {
+            *e = (struct seg_seen){at, size, ui, hi};
+            return false;
+        }
+        if (e->at == at && e->size == size && e->unit != ui) {
+            *alias = 1 + ((uint64_t)e->unit << 32 | e->handle);
+            return true;
+        }
+        if (e->at == at && e->size == size) return false;
+    }
+}
+
 /* One reply of a v3 stream for the units list[0 .. count) of this request; *done at its last. */
 typedef struct stream {
     const uint32_t *list;
@@ -2486,11 +2521,18 @@ static vmm_status take_reply(many *m, stream *sm, const vmm_broker_reply3 *rep, 
                                      "allocation at 0x%llx)",
                          m->pid, (unsigned long long)u->a.mapped_size, (unsigned long long)u->a.address);
         if (st != VMM_OK) break;
-        u->size[u->got] = f->size;
+        uint32_t hi = u->got++;
+        uint64_t at = u->a.address - u->a.chunk_offset + u->bytes; /* the owner's address of this handle */
+        u->size[hi] = f->size;
         u->bytes += f->size;
         int fd = fds[k];
         fds[k] = -1;
-        hand_over(m, sm->list[sm->at], u->got++, fd);
+        if (seen_before(m, at, f->size, sm->list[sm->at], hi, &u->alias[hi])) {
+            close(fd);
+            mt.shared++;
+        } else {
+            hand_over(m, sm->list[sm->at], hi, fd);
+        }
     }
     if (st == VMM_OK && (rep->flags & VMM_BROKER_REPLY_LAST)) {
         for (; st == VMM_OK && sm->at < sm->count; sm->at++) {
@@ -2624,6 +2666,10 @@ static vmm_status many_fetch(many *m)
     mt.handles = (uint32_t)m->n_handles;
     m->q = calloc(m->n_handles, sizeof *m->q);
     uint32_t *list = calloc(m->n_units, sizeof *list);
+    size_t segs = 16;
+    while (segs < 2 * m->n_handles + 2) segs <<= 1;
+    m->segs = calloc(segs, sizeof *m->segs); /* without it (out of memory) every handle is imported */
+    m->segs_mask = segs - 1;
     if (!m->q || !list) {
         free(list);
         return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
@@ -2682,6 +2728,7 @@ static vmm_status many_fetch(many *m)
             for (uint32_t k = 0; k < u->n; k++)
                 if (u->ok[k]) (void)TWICE(cu.MemRelease(u->h[k]));
             memset(u->ok, 0, u->n);
+            memset(u->alias, 0, u->n * sizeof *u->alias); /* only complete units are aliased to */
             u->got = 0;
             u->bytes = 0;
         }
@@ -2691,6 +2738,18 @@ static vmm_status many_fetch(many *m)
         }
     }
     free(list);
+    for (uint32_t i = 0; i < m->n_units && st == VMM_OK; i++) /* a repeated segment: the import made first */
+        for (uint32_t k = 0; k < m->u[i].n && st == VMM_OK; k++) {
+            uint64_t al = m->u[i].alias[k];
+            if (!al) continue;
+            const unit *src = &m->u[(al - 1) >> 32];
+            uint32_t sk = (uint32_t)(al - 1);
+            if (src->ok[sk])
+                m->u[i].h[k] = src->h[sk];
+            else
+                st = set_err(VMM_ERR_IO, "owner pid %u's segment at the allocation at 0x%llx was not imported", m->pid,
+                             (unsigned long long)m->u[i].a.address);
+        }
     return st;
 }
 
@@ -2866,6 +2925,7 @@ static void many_release_handles(many *m)
         free(u->h);
         free(u->size);
         free(u->ok);
+        free(u->alias);
     }
     free(m->u);
     m->u = NULL;
@@ -3108,6 +3168,7 @@ vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *add
     free(m.cs);
     free(m.ops);
     free(m.q);
+    free(m.segs);
     free(m.nc);
     free(m.r);
     free(m.units_ix.slot);

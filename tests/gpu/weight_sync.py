@@ -703,7 +703,8 @@ def fractions_table(title, rows):
         totals = [t["total_ns"] for t in timings]
         shares = {c: median([steps_of(t, t["total_ns"])[c] / max(t["total_ns"], 1) for t in timings]) for c in cols}
         t = timings[-1]
-        calls = (f"{t['requests']} req, {t['messages']} msg, {t['handles']} import, {t['reserves']} reserve, "
+        calls = (f"{t['requests']} req, {t['messages']} msg, {t['handles']} handles, "
+                 f"{t['handles'] - t.get('shared', 0)} import, {t['reserves']} reserve, "
                  f"{t['maps']} map, {t['access_calls']} SetAccess, {t['threads']} thr")
         print(f"| {label} | {median(totals) / 1e6:.2f} ms | " + " | ".join(f"{100 * shares[c]:.0f}%" for c in cols) +
               f" | {calls} |")

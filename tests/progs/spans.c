@@ -7,6 +7,8 @@
  *                      (cudaMemcpy); answers "ok"
  *   "f <index>"      cudaFree; answers "ok"
  *   "d <device>"     cudaSetDevice: later allocations are that device's; answers "ok"
+ *   "k"              the current device's default pool keeps what is freed (release threshold
+ *                    UINT64_MAX, as PyTorch's cudaMallocAsync backend sets it); answers "ok"
  *   "x <code>"       exit(code), answering nothing (tests/unit/test_keep.c: how an owner ended)
  *   "s"              raises SIGSEGV, as a crash would (no handler of its own)
  *   "q"              exits
@@ -53,6 +55,14 @@ int main(void)
             if (e == cudaSuccess) printf("ok\n");
         } else if (line[0] == 'f' && sscanf(line + 1, "%llu", &a) == 1 && a < (unsigned long long)n) {
             e = cudaFree(buf[a]);
+            if (e == cudaSuccess) printf("ok\n");
+        } else if (line[0] == 'k') {
+            cudaMemPool_t pool;
+            uint64_t keep = UINT64_MAX;
+            int dev = 0;
+            e = cudaGetDevice(&dev);
+            if (e == cudaSuccess) e = cudaDeviceGetDefaultMemPool(&pool, dev);
+            if (e == cudaSuccess) e = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
             if (e == cudaSuccess) printf("ok\n");
         } else if (line[0] == 'd' && sscanf(line + 1, "%llu", &a) == 1) {
             e = cudaSetDevice((int)a);

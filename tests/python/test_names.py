@@ -238,6 +238,15 @@ def with_owner(reg, own):
     try:
         T.raises(vmmshim.NotFound, lambda: reg.open_torch(pid, {"l0": old["layer0.weight"]}),
                  "open_torch of a Tensor whose memory was freed")
+        # the same bytes again, now another allocation's: the name read earlier is stale
+        own.ok("B2 = alloc(1 << 20)")
+        B2 = int(own.ok("B2"))
+        if B2 == B:
+            T.raises(vmmshim.Stale, lambda: reg.open_torch(pid, {"l0": old["layer0.weight"]}),
+                     "open_torch of a Tensor whose address another allocation holds now", "was freed since")
+        else:
+            T.check(False, f"the owner's pool gave the freed 1 MiB back at 0x{B:x}, not 0x{B2:x}: no stale name to try")
+        own.ok("free(B2)")
     finally:
         sys.modules.pop("torch", None)
     own.ok("vmmshim.unpublish('bf')")

@@ -349,6 +349,58 @@ int main(void)
         }
     }
 
+    /* 5b. two MULTI-HANDLE allocations that reach into one segment (as a stream-ordered pool lays
+     * tensors out): the owner's stream brings that segment twice, and it is imported once */
+    {
+        CHECK(owner_cmd(NULL, "k"), "the owner's default pool keeps what is freed");
+        int first = -1;
+        for (int i = 0; i < 4; i++) { /* four segments of the stream-ordered pool, left empty */
+            uint64_t at;
+            int k = owner_alloc_with('A', SEG, &at);
+            if (i == 0) first = k;
+        }
+        for (int i = 0; i < 4 && first >= 0; i++) CHECK(owner_cmd(NULL, "f %d", first + i), "free segment %d", i);
+        uint64_t x = 0, y = 0;
+        int xi = first >= 0 ? owner_alloc_with('A', SEG + SEG / 2, &x) : -1;
+        int yi = xi >= 0 ? owner_alloc_with('A', SEG + SEG / 2, &y) : -1;
+        if (xi < 0 || yi < 0 || !owner_cmd(NULL, "w %d 310", xi) || !owner_cmd(NULL, "w %d 311", yi)) xi = yi = -1;
+        vmm_alloc_info ax = {0}, ay = {0};
+        bool arranged = yi >= 0 && vmm_find(reg, pid, x, &ax) == VMM_OK && vmm_find(reg, pid, y, &ay) == VMM_OK &&
+                        (ax.flags & ay.flags & VMM_ALLOC_MULTI_HANDLE) &&
+                        ay.address - ay.chunk_offset < ax.address - ax.chunk_offset + ax.mapped_size &&
+                        ax.address - ax.chunk_offset < ay.address - ay.chunk_offset + ay.mapped_size;
+        if (arranged) {
+            struct fakecuda_counters c0 = counters();
+            uint64_t addr[2] = {x, y};
+            vmm_imported *out[2];
+            vmm_import_many_timing t;
+            vmm_status st = vmm_import_many(reg, pid, addr, NULL, 2, out);
+            CHECK(st == VMM_OK, "a shared segment: %s", vmm_last_error());
+            if (st == VMM_OK) {
+                struct fakecuda_counters c1 = counters();
+                uint32_t handles = ax.n_handles + ay.n_handles;
+                CHECK(vmm_import_many_last_timing(&t) == VMM_OK && t.handles == handles && t.shared == 1 &&
+                          c1.imports - c0.imports == handles - 1 && c1.mappings_live - c0.mappings_live == handles,
+                      "a shared segment: %u handles, %u shared, %llu imports, %llu mappings (want %u, 1, %u, %u)",
+                      t.handles, t.shared, c1.imports - c0.imports, c1.mappings_live - c0.mappings_live, handles,
+                      handles - 1, handles);
+                CHECK(first_wrong(vmm_import_ptr(out[0]), SEG + SEG / 2, 310, 0) < 0 &&
+                          first_wrong(vmm_import_ptr(out[1]), SEG + SEG / 2, 311, 0) < 0,
+                      "a shared segment: reads wrong");
+                release_all(out, 2);
+            }
+            same_as_before(c0, "a shared segment");
+        } else {
+            CHECK(0, "the owner did not lay two MULTI-HANDLE allocations over one segment (0x%llx: %u handles from "
+                     "0x%llx, %llu bytes; 0x%llx: %u handles from 0x%llx, %llu bytes)",
+                  (unsigned long long)x, ax.n_handles, (unsigned long long)(ax.address - ax.chunk_offset),
+                  (unsigned long long)ax.mapped_size, (unsigned long long)y, ay.n_handles,
+                  (unsigned long long)(ay.address - ay.chunk_offset), (unsigned long long)ay.mapped_size);
+        }
+        if (xi >= 0) CHECK(owner_cmd(NULL, "f %d", xi), "free x");
+        if (yi >= 0) CHECK(owner_cmd(NULL, "f %d", yi), "free y");
+    }
+
     /* 7. the batch: 150 buffers of 2 MiB, each a chunk of its own, in one call */
     enum { NB = 150 };
     static uint64_t bb[NB];
@@ -455,6 +507,25 @@ int main(void)
                 CHECK(nr == 3 && rec[0].address == bb[20] && rec[1].address == bb[21] && rec[2].address == bb[22] &&
                           vmm_import_records(out[3], NULL, 0) == 3 && vmm_import_records(NULL, rec, 4) == 0,
                       "records across three chunks: %zu", nr);
+                /* all of it in one call, as the Python package reads it */
+                vmm_import_desc d[4];
+                memset(d, 0xab, sizeof d);
+                bool described = vmm_import_describe(out, 4, d) == VMM_OK;
+                for (int i = 0; i < 4 && described; i++) {
+                    vmm_alloc_info first;
+                    size_t records = vmm_import_records(out[i], &first, 1);
+                    described = d[i].ptr == vmm_import_ptr(out[i]) && d[i].size == vmm_import_size(out[i]) &&
+                                d[i].device == vmm_import_device(out[i]) && d[i].n_records == records &&
+                                memcmp(d[i].alloc_id, first.alloc_id, sizeof first.alloc_id) == 0;
+                }
+                CHECK(described && d[3].n_records == 3 && d[3].size == 6 * MIB - 8 * KIB,
+                      "vmm_import_describe gives each import's pointer, size, device, records and first id");
+                vmm_imported *with_null[2] = {out[0], NULL};
+                memset(d, 0xab, sizeof d);
+                CHECK(vmm_import_describe(with_null, 2, d) == VMM_ERR_INVALID && strstr(vmm_last_error(), "imps[1]") &&
+                          d[0].ptr == 0xababababababababull && vmm_import_describe(NULL, 1, d) == VMM_ERR_INVALID &&
+                          vmm_import_describe(out, 1, NULL) == VMM_ERR_INVALID && vmm_import_describe(NULL, 0, NULL) == VMM_OK,
+                      "vmm_import_describe refuses NULLs and writes nothing: %s", vmm_last_error());
                 release_all(out, 4);
             }
             same_as_before(c0, "across chunks");

@@ -4,6 +4,9 @@
 #include "vmmshim.h"
 #include "import/import.h"
 
+#include <stddef.h>
+#include <string.h>
+
 #define VMM_PUBLIC __attribute__((visibility("default")))
 
 VMM_PUBLIC vmm_status vmm_import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out)
@@ -55,6 +58,28 @@ VMM_PUBLIC int vmm_import_device(const vmm_imported *imp) { return vmm__import_d
 VMM_PUBLIC size_t vmm_import_records(const vmm_imported *imp, vmm_alloc_info *out, size_t max)
 {
     return vmm__import_records(imp, out, max);
+}
+
+_Static_assert(sizeof(vmm_import_desc) == 40 && offsetof(vmm_import_desc, device) == 16 &&
+                   offsetof(vmm_import_desc, n_records) == 20 && offsetof(vmm_import_desc, alloc_id) == 24,
+               "vmm_import_desc's layout (the Python package reads it with struct)");
+
+VMM_PUBLIC vmm_status vmm_import_describe(vmm_imported *const *imps, size_t n, vmm_import_desc *out)
+{
+    if (n && (!imps || !out)) return vmm__error(VMM_ERR_INVALID, "vmm_import_describe: %s is NULL", imps ? "out" : "imps");
+    for (size_t i = 0; i < n; i++)
+        if (!imps[i]) return vmm__error(VMM_ERR_INVALID, "vmm_import_describe: imps[%zu] is NULL", i);
+    for (size_t i = 0; i < n; i++) {
+        vmm_alloc_info first;
+        memset(&out[i], 0, sizeof out[i]);
+        out[i].ptr = vmm__import_ptr(imps[i]);
+        out[i].size = vmm__import_size(imps[i]);
+        out[i].device = vmm__import_device(imps[i]);
+        size_t records = vmm__import_records(imps[i], &first, 1);
+        out[i].n_records = records > UINT32_MAX ? UINT32_MAX : (uint32_t)records;
+        if (records) memcpy(out[i].alloc_id, first.alloc_id, sizeof out[i].alloc_id);
+    }
+    return VMM_OK;
 }
 
 VMM_PUBLIC vmm_status vmm_import_release(vmm_imported *imp) { return vmm__import_release(imp); }

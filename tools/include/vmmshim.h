@@ -305,6 +305,20 @@ int vmm_import_device(const vmm_imported *imp);
  * (out may be NULL with max 0) and returns how many there are; 0 for NULL.  What a companion
  * needs to describe an import without looking the records up again. */
 size_t vmm_import_records(const vmm_imported *imp, vmm_alloc_info *out, size_t max);
+
+/* What a binding needs of each import, for n of them in one call (vmm_import_many's out): where
+ * a binding would make three calls an import (about a microsecond each through Python's ctypes,
+ * a sixth of taking a GPT-2's 148 tensors), it makes one.  Fixed-width fields, no padding. */
+typedef struct vmm_import_desc {
+    uint64_t ptr;         /* vmm_import_ptr */
+    uint64_t size;        /* vmm_import_size */
+    int32_t device;       /* vmm_import_device */
+    uint32_t n_records;   /* vmm_import_records' count */
+    uint8_t alloc_id[16]; /* of the record holding the first byte (vmm_alloc_info.alloc_id) */
+} vmm_import_desc;
+/* Fills out[0..n) for imps[0..n).  VMM_ERR_INVALID when imps or out is NULL (with n > 0) or an
+ * imps[i] is NULL, and then out is left as it was. */
+vmm_status vmm_import_describe(vmm_imported *const *imps, size_t n, vmm_import_desc *out);
 /* Is the allocation imp was imported from (vmm_import) still live in its owner?  VMM_OK;
  * VMM_ERR_STALE once the owner freed it -- also when the same address or record slot now holds
  * another allocation (its generation tells them apart); VMM_ERR_OWNER_DEAD once the owner exited.
@@ -381,7 +395,7 @@ typedef struct vmm_import_many_timing {
     uint32_t chunks_cached; /* chunks the ranges lie in that were mapped here already: nothing fetched */
     uint32_t chunks_new;    /* chunks mapped for ranges inside one chunk */
     uint32_t ranges_mapped; /* ranges across chunks, each mapped on its own */
-    uint32_t handles;    /* handles fetched and imported */
+    uint32_t handles;    /* handles fetched (each imported, but for the shared ones) */
     uint32_t requests;   /* broker requests (round trips): 1 when everything fits one batch, 0 when cached */
     uint32_t connects;   /* broker connections opened (0: the kept one served) */
     uint32_t messages;   /* broker replies received */
@@ -391,7 +405,8 @@ typedef struct vmm_import_many_timing {
     uint32_t threads;    /* threads that imported and mapped (VMMSHIM_IMPORT_THREADS) */
     uint32_t fallback;   /* 1: the owner's broker predates protocol v3 (or has not started and pidfd served):
                             one request per allocation */
-    uint32_t reserved_;
+    uint32_t shared;     /* of handles, those the owner's stream brought again (one segment under two
+                            allocations of a stream-ordered pool): mapped again, imported once */
 } vmm_import_many_timing;
 vmm_status vmm_import_many_last_timing(vmm_import_many_timing *out);
 

@@ -240,6 +240,14 @@ class Registry:
         vmm_publish in C), each checked against the live allocation it lies in.  {} for a living
         owner that publishes none; NotFound when pid has no record in this registry (it does not
         run under the shim); OwnerDead once it has exited."""
+        found = {}
+        for fields in self._tensor_table(pid):
+            t = Tensor(fields)
+            found[t.name] = t
+        return found
+
+    def _tensor_table(self, pid):
+        """vmm_list_tensors' array, each entry its _lib.TENSOR_UNPACK fields."""
         listed, n, room = _lib.lib().vmm_list_tensors, ctypes.c_size_t(), 256
         while True:
             buf = ctypes.create_string_buffer(room * _lib.TENSOR_UNPACK.size)
@@ -247,12 +255,7 @@ class Registry:
             if n.value <= room:
                 break
             room = n.value + 64  # more names than room: again, with room for them and some more
-        raw = memoryview(buf)[:n.value * _lib.TENSOR_UNPACK.size]
-        found = {}
-        for fields in _lib.TENSOR_UNPACK.iter_unpack(raw):
-            t = Tensor(fields)
-            found[t.name] = t
-        return found
+        return _lib.TENSOR_UNPACK.iter_unpack(memoryview(buf)[:n.value * _lib.TENSOR_UNPACK.size])
 
     def open_tensors(self, pid, names=None, timing=False):
         """{name: View} of pid's named tensors (all of them, or those named in names), imported with
@@ -474,8 +477,7 @@ def _timing_of(c_timing, total_ns, library_ns):
     """open_many's timing dict: the whole call, the library's share, and its own steps."""
     t = {"total_ns": total_ns, "library_ns": library_ns, "python_ns": total_ns - library_ns}
     for name, _ in _lib.ManyTiming._fields_:
-        if name != "reserved_":
-            t[name if name != "total_ns" else "library_total_ns"] = getattr(c_timing, name) if c_timing else 0
+        t[name if name != "total_ns" else "library_total_ns"] = getattr(c_timing, name) if c_timing else 0
     return t
 
 

@@ -140,7 +140,7 @@ class ManyTiming(ctypes.Structure):
         "total_ns", "find_ns", "context_ns", "connect_ns", "broker_ns", "export_ns", "import_ns", "reserve_ns",
         "map_ns", "access_ns", "release_ns")] + [(name, c_u32) for name in (
             "ranges", "chunks_cached", "chunks_new", "ranges_mapped", "handles", "requests", "connects", "messages",
-            "reserves", "maps", "access_calls", "threads", "fallback", "reserved_")]
+            "reserves", "maps", "access_calls", "threads", "fallback", "shared")]
 
 
 ALLOC_FN = ctypes.CFUNCTYPE(c_int, ctypes.c_void_p, ctypes.POINTER(AllocInfo))
@@ -153,6 +153,9 @@ assert TENSOR_UNPACK.size == ctypes.sizeof(TensorInfo) and all(
     (("pid", 128), ("dtype", 132), ("ndim", 136), ("address", 144), ("nbytes", 152), ("shape", 160),
      ("strides", 160 + 8 * MAX_DIMS), ("alloc_id", 160 + 16 * MAX_DIMS), ("published_ns", 176 + 16 * MAX_DIMS))), \
     "vmm_tensor_info's layout"
+
+# vmm_import_describe's array: ptr, size, device, n_records, alloc_id (vmmshim.h asserts the layout)
+IMPORT_DESC = struct.Struct("<QQiI16s")
 
 _P = ctypes.c_void_p  # vmm_registry *, vmm_imported *: opaque
 _PROTOTYPES = {
@@ -172,6 +175,7 @@ _PROTOTYPES = {
     "vmm_import_size": (c_u64, [_P]),
     "vmm_import_device": (c_int, [_P]),
     "vmm_import_records": (ctypes.c_size_t, [_P, ctypes.POINTER(AllocInfo), ctypes.c_size_t]),
+    "vmm_import_describe": (c_int, [ctypes.POINTER(_P), ctypes.c_size_t, ctypes.c_void_p]),
     "vmm_import_many_last_timing": (c_int, [ctypes.POINTER(ManyTiming)]),
     "vmm_import_release": (c_int, [_P]),
     "vmm_import_drop_idle": (c_int, []),

@@ -11,6 +11,7 @@ as_strided of a flat tensor of its dtype over the stretch (one per dtype and str
 
 open_torch goes from (address, dtype, shape, strides) to tensors with no Buffer or View object
 per tensor: on an H100 those, and closing the Buffers, were a third of a GPT-2 take."""
+import ctypes
 import time
 
 from . import _dlpack, _dtypes, _lib
@@ -97,34 +98,57 @@ def to_torch(views):
     return dict(zip(keys, out)) if keys is not None else out
 
 
+def _table_rows(reg, pid):
+    """{name: row} of every tensor pid publishes, straight from its name table: the owner checked
+    each layout when it published, and the table gives nbytes, so no Tensor object is made and no
+    layout is worked out again (on an H200 host Registry.tensors' objects were a tenth of a GPT-2
+    take)."""
+    from . import _text
+    m = _lib.MAX_DIMS
+    out = {}
+    for f in reg._tensor_table(pid):
+        name = _text(f[0].split(b"\0", 1)[0])
+        dt = _dtypes.from_dlpack(f[2], f[3], f[4])
+        if dt is None:
+            raise ValueError(f"vmmshim: tensor {name!r} of pid {pid} is of DLPack dtype {f[2:5]}, which a view "
+                             f"cannot take (one of: {', '.join(_dtypes.DTYPES)})")
+        n = min(f[5], m)
+        out[name] = (f[6], f[7], dt, f[8:8 + n], f[8 + m:8 + m + n], f[8 + 2 * m])
+    return out
+
+
+def _row(spec):
+    """(address, nbytes, dtype, shape, strides, alloc_id bytes or None) of one open_torch spec."""
+    from . import _index, _layout
+    if not isinstance(spec, tuple):  # a Tensor of Registry.tensors: its layout as the owner published it
+        dt = _dtypes.resolve(spec.dtype)
+        return spec.address, spec.nbytes, dt, spec.shape, spec.strides, bytes.fromhex(spec.alloc_id)
+    if not 3 <= len(spec) <= 4:
+        raise TypeError(f"vmmshim: open_torch wants (address, dtype, shape[, strides]), not {spec!r}")
+    address, dtype, shape, strides = (spec + (None,))[:4]
+    dt = _dtypes.resolve(dtype)
+    shape, strides, nbytes = _layout(shape, strides, dt)
+    return _index(address, "address"), nbytes, dt, shape, strides, None
+
+
 def open_torch(reg, pid, tensors, timing):
     """Registry.open_torch (see there)."""
-    from . import _check, _index, _layout, _timing_of, Stale
+    from . import _check, _timing_of, Stale
     import torch
 
     t0 = time.perf_counter_ns()
     t_names = 0
     if tensors is None:
-        tensors = reg.tensors(pid)
+        by_name = _table_rows(reg, pid)
         t_names = time.perf_counter_ns() - t0
-    keys = list(tensors) if isinstance(tensors, dict) else None
-    specs = [tensors[k] for k in keys] if keys is not None else list(tensors)
-    rows = []  # (address, nbytes, dtype, shape, strides, alloc_id or None)
-    for spec in specs:
-        if isinstance(spec, tuple):
-            if not 3 <= len(spec) <= 4:
-                raise TypeError(f"vmmshim: open_torch wants (address, dtype, shape[, strides]), not {spec!r}")
-            address, dtype, shape, strides = (spec + (None,))[:4]
-            alloc_id = None
-        else:  # a Tensor of Registry.tensors
-            address, dtype, shape, strides, alloc_id = spec.address, spec.dtype, spec.shape, spec.strides, spec.alloc_id
-        address = _index(address, "address")
-        dt = _dtypes.resolve(dtype)
-        shape, strides, nbytes = _layout(shape, strides, dt)
+        keys, rows = list(by_name), list(by_name.values())
+    else:
+        keys = list(tensors) if isinstance(tensors, dict) else None
+        rows = [_row(tensors[k]) for k in keys] if keys is not None else [_row(t) for t in tensors]
+    for address, nbytes, dt, shape, _, _ in rows:
         if address <= 0 or nbytes == 0 or address % dt.itemsize:
             raise ValueError(f"vmmshim: open_torch takes tensors of at least one element at an address aligned for "
                              f"their dtype, not {dt.name}{list(shape)} at 0x{address:x}")
-        rows.append((address, nbytes, dt, shape, strides, alloc_id))
     n = len(rows)
     out = [None] * n
     c_timing, t_lib = None, 0
@@ -142,14 +166,16 @@ def open_torch(reg, pid, tensors, timing):
             L.vmm_import_many_last_timing(c_timing)
         owned = set(range(n))  # imports no stretch holds yet: released here on a failure
         try:
-            ptr_of, device_of, records = L.vmm_import_ptr, L.vmm_import_device, L.vmm_import_records
-            rec = _lib.AllocInfo()
-            for i, r in enumerate(rows):
+            described = ctypes.create_string_buffer(n * _lib.IMPORT_DESC.size)
+            _check(L.vmm_import_describe(imps, n, described))
+            pieces = []  # (device, ptr, nbytes)
+            for i, (ptr, _, device, n_records, alloc_id) in enumerate(_lib.IMPORT_DESC.iter_unpack(described)):
+                want = rows[i][5]
                 # the allocation imported is the one the name was read from (ids are never reused)
-                if r[5] is not None and (records(imps[i], rec, 1) < 1 or bytes(rec.alloc_id).hex() != r[5]):
-                    raise Stale(f"pid {pid}'s allocation holding a tensor at 0x{r[0]:x} was freed since its name "
-                                f"was read", _lib.STALE)
-            pieces = [(device_of(imps[i]), ptr_of(imps[i]), rows[i][1]) for i in range(n)]
+                if want is not None and (n_records < 1 or alloc_id != want):
+                    raise Stale(f"pid {pid}'s allocation holding a tensor at 0x{rows[i][0]:x} was freed since its "
+                                f"name was read", _lib.STALE)
+                pieces.append((device, ptr, rows[i][1]))
             for device, start, end, members in stretches(pieces):
                 owner = _Imports([imps[i] for i in members])
                 owned.difference_update(members)
