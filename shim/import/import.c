@@ -843,6 +843,10 @@ typedef struct slab {
     CUdeviceptr base;
     size_t size;
     unsigned long refs;
+    /* A segment of the owner that several parts reach (a stream-ordered pool's segment under the
+     * end of one allocation and the start of the next) is mapped once, where both parts lie: its
+     * counter says how many parts still use that mapping, and the last one unmaps it. */
+    unsigned long *shared_refs;
 } slab;
 
 /* One part of s is unmapped: the last one frees the reservation (in the context current, which
@@ -852,8 +856,16 @@ static vmm_status slab_put(slab *s)
 {
     if (__atomic_sub_fetch(&s->refs, 1, __ATOMIC_ACQ_REL) != 0) return VMM_OK;
     CUresult r = TWICE(cu.MemAddressFree(s->base, s->size));
+    free(s->shared_refs);
     free(s);
     return r == CUDA_SUCCESS ? VMM_OK : cu_fail("cuMemAddressFree", r);
+}
+
+/* A mapping in s goes from one of the parts using it: true when that part was its last user, so
+ * the caller unmaps it.  shared: 0 for a mapping of that part alone, else 1 + its counter. */
+static bool mapping_last(slab *s, const uint32_t *shared, size_t i)
+{
+    return !s || !shared || !shared[i] || __atomic_sub_fetch(&s->shared_refs[shared[i] - 1], 1, __ATOMIC_ACQ_REL) == 0;
 }
 
 /* Every import maps its allocation's whole chunk; allocations of one chunk share one mapping.
@@ -888,6 +900,7 @@ typedef struct chunk {
     uint32_t n_parts;
     uint64_t *part_len;
     slab *slab;         /* mapped by vmm_import_many: its place in that call's reservation */
+    uint32_t *shared;   /* with slab: each part's mapping_last counter (NULL: none shared) */
     CUcontext ctx;      /* current when it was mapped: released from it */
     uint64_t devices;   /* bit d: device d was granted access (devices 0..63) */
     unsigned long refs; /* vmm_imported handles on it; 0: idle */
@@ -1008,7 +1021,8 @@ static vmm_status unmap_chunk(const chunk *c)
         CUresult r;
         uint64_t at = 0;
         for (uint32_t i = 0; i < c->n_parts; at += c->part_len[i++])
-            if ((r = TWICE(cu.MemUnmap(c->base + at, c->part_len[i]))) != CUDA_SUCCESS && st == VMM_OK)
+            if (mapping_last(c->slab, c->shared, i) &&
+                (r = TWICE(cu.MemUnmap(c->base + at, c->part_len[i]))) != CUDA_SUCCESS && st == VMM_OK)
                 st = cu_fail("cuMemUnmap", r);
         if (st == VMM_OK && c->slab)
             st = slab_put(c->slab);
@@ -1022,6 +1036,7 @@ static vmm_status unmap_chunk(const chunk *c)
 static void chunk_free(chunk *c)
 {
     free(c->part_len);
+    free(c->shared);
     free(c);
 }
 
@@ -1676,6 +1691,7 @@ struct range_map {
     CUdeviceptr base;
     size_t size;  /* the reservation; 0 until it is made */
     slab *slab;    /* vmm_import_many's: [base, base + size) is its part of that reservation */
+    uint32_t *shared; /* with slab: each mapping's mapping_last counter (NULL: none shared) */
     CUcontext ctx; /* current when it was mapped: unmapped from it */
     size_t n;      /* mappings made so far, each [base + at, + len) */
     struct {
@@ -1868,13 +1884,15 @@ static vmm_status range_unmap(range_map *m)
     /* one call per mapping: a driver need not unmap several mappings in one call; the range is
      * not freed under a mapping the driver kept */
     for (size_t k = 0; k < m->n; k++)
-        if ((r = TWICE(cu.MemUnmap(m->base + m->map[k].at, m->map[k].len))) != CUDA_SUCCESS && st == VMM_OK)
+        if (mapping_last(m->slab, m->shared, k) &&
+            (r = TWICE(cu.MemUnmap(m->base + m->map[k].at, m->map[k].len))) != CUDA_SUCCESS && st == VMM_OK)
             st = cu_fail("cuMemUnmap", r);
     if (m->size && st == VMM_OK && m->slab)
         st = slab_put(m->slab);
     else if (m->size && st == VMM_OK && (r = TWICE(cu.MemAddressFree(m->base, m->size))) != CUDA_SUCCESS)
         st = cu_fail("cuMemAddressFree", r);
     if (switched) (void)TWICE(cu.CtxSetCurrent(cur));
+    free(m->shared);
     free(m);
     return st;
 }
@@ -2183,6 +2201,7 @@ typedef struct consumer {
     CUdevice use;
     placed *v;           /* the handles mapped, at the owner's addresses (v[0] at `at`) */
     size_t nv;
+    uint32_t *shared;    /* each handle's mapping_last counter, 0: mapped for this consumer alone */
     bool is_range;
     uint32_t index;      /* into new chunks or ranges */
 } consumer;
@@ -2755,12 +2774,13 @@ static vmm_status many_fetch(many *m)
 
 /* ---- 3. map ---- */
 
-/* The handles a new chunk maps: all of its unit's, back to back. */
+/* The handles a new chunk maps: all of its unit's, back to back from where the chunk starts in the
+ * owner. */
 static vmm_status chunk_placed(const unit *u, placed **out, size_t *n)
 {
     placed *v = calloc(u->n, sizeof *v);
     if (!v) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
-    uint64_t at = 0;
+    uint64_t at = u->a.address - u->a.chunk_offset;
     for (uint32_t i = 0; i < u->n; i++) {
         v[i] = (placed){at, u->size[i], u->h[i]};
         at += u->size[i];
@@ -2790,11 +2810,64 @@ static vmm_status range_placed(many *m, many_range *r, placed **out, size_t *n)
     return range_place(&r->p, out, n);
 }
 
+/* By group, then where they start in the owner: consumers that reach the same segments meet. */
 static int consumer_order(const void *x, const void *y)
 {
     const consumer *a = x, *b = y;
     if (a->group != b->group) return a->group < b->group ? -1 : 1;
+    if (a->v[0].at != b->v[0].at) return a->v[0].at < b->v[0].at ? -1 : 1;
     return a->is_range != b->is_range ? (a->is_range ? 1 : -1) : (a->index < b->index ? -1 : a->index > b->index);
+}
+
+/* A segment mapped in the call's reservation. */
+typedef struct seg_place {
+    uint64_t at, size; /* in the owner */
+    uint32_t users;    /* consumers whose parts it is */
+    uint32_t shared;   /* 1 + its counter in the slab, once users > 1 */
+} seg_place;
+
+/* Where each consumer lies in the reservation, and one map operation per segment of the owner.
+ * Consumers of one group whose owner ranges overlap form a run laid out as the owner lays it out,
+ * so a segment two of them reach is mapped once (access grants cost the same per mapping,
+ * whatever its size).  A consumer whose handles do not coincide with the run's where they overlap
+ * (records read at different moments: never seen, but not assumed) starts a run of its own.
+ * Returns the reservation's size; sp (the segments, in op order) and ops are filled. */
+static uint64_t many_layout(many *m, seg_place *sp, size_t *n_sp)
+{
+    uint64_t total = 0, run_base = 0, run_lo = 0, run_hi = 0, run_group = 0;
+    size_t run_first = 0;
+    for (size_t k = 0; k < m->n_cs; k++) {
+        consumer *c = &m->cs[k];
+        bool joins = k > 0 && c->group == run_group && c->v[0].at < run_hi;
+        size_t at_seg = run_first;
+        for (size_t j = 0; joins && j < c->nv && c->v[j].at < run_hi; j++) {
+            while (at_seg < *n_sp && sp[at_seg].at < c->v[j].at) at_seg++;
+            joins = at_seg < *n_sp && sp[at_seg].at == c->v[j].at && sp[at_seg].size == c->v[j].size;
+        }
+        if (!joins) {
+            run_base = total;
+            run_lo = run_hi = c->v[0].at;
+            run_first = *n_sp;
+            run_group = c->group;
+        }
+        c->at = run_base + (c->v[0].at - run_lo);
+        at_seg = run_first;
+        for (size_t j = 0; j < c->nv; j++) {
+            const placed *v = &c->v[j];
+            if (v->at < run_hi) {
+                while (sp[at_seg].at < v->at) at_seg++;
+                sp[at_seg].users++;
+                c->shared[j] = (uint32_t)at_seg + 1; /* its segment, for now */
+                continue;
+            }
+            sp[*n_sp] = (seg_place){v->at, v->size, 1, 0};
+            c->shared[j] = (uint32_t)++*n_sp;
+            m->ops[m->n_ops++] = (map_op){(CUdeviceptr)(run_base + (v->at - run_lo)), (size_t)v->size, v->handle, false};
+            run_hi = v->at + v->size;
+        }
+        total = run_base + (run_hi - run_lo);
+    }
+    return total;
 }
 
 static void *map_worker(void *arg)
@@ -2850,12 +2923,10 @@ static vmm_status many_map(many *m)
         c->size = c->v[c->nv - 1].at + c->v[c->nv - 1].size - c->v[0].at;
         c->group = device_bits(c->acc, c->n_acc) << 1 | (c->n_acc > 1);
         n_ops += c->nv;
+        if (!(c->shared = calloc(c->nv, sizeof *c->shared))) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
     }
     qsort(m->cs, m->n_cs, sizeof *m->cs, consumer_order);
-    uint64_t total = 0;
     for (k = 0; k < m->n_cs; k++) {
-        m->cs[k].at = total;
-        total += m->cs[k].size;
         if (m->cs[k].is_range)
             m->r[m->cs[k].index].consumer = (uint32_t)k;
         else
@@ -2863,34 +2934,53 @@ static vmm_status many_map(many *m)
     }
     m->s = calloc(1, sizeof *m->s);
     m->ops = calloc(n_ops, sizeof *m->ops);
-    if (!m->s || !m->ops) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    seg_place *sp = calloc(n_ops, sizeof *sp);
+    if (!m->s || !m->ops || !sp) {
+        free(sp);
+        return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    }
+    size_t n_sp = 0;
+    uint64_t total = many_layout(m, sp, &n_sp);
+    /* the segments more than one consumer reaches get a counter; the others are their part's alone */
+    uint32_t n_shared = 0;
+    for (size_t i = 0; i < n_sp; i++)
+        if (sp[i].users > 1) sp[i].shared = ++n_shared;
+    if (n_shared && !(m->s->shared_refs = calloc(n_shared, sizeof *m->s->shared_refs))) {
+        free(sp);
+        return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    }
+    for (size_t i = 0; i < n_sp; i++)
+        if (sp[i].shared) m->s->shared_refs[sp[i].shared - 1] = sp[i].users;
+    for (k = 0; k < m->n_cs; k++)
+        for (size_t j = 0; j < m->cs[k].nv; j++) m->cs[k].shared[j] = sp[m->cs[k].shared[j] - 1].shared;
+    free(sp);
     uint64_t t0 = now_ns();
     CUresult r = cu.MemAddressReserve(&m->s->base, (size_t)total, 0, 0, 0);
     mt.reserve_ns += now_ns() - t0;
     mt.reserves++;
     if (r != CUDA_SUCCESS) {
+        free(m->s->shared_refs);
         free(m->s);
         m->s = NULL;
         return cu_fail("cuMemAddressReserve", r);
     }
     m->s->size = (size_t)total;
-    for (k = 0; k < m->n_cs; k++)
-        for (size_t j = 0; j < m->cs[k].nv; j++) {
-            const placed *v = &m->cs[k].v[j];
-            m->ops[m->n_ops++] = (map_op){m->s->base + m->cs[k].at + (v->at - m->cs[k].v[0].at), (size_t)v->size,
-                                          v->handle, false};
-        }
+    for (size_t i = 0; i < m->n_ops; i++) m->ops[i].va += m->s->base; /* many_layout gave offsets */
     mt.maps = (uint32_t)m->n_ops;
     m->op_next = 0;
     crew_run(m->threads < m->n_ops ? m->threads : (uint32_t)m->n_ops, map_worker, m);
     if (m->st != VMM_OK) return set_err(m->st, "%s", m->why);
-    /* one SetAccess over each group's consumers, laid out back to back and all mapped */
+    /* one SetAccess over each group's consumers, laid out back to back (overlapping within a run)
+     * and all mapped */
     for (k = 0; k < m->n_cs;) {
         size_t j = k;
-        while (j + 1 < m->n_cs && m->cs[j + 1].group == m->cs[k].group) j++;
+        uint64_t end = m->cs[k].at + m->cs[k].size;
+        while (j + 1 < m->n_cs && m->cs[j + 1].group == m->cs[k].group) {
+            j++;
+            if (m->cs[j].at + m->cs[j].size > end) end = m->cs[j].at + m->cs[j].size;
+        }
         uint64_t t1 = now_ns();
-        r = cu.MemSetAccess(m->s->base + m->cs[k].at, (size_t)(m->cs[j].at + m->cs[j].size - m->cs[k].at),
-                            m->cs[k].acc, m->cs[k].n_acc);
+        r = cu.MemSetAccess(m->s->base + m->cs[k].at, (size_t)(end - m->cs[k].at), m->cs[k].acc, m->cs[k].n_acc);
         mt.access_ns += now_ns() - t1;
         mt.access_calls++;
         if (r != CUDA_SUCCESS) return cu_fail("cuMemSetAccess", r);
@@ -2909,7 +2999,8 @@ static void many_unmap(many *m)
     bool kept = false;
     for (size_t i = 0; i < m->n_ops; i++)
         if (m->ops[i].done) kept |= TWICE(cu.MemUnmap(m->ops[i].va, m->ops[i].len)) != CUDA_SUCCESS;
-    if (!kept) (void)TWICE(cu.MemAddressFree(m->s->base, m->s->size));
+    if (!kept && m->s->size) (void)TWICE(cu.MemAddressFree(m->s->base, m->s->size));
+    free(m->s->shared_refs);
     free(m->s);
     m->s = NULL;
 }
@@ -2966,6 +3057,17 @@ static vmm_status many_verify(many *m)
     return st;
 }
 
+/* A consumer that could not be handed out gives back its part of the reservation. */
+static void consumer_drop(slab *s, const consumer *c)
+{
+    bool kept = false;
+    for (size_t j = 0; j < c->nv; j++)
+        if (mapping_last(s, c->shared, j))
+            kept |= TWICE(cu.MemUnmap(s->base + c->at + (c->v[j].at - c->v[0].at), (size_t)c->v[j].size)) !=
+                    CUDA_SUCCESS;
+    if (!kept) (void)slab_put(s);
+}
+
 /* The new chunks into the chunk table, the ranges across chunks as range maps: what out[] holds.
  * Cannot fail but for a chunk another thread mapped meanwhile, whose grant may. */
 static vmm_status many_hand_out(many *m, vmm_imported **out)
@@ -2983,9 +3085,7 @@ static vmm_status many_hand_out(many *m, vmm_imported **out)
         if (!fresh || !len) { /* the mapping goes: the ranges in it fail below */
             free(fresh);
             free(len);
-            for (size_t j = 0; j < c->nv; j++)
-                (void)TWICE(cu.MemUnmap(s->base + c->at + (c->v[j].at - c->v[0].at), (size_t)c->v[j].size));
-            (void)slab_put(s);
+            consumer_drop(s, c);
             st = set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
             continue;
         }
@@ -2997,6 +3097,8 @@ static vmm_status many_hand_out(many *m, vmm_imported **out)
         fresh->n_parts = (uint32_t)c->nv;
         fresh->part_len = len;
         fresh->slab = s;
+        fresh->shared = c->shared;
+        c->shared = NULL;
         fresh->ctx = m->ctx;
         fresh->devices = device_bits(c->acc, c->n_acc);
         fresh->refs = n->users;
@@ -3031,9 +3133,7 @@ static vmm_status many_hand_out(many *m, vmm_imported **out)
             range_map *rm = malloc(sizeof *rm + c->nv * sizeof rm->map[0]);
             if (!rm) {
                 st = set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
-                for (size_t j = 0; j < c->nv; j++)
-                    (void)TWICE(cu.MemUnmap(s->base + c->at + (c->v[j].at - c->v[0].at), (size_t)c->v[j].size));
-                (void)slab_put(s);
+                consumer_drop(s, c);
                 free(imp);
                 continue;
             }
@@ -3041,6 +3141,8 @@ static vmm_status many_hand_out(many *m, vmm_imported **out)
             rm->base = s->base + c->at;
             rm->size = (size_t)c->size;
             rm->slab = s;
+            rm->shared = c->shared;
+            c->shared = NULL;
             rm->ctx = m->ctx;
             for (size_t j = 0; j < c->nv; j++) {
                 rm->map[rm->n].at = (size_t)(c->v[j].at - c->v[0].at);
@@ -3164,7 +3266,10 @@ vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *add
         free(m.r[i].p.pc);
         free(m.r[i].unit_of);
     }
-    for (size_t k = 0; m.cs && k < m.n_cs; k++) free(m.cs[k].v);
+    for (size_t k = 0; m.cs && k < m.n_cs; k++) {
+        free(m.cs[k].v);
+        free(m.cs[k].shared);
+    }
     free(m.cs);
     free(m.ops);
     free(m.q);

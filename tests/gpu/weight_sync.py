@@ -27,8 +27,8 @@ run by tests/gpu/weight_sync.sh (`make bench-gpu BENCH_ONLY=weightsync`).
                     head: 291 tensors, 13.5 GB) taken by (a) natively, (b) and (c): time, and the
                     fraction of it in each step (vmm_import_many_last_timing), threads 1,2,4,8.
   run --part load   8 companions take the whole GPT-2 at the same moment after every step of a
-                    trainer under the shim (open_many, from_dlpack, let go): no take may fail; the
-                    trainer's step time with them against without (phases alternating, target
+                    trainer under the shim (open_torch by name, the README's way; let go): no take
+                    may fail; the trainer's step time with them against without (phases alternating, target
                     <= 1.02), and the broker's latency (a take's wait on the broker) under that load
                     against one companion alone.  Two kinds of taking phase: "with", companions as
                     the library leaves them (what they let go stays mapped in its chunk cache, so a
@@ -874,7 +874,7 @@ def part_load(run):
         tr = run.spawn("trainer", "load-trainer", True, "default", reg, "--kind", "gpt2", "--publish")
         t = tr.recv(600)
         comps = [run.spawn("companion", f"load-companion-{i}", False, "default", reg, "--kind", "gpt2", "--way",
-                           "open_many") for i in range(args.companions)]
+                           "open_torch") for i in range(args.companions)]
         for c in comps:
             c.recv(300)
         # every companion takes once (and learns the parameters: a cycle after a step names none, so the

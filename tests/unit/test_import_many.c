@@ -380,14 +380,26 @@ int main(void)
                 struct fakecuda_counters c1 = counters();
                 uint32_t handles = ax.n_handles + ay.n_handles;
                 CHECK(vmm_import_many_last_timing(&t) == VMM_OK && t.handles == handles && t.shared == 1 &&
-                          c1.imports - c0.imports == handles - 1 && c1.mappings_live - c0.mappings_live == handles,
+                          c1.imports - c0.imports == handles - 1 && c1.mappings_live - c0.mappings_live == handles - 1 &&
+                          t.maps == handles - 1,
                       "a shared segment: %u handles, %u shared, %llu imports, %llu mappings (want %u, 1, %u, %u)",
                       t.handles, t.shared, c1.imports - c0.imports, c1.mappings_live - c0.mappings_live, handles,
-                      handles - 1, handles);
+                      handles - 1, handles - 1);
+                /* one mapping of the segment serves both: they lie as far apart as in the owner */
+                CHECK(vmm_import_ptr(out[1]) - vmm_import_ptr(out[0]) == y - x, "a shared segment: 0x%llx apart, not 0x%llx",
+                      (unsigned long long)(vmm_import_ptr(out[1]) - vmm_import_ptr(out[0])), (unsigned long long)(y - x));
                 CHECK(first_wrong(vmm_import_ptr(out[0]), SEG + SEG / 2, 310, 0) < 0 &&
                           first_wrong(vmm_import_ptr(out[1]), SEG + SEG / 2, 311, 0) < 0,
                       "a shared segment: reads wrong");
-                release_all(out, 2);
+                /* the first one gone, its own segment is unmapped and the shared one stays for the other */
+                CHECK(vmm_import_release(out[0]) == VMM_OK && vmm_import_drop_idle() == VMM_OK, "release x: %s",
+                      vmm_last_error());
+                struct fakecuda_counters c2 = counters();
+                CHECK(c2.mappings_live - c0.mappings_live == ay.n_handles &&
+                          first_wrong(vmm_import_ptr(out[1]), SEG + SEG / 2, 311, 0) < 0,
+                      "a shared segment: %llu mappings left for y (want %u), its bytes readable",
+                      c2.mappings_live - c0.mappings_live, ay.n_handles);
+                release_all(out + 1, 1);
             }
             same_as_before(c0, "a shared segment");
         } else {
