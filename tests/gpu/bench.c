@@ -5,7 +5,7 @@
  *   oom    cudaMalloc until the first failure: bytes reached, records flagged not exportable
  *   align  alignment and spacing of 32 live blocks per size (cudaMalloc, cudaMallocAsync)
  * Each result is one line "R <case> key=value ..." (the only format bench.sh reads); "#" lines
- * are commentary.  Random sizes come from fixed seeds, so native and shim runs ask for the same
+ * are commentary, "P" lines the phases of BENCH_PHASES (churn only).  Random sizes come from fixed seeds, so native and shim runs ask for the same
  * sequence.  It links the client library to count this process's registry records, which exist
  * only under the shim: a native run prints records=na.  Every sub-case stops at a deadline
  * (BENCH_CASE_SECONDS, default per mode) and says so, so a slow case cannot starve the others. */
@@ -378,10 +378,28 @@ int main(int argc, char **argv)
     }
     printf("# bench %s pid %d\n", mode, (int)getpid());
     if (!strcmp(mode, "churn")) {
-        churn_same(0, s);
-        churn_same(1, s);
-        churn_mixed(0, s);
-        churn_mixed(1, s);
+        /* BENCH_PHASES=N: the cases N times in this one process, each set after a line on stdin
+         * ("P ready K" asks for it), so that bench.sh can attach a keeper for some of them and
+         * compare the process with itself (processes of one machine differ by more than 2%). */
+        const char *ph = getenv("BENCH_PHASES");
+        int phases = ph && atoi(ph) > 1 && atoi(ph) <= 8 ? atoi(ph) : 1;
+        if (phases > 1) { /* the shim makes its registry at the first allocation: there for a keeper */
+            void *first = NULL;
+            if (cudaMalloc(&first, 4 * KiB) == cudaSuccess) cudaFree(first);
+        }
+        for (int p = 0; p < phases; p++) {
+            char go[16];
+            if (phases > 1) {
+                printf("P ready %d\n", p);
+                fflush(stdout);
+                if (!fgets(go, sizeof go, stdin)) break;
+            }
+            churn_same(0, s);
+            churn_same(1, s);
+            churn_mixed(0, s);
+            churn_mixed(1, s);
+        }
+        if (phases > 1) printf("P done\n");
     } else if (!strcmp(mode, "many")) {
         many();
     } else if (!strcmp(mode, "oom")) {
