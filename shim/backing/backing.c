@@ -25,6 +25,7 @@
 #include "backing/adopt.h"
 #include "backing/frames.h"
 #include "broker/broker.h"
+#include "broker/protocol.h"
 #include "core/log.h"
 #include "core/options.h"
 #include "hooks/real.h"
@@ -43,6 +44,11 @@ typedef struct vseg {
      * (an export costs ~0.6 ms on an H100, a dup microseconds), kept above 1023 like exported_fd;
      * -1 until then, or for good when no such fd number is free (each request exports then). */
     int broker_fd;
+    /* Broker threads exporting its handle with S.lock let go (an export is ~0.6 ms the owner's
+     * allocator would otherwise wait); a segment destroyed meanwhile is unmapped at once and
+     * `dead`: the last of them releases its handle and frees it. */
+    unsigned exporting;
+    int dead;
     uint64_t id;
     uint8_t fabric[64];
 } vseg;
@@ -561,8 +567,17 @@ static void seg_destroy(void *ctx, vmm__seg *ps)
     vseg *c = ps->mech;
     if (c->exported_fd >= 0) close(c->exported_fd); /* its records were retracted before */
     if (c->broker_fd >= 0) close(c->broker_fd);
-    seg_undo(ps->base, ps->size, c->handle, 1);
-    free(c);
+    c->exported_fd = c->broker_fd = -1;
+    if (c->exporting) { /* its space goes now; its handle once the broker's export is done */
+        CUresult unmap = VMM__TWICE(cu.MemUnmap(ps->base, ps->size));
+        if (unmap)
+            vmm__log(VMM__LOG_WARNING, "giving back %llu bytes: cuMemUnmap failed twice (CUDA error %d); the driver "
+                     "keeps them until exit", (unsigned long long)ps->size, (int)unmap);
+        c->dead = 1;
+    } else {
+        seg_undo(ps->base, ps->size, c->handle, 1);
+        free(c);
+    }
     /* a keeper holding this segment lets go of it now rather than at its next tick (one relaxed
      * load when nobody keeps this process) */
     if (S.registry_ok) vmm__keep_ring(&S.reg, 0);
@@ -802,14 +817,34 @@ static vmm__seg *span_of(const vmm__block *b, uint32_t *n, uint64_t *bytes)
     return first;
 }
 
-/* An fd for segment c: a duplicate of the one kept, or a fresh export (kept for next time). */
-static int seg_fd_locked(vseg *c, int *fd)
+/* S.lock held: an fd for segment c, a duplicate of the one kept (1), or 0 when none is kept: the
+ * caller exports it after letting go of the lock (export_unlocked), c pinned meanwhile. */
+static int seg_fd_kept_locked(vseg *c, int *fd)
 {
     int kept = c->broker_fd >= 0 ? c->broker_fd : c->exported_fd;
-    if (kept >= 0) return (*fd = fcntl(kept, F_DUPFD_CLOEXEC, 0)) < 0 ? -errno : 0;
-    if (cu.MemExportToShareableHandle(fd, c->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS) return -EIO;
-    c->broker_fd = fcntl(*fd, F_DUPFD_CLOEXEC, 1024);
-    return 0;
+    if (kept < 0) {
+        c->exporting++;
+        return 0;
+    }
+    return (*fd = fcntl(kept, F_DUPFD_CLOEXEC, 0)) < 0 ? -errno : 1;
+}
+
+/* S.lock held again after pinned segments were exported (fd -1: the export failed): keep a
+ * duplicate for the next request, or finish a segment destroyed meanwhile. */
+static void seg_exported_locked(vseg *c, int fd)
+{
+    c->exporting--;
+    if (c->dead) {
+        if (!c->exporting) {
+            CUresult release = VMM__TWICE(cu.MemRelease(c->handle));
+            if (release)
+                vmm__log(VMM__LOG_WARNING, "cuMemRelease of a given-back segment failed twice (CUDA error %d); the "
+                         "driver keeps it until exit", (int)release);
+            free(c);
+        }
+    } else if (fd >= 0 && c->broker_fd < 0) {
+        c->broker_fd = fcntl(fd, F_DUPFD_CLOEXEC, 1024);
+    }
 }
 
 /* The broker asks for handles [first, first + max) of a live allocation's span: their fds (the
@@ -834,6 +869,9 @@ static int broker_export_many(uint64_t slot, uint64_t generation, const uint8_t 
         return rc;
     }
     int rc = 0;
+    vseg *pinned[VMM_BROKER_MAX_FDS] = {0}; /* pinned[k]: fds[k] is to be exported */
+    uint32_t n_pinned = 0;
+    if (max > VMM_BROKER_MAX_FDS) max = VMM_BROKER_MAX_FDS;
     if (!b->live)
         rc = -ENOENT;
     else if (b->generation != generation || memcmp(b->alloc_id, id, 16) != 0)
@@ -847,10 +885,41 @@ static int broker_export_many(uint64_t slot, uint64_t generation, const uint8_t 
         if (first >= n) rc = -ERANGE;
         for (; s && rc == 0 && *n_here < max && i < n; i++, s = i < n ? vmm__pool_seg_at(b->arena, g, s->base + s->size) : NULL) {
             if (i < first) continue;
-            if ((rc = seg_fd_locked(s->mech, &fds[*n_here])) == 0) sizes[(*n_here)++] = s->size;
+            fds[*n_here] = -1;
+            int kept = seg_fd_kept_locked(s->mech, &fds[*n_here]);
+            if (kept < 0) {
+                rc = kept;
+                break;
+            }
+            if (!kept) {
+                pinned[*n_here] = s->mech;
+                n_pinned++;
+            }
+            sizes[(*n_here)++] = s->size;
         }
-        if (rc != 0)
-            while (*n_here) close(fds[--*n_here]);
+    }
+    if (n_pinned) {
+        /* the first export of a segment, the only slow step: without the lock, so that the
+         * owner's allocations go on meanwhile (a segment freed and destroyed meanwhile stays
+         * pinned, its handle valid, and the allocation is found gone below) */
+        pthread_mutex_unlock(&S.lock);
+        for (uint32_t k = 0; k < *n_here; k++)
+            if (pinned[k] && cu.MemExportToShareableHandle(&fds[k], pinned[k]->handle,
+                                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS) {
+                fds[k] = -1;
+                if (rc == 0) rc = -EIO;
+            }
+        pthread_mutex_lock(&S.lock);
+        for (uint32_t k = 0; k < *n_here; k++)
+            if (pinned[k]) seg_exported_locked(pinned[k], fds[k]);
+        b = NULL;
+        HASH_FIND(hs, S.by_slot, &key, sizeof key, b);
+        if (rc == 0 && (!b || !b->live || b->generation != generation || memcmp(b->alloc_id, id, 16) != 0))
+            rc = -ESTALE; /* freed while its handles were exported */
+    }
+    if (rc != 0) {
+        while (*n_here)
+            if (fds[--*n_here] >= 0) close(fds[*n_here]);
     }
     pthread_mutex_unlock(&S.lock);
     return rc;

@@ -93,6 +93,10 @@ typedef void (*fakecuda_set_event_delay_us_fn)(unsigned long long us);
 void fakecuda_set_copy_delay_us(unsigned long long us);
 typedef void (*fakecuda_set_copy_delay_us_fn)(unsigned long long us);
 
+/* Makes every POSIX fd export take this long (the real driver's is ~0.6 ms on an H100). */
+void fakecuda_set_export_delay_us(unsigned long long us);
+typedef void (*fakecuda_set_export_delay_us_fn)(unsigned long long us);
+
 /* Snapshot of the counters. */
 void fakecuda_counters(struct fakecuda_counters *out);
 typedef void (*fakecuda_counters_fn)(struct fakecuda_counters *out);

@@ -9,11 +9,16 @@
  *   "d <device>"     cudaSetDevice: later allocations are that device's; answers "ok"
  *   "k"              the current device's default pool keeps what is freed (release threshold
  *                    UINT64_MAX, as PyTorch's cudaMallocAsync backend sets it); answers "ok"
+ *   "T"              cudaDeviceSynchronize, then cudaMemPoolTrimTo(default pool, 0): what the
+ *                    stream-ordered pool keeps empty goes back; answers "ok"
+ *   "e <us>"         the emulated driver's exports take that long (fakecuda_set_export_delay_us;
+ *                    "error" on a real GPU); answers "ok"
  *   "x <code>"       exit(code), answering nothing (tests/unit/test_keep.c: how an owner ended)
  *   "s"              raises SIGSEGV, as a crash would (no handler of its own)
  *   "q"              exits
  * A failure answers "error <what>". */
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -64,6 +69,24 @@ int main(void)
             if (e == cudaSuccess) e = cudaDeviceGetDefaultMemPool(&pool, dev);
             if (e == cudaSuccess) e = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
             if (e == cudaSuccess) printf("ok\n");
+        } else if (line[0] == 'T') {
+            cudaMemPool_t pool;
+            int dev = 0;
+            e = cudaDeviceSynchronize();
+            if (e == cudaSuccess) e = cudaGetDevice(&dev);
+            if (e == cudaSuccess) e = cudaDeviceGetDefaultMemPool(&pool, dev);
+            if (e == cudaSuccess) e = cudaMemPoolTrimTo(pool, 0);
+            if (e == cudaSuccess) printf("ok\n");
+        } else if (line[0] == 'e' && sscanf(line + 1, "%llu", &a) == 1) {
+            void *sym = dlsym(RTLD_DEFAULT, "fakecuda_set_export_delay_us");
+            void (*set_delay)(unsigned long long) = NULL;
+            memcpy(&set_delay, &sym, sizeof set_delay); /* ISO C has no object-to-function cast */
+            if (set_delay) {
+                set_delay(a);
+                printf("ok\n");
+            } else {
+                printf("error no emulated driver\n");
+            }
         } else if (line[0] == 'd' && sscanf(line + 1, "%llu", &a) == 1) {
             e = cudaSetDevice((int)a);
             if (e == cudaSuccess) printf("ok\n");

@@ -27,7 +27,9 @@
 
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
+#include <time.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -127,6 +129,27 @@ static bool all_null(vmm_imported **out, size_t n)
     for (size_t i = 0; i < n; i++)
         if (out[i]) return false;
     return true;
+}
+
+static double mono_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
+typedef struct import_job {
+    vmm_registry *reg;
+    vmm_alloc_info a;
+    vmm_imported *imp;
+    vmm_status st;
+} import_job;
+
+static void *import_thread(void *arg)
+{
+    import_job *j = arg;
+    j->st = vmm_import(j->reg, &j->a, &j->imp);
+    return NULL;
 }
 
 static void release_all(vmm_imported **out, size_t n)
@@ -411,6 +434,48 @@ int main(void)
         }
         if (xi >= 0) CHECK(owner_cmd(NULL, "f %d", xi), "free x");
         if (yi >= 0) CHECK(owner_cmd(NULL, "f %d", yi), "free y");
+    }
+
+    /* 5c. the owner's broker exports a segment for the first time (~0.6 ms on an H100; 1 s here)
+     * without the owner's allocator lock: a cudaFree meanwhile goes on at once, and when the
+     * allocation is freed and its segments given back during the export, the import ends stale
+     * and the owner goes on */
+    {
+        char ans[256] = "";
+        uint64_t at = 0;
+        CHECK(owner_cmd(NULL, "T"), "the owner trims its stream-ordered pool");
+        int k = owner_alloc_with('A', 3 * SEG, &at); /* new segments: never exported */
+        vmm_alloc_info a;
+        bool ready = k >= 0 && vmm_find(reg, pid, at, &a) == VMM_OK && owner_cmd(ans, "e 1000000");
+        if (ready) {
+            import_job job = {.reg = reg, .a = a};
+            pthread_t th;
+            bool started = pthread_create(&th, NULL, import_thread, &job) == 0;
+            struct timespec wait = {0, 300 * 1000000L}; /* the broker is inside the export by then */
+            nanosleep(&wait, NULL);
+            double t0 = mono_ms();
+            bool freed = owner_cmd(NULL, "f %d", k);
+            double free_ms = mono_ms() - t0;
+            bool trimmed = owner_cmd(NULL, "T");
+            if (started) pthread_join(th, NULL);
+            CHECK(freed && free_ms < 300,
+                  "a cudaFree while the broker exported took %.0f ms (the export holds no allocator lock)", free_ms);
+            CHECK(started && trimmed && job.st == VMM_ERR_STALE && !job.imp,
+                  "an import whose allocation was freed and given back during the export: %s (%s)",
+                  vmm_strerror(job.st), vmm_last_error());
+            if (job.imp) (void)vmm_import_release(job.imp);
+            CHECK(owner_cmd(NULL, "e 0"), "export delay off");
+            uint64_t at2 = 0;
+            vmm_imported *imp = NULL;
+            int k2 = owner_alloc(2 * MIB, 320, &at2);
+            CHECK(k2 >= 0 && vmm_find(reg, pid, at2, &a) == VMM_OK && vmm_import(reg, &a, &imp) == VMM_OK &&
+                      first_wrong(vmm_import_ptr(imp), 2 * MIB, 320, 0) < 0,
+                  "the owner exports and serves after it: %s", vmm_last_error());
+            if (imp) CHECK(vmm_import_release(imp) == VMM_OK, "release: %s", vmm_last_error());
+            if (k2 >= 0) CHECK(owner_cmd(NULL, "f %d", k2), "free");
+        } else {
+            CHECK(0, "the owner could not be set up for a slow export (%d, %s)", k, ans);
+        }
     }
 
     /* 7. the batch: 150 buffers of 2 MiB, each a chunk of its own, in one call */
