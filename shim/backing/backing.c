@@ -818,7 +818,7 @@ static vmm__seg *span_of(const vmm__block *b, uint32_t *n, uint64_t *bytes)
 }
 
 /* S.lock held: an fd for segment c, a duplicate of the one kept (1), or 0 when none is kept: the
- * caller exports it after letting go of the lock (export_unlocked), c pinned meanwhile. */
+ * caller exports it after letting go of the lock (broker_export_many), c pinned meanwhile. */
 static int seg_fd_kept_locked(vseg *c, int *fd)
 {
     int kept = c->broker_fd >= 0 ? c->broker_fd : c->exported_fd;

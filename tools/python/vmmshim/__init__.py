@@ -279,12 +279,7 @@ class Registry:
                 if name not in published:
                     raise NotFound(f"pid {pid} publishes no tensor named {name!r}", _lib.NOT_FOUND)
                 wanted.append(published[name])
-        dtypes = {}
-        for t in wanted:
-            dtypes[t.name] = _dtypes.from_dlpack(*t.dlpack_dtype)
-            if dtypes[t.name] is None:
-                raise ValueError(f"vmmshim: tensor {t.name!r} of pid {pid} is of DLPack dtype {t.dlpack_dtype}, which "
-                                 f"a view cannot take (one of: {', '.join(_dtypes.DTYPES)})")
+        dtypes = {t.name: _dtypes.of_published(t.name, pid, t.dlpack_dtype) for t in wanted}
         if not wanted:
             return ({}, _timing_of(None, time.perf_counter_ns() - t0, 0)) if timing else {}
         buffers, times = self.open_many(pid, [(t.address, t.nbytes) for t in wanted], timing=True)

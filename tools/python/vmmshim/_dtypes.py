@@ -79,6 +79,16 @@ def from_dlpack(code, bits, lanes):
     return BY_DLPACK.get((code, bits, lanes))
 
 
+def of_published(name, pid, dlpack):
+    """The DType of pid's published tensor `name` of DLPack dtype dlpack (code, bits, lanes);
+    ValueError for one a view cannot take."""
+    dt = BY_DLPACK.get(tuple(dlpack))
+    if dt is None:
+        raise ValueError(f"vmmshim: tensor {name!r} of pid {pid} is of DLPack dtype {tuple(dlpack)}, which a view "
+                         f"cannot take (one of: {', '.join(DTYPES)})")
+    return dt
+
+
 def resolve(dtype):
     """The DType that dtype names; ValueError for a type a view cannot take, TypeError for
     something that is no dtype."""

@@ -108,12 +108,8 @@ def _table_rows(reg, pid):
     out = {}
     for f in reg._tensor_table(pid):
         name = _text(f[0].split(b"\0", 1)[0])
-        dt = _dtypes.from_dlpack(f[2], f[3], f[4])
-        if dt is None:
-            raise ValueError(f"vmmshim: tensor {name!r} of pid {pid} is of DLPack dtype {f[2:5]}, which a view "
-                             f"cannot take (one of: {', '.join(_dtypes.DTYPES)})")
         n = min(f[5], m)
-        out[name] = (f[6], f[7], dt, f[8:8 + n], f[8 + m:8 + m + n], f[8 + 2 * m])
+        out[name] = (f[6], f[7], _dtypes.of_published(name, pid, f[2:5]), f[8:8 + n], f[8 + m:8 + m + n], f[8 + 2 * m])
     return out
 
 
