@@ -428,7 +428,16 @@ static bool fo_cmd(fork_owner *o, char op, int arg)
 {
     uint8_t c[2] = {(uint8_t)op, (uint8_t)arg};
     int rc = -1;
-    return write_full(o->cmd, c, 2) && read_full(o->rep, &rc, sizeof rc) && rc == 0;
+    if (write_full(o->cmd, c, 2) && read_full(o->rep, &rc, sizeof rc)) return rc == 0;
+    /* the owner is gone: say how, where a dead pipe would only have said "no answer" */
+    int st = 0;
+    pid_t w = waitpid(o->pid, &st, WNOHANG);
+    printf("note: the forked owner %d did not answer '%c': %s %d\n", (int)o->pid, op,
+           w != o->pid          ? "still running, errno"
+           : WIFSIGNALED(st)    ? "killed by signal"
+                                : "exited with status",
+           w != o->pid ? errno : WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
+    return false;
 }
 
 static void fo_end(fork_owner *o)
@@ -984,6 +993,8 @@ int main(void)
     if (!set_copy_delay || !ctx_get_current) CHECK_DONE();
     CHECK(mkdir(g_tmp, 0700) == 0, "mkdir %s", g_tmp);
 
+    /* a forked owner that died fails its checks, and says how (fo_cmd), instead of SIGPIPE */
+    signal(SIGPIPE, SIG_IGN);
     /* the forked owner first, while this process has imported nothing it could inherit */
     fork_owner fo;
     bool have_fo = fo_start(&fo);

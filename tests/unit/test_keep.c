@@ -554,8 +554,9 @@ static void t_churn(void)
             memfds(k.pid, &kh);
             CHECK(kh.n >= 1, "the keeper holds the new chunk");
             cmd(&o, NULL, "f %d", idx);
+            /* the bound: the owner's give-back delay and the 100 ms a busy CI machine may add */
             long ms = until_none(k.pid, 2000);
-            CHECK(ms >= 0 && ms <= (round == 0 ? 200 : 100), "round %d: freed chunk %d let go of after %ld ms", round,
+            CHECK(ms >= 0 && ms <= (round == 0 ? 300 : 100), "round %d: freed chunk %d let go of after %ld ms", round,
                   i, ms);
             if (ms > worst) worst = ms;
         }
