@@ -102,18 +102,34 @@ static bool write_full(int fd, const void *buf, size_t len)
     return true;
 }
 
-static bool read_full(int fd, void *buf, size_t len)
+/* len bytes, each wait for more at most wait_ms (-1: until they come or the writer is gone). */
+static bool read_full_within(int fd, void *buf, size_t len, int wait_ms)
 {
     char *p = buf;
     while (len) {
         struct pollfd pf = {.fd = fd, .events = POLLIN};
-        if (poll(&pf, 1, 30000) <= 0) return false;
+        int ready = poll(&pf, 1, wait_ms);
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready <= 0) return false;
         ssize_t n = read(fd, p, len);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) return false;
         p += n, len -= (size_t)n;
     }
     return true;
+}
+
+/* A reply the test waits for: 30 s is a hung peer. */
+static bool read_full(int fd, void *buf, size_t len)
+{
+    return read_full_within(fd, buf, len, 30000);
+}
+
+/* A forked owner's next command: the test may run other cases for minutes in between (a TSan
+ * build on a busy machine), and its exit closes the pipe, which ends the owner. */
+static bool read_command(int fd, void *buf, size_t len)
+{
+    return read_full_within(fd, buf, len, -1);
 }
 
 #endif

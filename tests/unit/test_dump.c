@@ -372,7 +372,7 @@ static void fo_main(int cmd, int rep)
     if (!write_full(rep, &info, sizeof info)) _exit(1);
     for (uint64_t extra = 0;;) {
         uint8_t c[2];
-        if (!read_full(cmd, c, 2)) _exit(0);
+        if (!read_command(cmd, c, 2)) _exit(0);
         pthread_mutex_lock(&fo_lock);
         if (c[0] == 'H') { /* hold the broker at the first record's next request */
             fo_hold = c[1];

@@ -182,7 +182,7 @@ static void owner_main(int cmd, int rep)
 
     for (;;) {
         uint8_t c[3];
-        if (!read_full(cmd, c, 3)) _exit(0);
+        if (!read_command(cmd, c, 3)) _exit(0);
         int i = c[1] < N_REC ? c[1] : 0;
         if (c[0] == 'N') { /* broker requests so far */
             pthread_mutex_lock(&o_lock);

@@ -213,7 +213,7 @@ static void owner_main(int cmd, int rep)
 
     for (;;) {
         owner_cmd c;
-        if (!read_full(cmd, &c, sizeof c)) _exit(0);
+        if (!read_command(cmd, &c, sizeof c)) _exit(0);
         int i = c.i < N_REC ? c.i : 0;
         o_info.rc = 0;
         if (c.op == 'N') { /* broker requests so far */
