@@ -94,7 +94,7 @@ part() {
 if [ "$DRY" = 1 ]; then
   part gpt2 120 --scale 8 --rounds 2 --threads 1,2
   part 7b 120 --scale 16 --rounds 2 --threads 1,2
-  part load 120 --scale 8 --steps 6 --load-alone 3
+  part load 120 --scale 8 --steps 6 --load-alone 3 --load-phases 2
   rm -rf "$VMMSHIM_BROKER_DIR"
 else
   part gpt2 "${WS_GPT2_S:-240}"
