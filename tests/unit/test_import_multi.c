@@ -46,18 +46,18 @@ static int owner_alloc(uint64_t bytes, uint64_t *addr) { return owner_alloc_with
 
 /* n segments' worth made and freed, then one allocation of their total, filled with seed's
  * words: most likely it spans those segments (the caller reads how many from the record). */
-static int owner_span(unsigned n, uint64_t seed, uint64_t *addr)
+static int owner_span_of(unsigned n, uint64_t seg, uint64_t seed, uint64_t *addr)
 {
     int first = -1;
     for (unsigned i = 0; i < n; i++) {
         uint64_t unused;
-        int k = owner_alloc(SEG, &unused);
+        int k = owner_alloc(seg, &unused);
         if (k < 0) return -1;
         if (i == 0) first = k;
     }
     for (unsigned i = 0; i < n; i++)
         if (!owner_cmd(NULL, "f %d", first + (int)i)) return -1;
-    int idx = owner_alloc(n * SEG, addr);
+    int idx = owner_alloc(n * seg, addr);
     if (idx < 0 || !owner_cmd(NULL, "w %d %llu", idx, (unsigned long long)seed)) return -1;
     return idx;
 }
@@ -367,7 +367,7 @@ int main(void)
     CHECK(spans_start(), "cannot start the owner");
     vmm_registry *reg = NULL;
     uint64_t addr = 0;
-    int idx = owner_span(3, 7, &addr);
+    int idx = owner_span_of(3, SEG, 7, &addr);
     CHECK(idx >= 0, "the owner could not make the 3-segment allocation");
     CHECK(vmm_open(g_reg, &reg) == VMM_OK, "vmm_open: %s", vmm_last_error());
     vmm_alloc_info a;
@@ -406,7 +406,7 @@ int main(void)
         overlapping_range(reg);
 
         uint64_t big = 0;
-        int bi = owner_span(MANY, 11, &big);
+        int bi = owner_span_of(MANY, 2 * MIB, 11, &big);
         CHECK(bi >= 0, "the owner could not make the %u-segment allocation", MANY);
         vmm_alloc_info m;
         if (bi >= 0 && vmm_find(reg, (uint32_t)g_pid, big, &m) == VMM_OK) many_handles(reg, &m, 11);
