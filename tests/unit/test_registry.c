@@ -721,11 +721,16 @@ static void test_bind_huge_size(void)
 
 static void test_million(void)
 {
-    const uint64_t N = 1000000, CAP = 1048576, NFIND = 100000;
+    /* Under TSan each record's atomics get sync objects of their own: a million took 10 GB there
+     * (400 MB in the other builds), so that build binds a tenth; the capacity stays. */
+    const char *san = getenv("SAN");
+    const bool tsan = san && !strcmp(san, "tsan");
+    const uint64_t N = tsan ? 100000 : 1000000, CAP = 1048576, NFIND = 100000;
+    const char *many = tsan ? "100k records" : "1M records";
     struct statvfs vf;
     uint64_t need = CAP * sizeof(vmm_reg_alloc) + 64 * MiB;
     if (statvfs("/dev/shm", &vf) == 0 && (uint64_t)vf.f_bavail * vf.f_frsize < need) {
-        printf("skip: 1M records: /dev/shm has %" PRIu64 " MiB free, needs about %" PRIu64 " MiB\n",
+        printf("skip: %s: /dev/shm has %" PRIu64 " MiB free, needs about %" PRIu64 " MiB\n", many,
                (uint64_t)vf.f_bavail * vf.f_frsize / MiB, need / MiB);
         return;
     }
@@ -766,7 +771,7 @@ static void test_million(void)
         if (slots[i] == UINT32_MAX || vmm__reg_publish(&r, slots[i], &d, NULL) != 0) bad++;
     }
     double t2 = now_s();
-    CHECK(bad == 0 && dup == 0, "1M: %" PRIu64 " bind/publish failures, %" PRIu64 " duplicate slots", bad, dup);
+    CHECK(bad == 0 && dup == 0, "%s: %" PRIu64 " bind/publish failures, %" PRIu64 " duplicate slots", many, bad, dup);
     uint64_t miss = 0, wrong = 0;
     vmm_reg_alloc out;
     uint64_t fs;
@@ -781,10 +786,11 @@ static void test_million(void)
             wrong++;
     }
     double t3 = now_s();
-    CHECK(miss == 0 && wrong == 0, "1M: %" PRIu64 " of %" PRIu64 " finds missed, %" PRIu64 " wrong", miss, NFIND, wrong);
+    CHECK(miss == 0 && wrong == 0, "%s: %" PRIu64 " of %" PRIu64 " finds missed, %" PRIu64 " wrong", many, miss, NFIND,
+          wrong);
     vmm_reg_proc p;
     CHECK(vmm__reg_read_proc(&r, r.proc_index, &p) == 0 && p.n_allocs == N && p.bytes_mapped == N * TWO_MIB,
-          "1M counters %" PRIu64 " %" PRIu64, p.n_allocs, p.bytes_mapped);
+          "%s: counters %" PRIu64 " %" PRIu64, many, p.n_allocs, p.bytes_mapped);
     CHECK_EQ(index_count(&r, UINT64_MAX), N);
 
     uint64_t fp = vmm__reg_footprint(&r);
@@ -794,11 +800,11 @@ static void test_million(void)
      * page and our proc record's page; nothing else (unused chunks and proc slots stay sparse) */
     uint64_t expect = chunks * VMM_REG_CHUNK_RECORDS * sizeof(vmm_reg_alloc) + h->index_slots * 4 +
                       (h->index_off - h->chunk_off) + 2 * 4096;
-    printf("figure: 1M records: publish %.0f/s, find %.0f/s, shm touched %.1f MiB of %.1f MiB\n", (double)N / (t2 - t1),
+    printf("figure: %s: publish %.0f/s, find %.0f/s, shm touched %.1f MiB of %.1f MiB\n", many, (double)N / (t2 - t1),
            (double)NFIND / (t3 - t2), (double)fp / MiB, (double)total / MiB);
-    printf("stat: 1M records: bind %.0f/s; fresh capacity-%" PRIu64 " registry touched %.1f MiB (%.1f%%); "
-           "with 1M records %.1f%% (records %.1f MiB + index %.1f MiB)\n",
-           (double)N / (t1 - t0), CAP, (double)fp0 / MiB, 100.0 * (double)fp0 / (double)total,
+    printf("stat: %s: bind %.0f/s; fresh capacity-%" PRIu64 " registry touched %.1f MiB (%.1f%%); "
+           "with them %.1f%% (records %.1f MiB + index %.1f MiB)\n",
+           many, (double)N / (t1 - t0), CAP, (double)fp0 / MiB, 100.0 * (double)fp0 / (double)total,
            100.0 * (double)fp / (double)total, (double)(chunks * VMM_REG_CHUNK_RECORDS * sizeof(vmm_reg_alloc)) / MiB,
            (double)(h->index_slots * 4) / MiB);
     CHECK(fp0 * 20 < total, "fresh registry not sparse: %" PRIu64 " of %" PRIu64, fp0, total);
@@ -823,7 +829,7 @@ static void test_million(void)
     CHECK_EQ(index_count(&r, UINT64_MAX), 0);
     CHECK(vmm__reg_read_proc(&r, r.proc_index, &p) == 0 && p.n_allocs == 0 && p.bytes_mapped == 0 && p.bytes_requested == 0,
           "counters after unbind");
-    printf("stat: 1M records: retract+unbind %.0f/s\n", (double)N / (t5 - t4));
+    printf("stat: %s: retract+unbind %.0f/s\n", many, (double)N / (t5 - t4));
     /* the slots come back: bind again reuses them (no new chunks) */
     uint64_t owned = chunks_owned(&r);
     CHECK_EQ(owned, chunks);
