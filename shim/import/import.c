@@ -1125,14 +1125,33 @@ static void sweep_locked(bool all, const vmm_registry *reg, chunk **dead_chunks,
     }
 }
 
+/* Sweeps whose unmaps run outside chunks_lock now: vmm_import_drop_idle waits for them, so that
+ * an idle mapping the reaper took a moment before is gone too when it returns.  Counted for the
+ * process that swept (a child forked meanwhile has no reaper to wait for). */
+static pthread_cond_t reaped = PTHREAD_COND_INITIALIZER;
+static unsigned long reaping;
+static pid_t reaping_pid;
+
+/* Lock held, after a sweep into these lists: their unmaps begin. */
+static void reap_begin_locked(const chunk *dead_chunks, const owner_ref *dead_owners)
+{
+    if (!dead_chunks && !dead_owners) return;
+    reaping++;
+    reaping_pid = getpid();
+}
+
 static vmm_status reap(chunk *dead_chunks, owner_ref *dead_owners)
 {
+    if (!dead_chunks && !dead_owners) return VMM_OK;
     vmm_status st = unmap_list(dead_chunks);
     while (dead_owners) {
         owner_ref *o = dead_owners;
         dead_owners = o->next;
         owner_free(o);
     }
+    pthread_mutex_lock(&chunks_lock);
+    if (--reaping == 0) pthread_cond_broadcast(&reaped);
+    pthread_mutex_unlock(&chunks_lock);
     return st;
 }
 
@@ -1147,6 +1166,7 @@ static void *reaper_main(void *arg)
         owner_ref *dead_owners = NULL;
         pthread_mutex_lock(&chunks_lock);
         sweep_locked(false, NULL, &dead_chunks, &dead_owners);
+        reap_begin_locked(dead_chunks, dead_owners);
         bool done = idle_chunks == 0 && owners == NULL;
         if (done) reaper_running = false;
         pthread_mutex_unlock(&chunks_lock);
@@ -1179,8 +1199,13 @@ vmm_status vmm__import_drop_idle(void)
     owner_ref *dead_owners = NULL;
     pthread_mutex_lock(&chunks_lock);
     sweep_locked(true, NULL, &dead_chunks, &dead_owners);
+    reap_begin_locked(dead_chunks, dead_owners);
     pthread_mutex_unlock(&chunks_lock);
-    return reap(dead_chunks, dead_owners);
+    vmm_status st = reap(dead_chunks, dead_owners);
+    pthread_mutex_lock(&chunks_lock);
+    while (reaping && reaping_pid == getpid()) pthread_cond_wait(&reaped, &chunks_lock);
+    pthread_mutex_unlock(&chunks_lock);
+    return st;
 }
 
 void vmm__import_forget_registry(vmm_registry *reg)
@@ -1189,6 +1214,7 @@ void vmm__import_forget_registry(vmm_registry *reg)
     owner_ref *dead_owners = NULL;
     pthread_mutex_lock(&chunks_lock);
     sweep_locked(false, reg, &dead_chunks, &dead_owners);
+    reap_begin_locked(dead_chunks, dead_owners);
     pthread_mutex_unlock(&chunks_lock);
     (void)reap(dead_chunks, dead_owners);
 }

@@ -137,6 +137,7 @@ static int g_no_vmm;
 static unsigned long long g_delay_us;
 static unsigned long long g_copy_delay_us;
 static unsigned long long g_export_delay_us; /* each POSIX fd export takes this long (an H100: ~600) */
+static unsigned long long g_unmap_delay_us;  /* each cuMemUnmap takes this long */
 static int g_initialized;
 static unsigned long long g_used[FC_MAX_DEV];
 static struct fc_ctx g_ctx[FC_MAX_DEV];
@@ -595,6 +596,19 @@ FC_API void fakecuda_set_copy_delay_us(unsigned long long us)
 FC_API void fakecuda_set_export_delay_us(unsigned long long us)
 {
     __atomic_store_n(&g_export_delay_us, us, __ATOMIC_RELAXED);
+}
+
+FC_API void fakecuda_set_unmap_delay_us(unsigned long long us)
+{
+    __atomic_store_n(&g_unmap_delay_us, us, __ATOMIC_RELAXED);
+}
+
+/* Sleeps us microseconds outside the driver's lock, as a slow real call lets other calls go on. */
+static void fc_take(unsigned long long us)
+{
+    if (!us) return;
+    struct timespec ts = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
+    nanosleep(&ts, NULL);
 }
 
 /* Open fds on the memory of no live handle: exported or received fds nobody closed, each keeping
@@ -1253,6 +1267,7 @@ FC_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     FC_ENTER("cuMemUnmap");
     uintptr_t p = (uintptr_t)ptr;
     if (!p || !size) return CUDA_ERROR_INVALID_VALUE;
+    fc_take(__atomic_load_n(&g_unmap_delay_us, __ATOMIC_RELAXED));
     LOCK();
     /* Every mapping touching the range must lie entirely inside it. */
     fc_range *m, *tmp;
@@ -1357,11 +1372,7 @@ FC_API CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGeneric
     if (!shareableHandle || flags) return CUDA_ERROR_INVALID_VALUE;
     if (handleType == CU_MEM_HANDLE_TYPE_FABRIC) return CUDA_ERROR_NOT_PERMITTED;
     if (handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
-    unsigned long long delay = __atomic_load_n(&g_export_delay_us, __ATOMIC_RELAXED);
-    if (delay) { /* outside the driver's lock, as the real one lets other calls go on */
-        struct timespec ts = {(time_t)(delay / 1000000), (long)(delay % 1000000) * 1000};
-        nanosleep(&ts, NULL);
-    }
+    fc_take(__atomic_load_n(&g_export_delay_us, __ATOMIC_RELAXED));
     fc_handle *h;
     LOCK();
     HASH_FIND(hh, g_handles, &handle, sizeof handle, h);

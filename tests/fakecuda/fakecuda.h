@@ -97,6 +97,10 @@ typedef void (*fakecuda_set_copy_delay_us_fn)(unsigned long long us);
 void fakecuda_set_export_delay_us(unsigned long long us);
 typedef void (*fakecuda_set_export_delay_us_fn)(unsigned long long us);
 
+/* Makes every cuMemUnmap take this long (an importer's reaper caught mid-unmap). */
+void fakecuda_set_unmap_delay_us(unsigned long long us);
+typedef void (*fakecuda_set_unmap_delay_us_fn)(unsigned long long us);
+
 /* Snapshot of the counters. */
 void fakecuda_counters(struct fakecuda_counters *out);
 typedef void (*fakecuda_counters_fn)(struct fakecuda_counters *out);

@@ -27,6 +27,7 @@ static struct {
     CUresult (*MemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
                                            unsigned long long);
     fakecuda_counters_fn counters;
+    fakecuda_set_unmap_delay_us_fn set_unmap_delay_us;
 } drv;
 
 static bool load_driver(void)
@@ -50,6 +51,7 @@ static bool load_driver(void)
         {"cuMemSetAccess", (void **)&drv.MemSetAccess},
         {"cuMemExportToShareableHandle", (void **)&drv.MemExportToShareableHandle},
         {"fakecuda_counters", (void **)&drv.counters},
+        {"fakecuda_set_unmap_delay_us", (void **)&drv.set_unmap_delay_us},
     };
     for (size_t i = 0; i < sizeof s / sizeof s[0]; i++) {
         void *p = dlsym(h, s[i].n);

@@ -515,6 +515,27 @@ static void case_idle(owner *o)
     CHECK(driver_state_back(&c0, 3000), "the idle chunk was still mapped 3 s after its witness was freed");
     printf("stat: an idle chunk was unmapped %.0f ms after its witness was freed\n", (now_us() - t0) / 1000);
 
+    /* vmm_import_drop_idle returns once no idle mapping is left, also one the reaper took a moment
+     * before and is still unmapping (each cuMemUnmap 500 ms here) */
+    if (!find(o, B, 0, &b)) return;
+    ib = NULL;
+    CHECK_EQ(vmm_import(g_client, &b, &ib), VMM_OK);
+    CHECK_EQ(vmm_import_release(ib), VMM_OK);
+    drv.set_unmap_delay_us(500000);
+    CHECK(owner_cmd(o, 'R', B, 0, &now, sizeof now) && now.rc == 0, "re-publishing B failed");
+    o->info = now;
+    usleep(250000); /* the reaper's 100 ms tick has taken the idle chunk: it is inside the unmap */
+    t0 = now_us();
+    CHECK_EQ(vmm_import_drop_idle(), VMM_OK);
+    double waited_ms = (now_us() - t0) / 1000;
+    struct fakecuda_counters after = counters();
+    drv.set_unmap_delay_us(0);
+    CHECK(after.mappings_live == c0.mappings_live && after.reservations_live == c0.reservations_live &&
+              after.imports_live == c0.imports_live,
+          "drop_idle returned after %.0f ms with %llu mappings and %llu reservations live (before the import: %llu, %llu)",
+          waited_ms, after.mappings_live, after.reservations_live, c0.mappings_live, c0.reservations_live);
+    printf("stat: drop_idle waited %.0f ms for the reaper's unmap of an idle chunk\n", waited_ms);
+
     /* closing the registry handle an idle chunk was read through unmaps it; a held one stays */
     vmm_registry *second = NULL;
     CHECK_EQ(vmm_open(g_reg, &second), VMM_OK);

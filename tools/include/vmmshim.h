@@ -325,7 +325,8 @@ vmm_status vmm_import_describe(vmm_imported *const *imps, size_t n, vmm_import_d
  * The mapping stays valid memory in every case, until vmm_import_release.  A range import gets
  * VMM_ERR_INVALID: check its records with vmm_find. */
 vmm_status vmm_import_check(vmm_registry *reg, const vmm_imported *imp);
-/* Unmap every imported chunk no vmm_imported holds now. */
+/* Unmap every imported chunk no vmm_imported holds now; returns once they are unmapped, also
+ * those the library's own thread had begun to unmap. */
 vmm_status vmm_import_drop_idle(void);
 
 /* ---- Keepers ------------------------------------------------------------------------------
