@@ -1126,18 +1126,28 @@ static void sweep_locked(bool all, const vmm_registry *reg, chunk **dead_chunks,
 }
 
 /* Sweeps whose unmaps run outside chunks_lock now: vmm_import_drop_idle waits for them, so that
- * an idle mapping the reaper took a moment before is gone too when it returns.  Counted for the
- * process that swept (a child forked meanwhile has no reaper to wait for). */
+ * an idle mapping the reaper took a moment before is gone too when it returns.  The count belongs
+ * to the process that swept: a child forked meanwhile inherits it without the threads that would
+ * bring it down, so there it starts again from 0. */
 static pthread_cond_t reaped = PTHREAD_COND_INITIALIZER;
 static unsigned long reaping;
 static pid_t reaping_pid;
 
+/* Lock held: this process's sweeps in flight. */
+static unsigned long *reaping_here_locked(void)
+{
+    pid_t me = getpid();
+    if (reaping_pid != me) {
+        reaping_pid = me;
+        reaping = 0;
+    }
+    return &reaping;
+}
+
 /* Lock held, after a sweep into these lists: their unmaps begin. */
 static void reap_begin_locked(const chunk *dead_chunks, const owner_ref *dead_owners)
 {
-    if (!dead_chunks && !dead_owners) return;
-    reaping++;
-    reaping_pid = getpid();
+    if (dead_chunks || dead_owners) (*reaping_here_locked())++;
 }
 
 static vmm_status reap(chunk *dead_chunks, owner_ref *dead_owners)
@@ -1150,7 +1160,8 @@ static vmm_status reap(chunk *dead_chunks, owner_ref *dead_owners)
         owner_free(o);
     }
     pthread_mutex_lock(&chunks_lock);
-    if (--reaping == 0) pthread_cond_broadcast(&reaped);
+    unsigned long *n = reaping_here_locked();
+    if (*n && --*n == 0) pthread_cond_broadcast(&reaped);
     pthread_mutex_unlock(&chunks_lock);
     return st;
 }
@@ -1203,7 +1214,7 @@ vmm_status vmm__import_drop_idle(void)
     pthread_mutex_unlock(&chunks_lock);
     vmm_status st = reap(dead_chunks, dead_owners);
     pthread_mutex_lock(&chunks_lock);
-    while (reaping && reaping_pid == getpid()) pthread_cond_wait(&reaped, &chunks_lock);
+    while (*reaping_here_locked()) pthread_cond_wait(&reaped, &chunks_lock);
     pthread_mutex_unlock(&chunks_lock);
     return st;
 }

@@ -1267,6 +1267,7 @@ FC_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     FC_ENTER("cuMemUnmap");
     uintptr_t p = (uintptr_t)ptr;
     if (!p || !size) return CUDA_ERROR_INVALID_VALUE;
+    CNT_ADD(calls_cuMemUnmap, 1);
     fc_take(__atomic_load_n(&g_unmap_delay_us, __ATOMIC_RELAXED));
     LOCK();
     /* Every mapping touching the range must lie entirely inside it. */

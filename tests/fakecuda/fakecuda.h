@@ -53,6 +53,7 @@
     X(calls_cuMemFree)       /* cuMemFree_v2 */                                                \
     X(calls_cuMemFreeAsync)  /* cuMemFreeAsync and cuMemFreeAsync_ptsz */                      \
     X(calls_cuMemMap)                                                                          \
+    X(calls_cuMemUnmap)      /* counted as the call begins, before any delay */                \
     X(calls_cuMemSetAccess)                                                                    \
     X(calls_cuMemcpyDtoHAsync) /* both exported variants */                                    \
     X(calls_cuMemRelease)                                                                      \

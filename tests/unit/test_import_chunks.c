@@ -522,9 +522,12 @@ static void case_idle(owner *o)
     CHECK_EQ(vmm_import(g_client, &b, &ib), VMM_OK);
     CHECK_EQ(vmm_import_release(ib), VMM_OK);
     drv.set_unmap_delay_us(500000);
+    unsigned long long unmaps0 = counters().calls_cuMemUnmap;
     CHECK(owner_cmd(o, 'R', B, 0, &now, sizeof now) && now.rc == 0, "re-publishing B failed");
     o->info = now;
-    usleep(250000); /* the reaper's 100 ms tick has taken the idle chunk: it is inside the unmap */
+    /* the reaper's 100 ms tick takes the idle chunk: wait until it is inside the unmap */
+    for (int i = 0; i < 300 && counters().calls_cuMemUnmap == unmaps0; i++) usleep(10000);
+    CHECK(counters().calls_cuMemUnmap > unmaps0, "the reaper never began to unmap B's chunk");
     t0 = now_us();
     CHECK_EQ(vmm_import_drop_idle(), VMM_OK);
     double waited_ms = (now_us() - t0) / 1000;
@@ -535,6 +538,45 @@ static void case_idle(owner *o)
           "drop_idle returned after %.0f ms with %llu mappings and %llu reservations live (before the import: %llu, %llu)",
           waited_ms, after.mappings_live, after.reservations_live, c0.mappings_live, c0.reservations_live);
     printf("stat: drop_idle waited %.0f ms for the reaper's unmap of an idle chunk\n", waited_ms);
+
+    /* ... and a child forked while the reaper unmaps waits only for its own unmaps: it inherits
+     * the count of the parent's sweep, but not the thread that would bring it down */
+    vmm_alloc_info l;
+    if (!find(o, B, 0, &b) || !find(o, L, 0, &l)) return;
+    vmm_imported *il = NULL;
+    ib = NULL;
+    CHECK(vmm_import(g_client, &b, &ib) == VMM_OK && vmm_import(g_client, &l, &il) == VMM_OK, "B and L: %s",
+          vmm_last_error());
+    CHECK(vmm_import_release(ib) == VMM_OK && vmm_import_release(il) == VMM_OK, "releases");
+    drv.set_unmap_delay_us(500000);
+    unsigned long long unmaps = counters().calls_cuMemUnmap;
+    CHECK(owner_cmd(o, 'R', B, 0, &now, sizeof now) && now.rc == 0, "re-publishing B failed");
+    o->info = now;
+    /* fork once the reaper is asleep in B's chunk's unmap, holding no lock (L's chunk stays idle,
+     * its witness live) */
+    for (int i = 0; i < 300 && counters().calls_cuMemUnmap == unmaps; i++) usleep(10000);
+    CHECK(counters().calls_cuMemUnmap > unmaps, "the reaper never began to unmap B's chunk");
+    fflush(stdout);
+    pid_t child = fork();
+    if (child == 0) {
+        alarm(10);
+        _exit(vmm_import_drop_idle() == VMM_OK ? 0 : 1); /* unmaps L's chunk (500 ms) and returns */
+    }
+    int wst = 0;
+    bool ended = false;
+    for (int i = 0; i < 500 && !ended; i++) {
+        ended = child > 0 && waitpid(child, &wst, WNOHANG) == child;
+        if (!ended) usleep(10000);
+    }
+    if (!ended && child > 0) {
+        kill(child, SIGKILL);
+        waitpid(child, &wst, 0);
+    }
+    CHECK(ended && WIFEXITED(wst) && WEXITSTATUS(wst) == 0,
+          "a child forked during the reaper's unmap: drop_idle %s (status 0x%x)", ended ? "returned" : "hung 5 s", wst);
+    CHECK_EQ(vmm_import_drop_idle(), VMM_OK);
+    drv.set_unmap_delay_us(0);
+    CHECK(driver_state_back(&c0, 0), "after the fork case");
 
     /* closing the registry handle an idle chunk was read through unmaps it; a held one stays */
     vmm_registry *second = NULL;
