@@ -488,6 +488,19 @@ static bool driver_state_back(const struct fakecuda_counters *c0, int ms)
     }
 }
 
+/* The owner frees B and allocates it again (its idle chunk's witness gone) while each cuMemUnmap
+ * takes 500 ms; returns once the reaper is asleep inside the unmap of B's chunk, holding no lock. */
+static void reaper_unmapping_b(owner *o)
+{
+    owner_info now;
+    drv.set_unmap_delay_us(500000);
+    unsigned long long unmaps = counters().calls_cuMemUnmap;
+    CHECK(owner_cmd(o, 'R', B, 0, &now, sizeof now) && now.rc == 0, "re-publishing B failed");
+    o->info = now;
+    for (int i = 0; i < 300 && counters().calls_cuMemUnmap == unmaps; i++) usleep(10000); /* 100 ms ticks */
+    CHECK(counters().calls_cuMemUnmap > unmaps, "the reaper never began to unmap B's chunk");
+}
+
 static void case_idle(owner *o)
 {
     vmm_alloc_info a, b;
@@ -521,13 +534,7 @@ static void case_idle(owner *o)
     ib = NULL;
     CHECK_EQ(vmm_import(g_client, &b, &ib), VMM_OK);
     CHECK_EQ(vmm_import_release(ib), VMM_OK);
-    drv.set_unmap_delay_us(500000);
-    unsigned long long unmaps0 = counters().calls_cuMemUnmap;
-    CHECK(owner_cmd(o, 'R', B, 0, &now, sizeof now) && now.rc == 0, "re-publishing B failed");
-    o->info = now;
-    /* the reaper's 100 ms tick takes the idle chunk: wait until it is inside the unmap */
-    for (int i = 0; i < 300 && counters().calls_cuMemUnmap == unmaps0; i++) usleep(10000);
-    CHECK(counters().calls_cuMemUnmap > unmaps0, "the reaper never began to unmap B's chunk");
+    reaper_unmapping_b(o);
     t0 = now_us();
     CHECK_EQ(vmm_import_drop_idle(), VMM_OK);
     double waited_ms = (now_us() - t0) / 1000;
@@ -548,14 +555,7 @@ static void case_idle(owner *o)
     CHECK(vmm_import(g_client, &b, &ib) == VMM_OK && vmm_import(g_client, &l, &il) == VMM_OK, "B and L: %s",
           vmm_last_error());
     CHECK(vmm_import_release(ib) == VMM_OK && vmm_import_release(il) == VMM_OK, "releases");
-    drv.set_unmap_delay_us(500000);
-    unsigned long long unmaps = counters().calls_cuMemUnmap;
-    CHECK(owner_cmd(o, 'R', B, 0, &now, sizeof now) && now.rc == 0, "re-publishing B failed");
-    o->info = now;
-    /* fork once the reaper is asleep in B's chunk's unmap, holding no lock (L's chunk stays idle,
-     * its witness live) */
-    for (int i = 0; i < 300 && counters().calls_cuMemUnmap == unmaps; i++) usleep(10000);
-    CHECK(counters().calls_cuMemUnmap > unmaps, "the reaper never began to unmap B's chunk");
+    reaper_unmapping_b(o); /* L's chunk stays idle, its witness live */
     fflush(stdout);
     pid_t child = fork();
     if (child == 0) {
