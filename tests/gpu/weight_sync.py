@@ -26,18 +26,19 @@ run by tests/gpu/weight_sync.sh (`make bench-gpu BENCH_ONLY=weightsync`).
   run --part 7b     a 7B-class layout (32 layers x 9 bf16 tensors of Llama-7B's shapes, embedding and
                     head: 291 tensors, 13.5 GB) taken by (a) natively, (b) and (c): time, and the
                     fraction of it in each step (vmm_import_many_last_timing), threads 1,2,4,8.
-  run --part load   8 companions take the whole GPT-2 at the same moment after every step of a
-                    trainer under the shim (open_torch by name, the README's way; let go): no take
-                    may fail; the trainer's step time with them against without (8 cycles of phases
-                    without, with, fresh, and a last without; each taking phase's median step against the
-                    phases without on either side of it, target: the median of those <= 1.02; the
-                    machine's step drifts 5-15% between phases), and the broker's latency (a take's wait
-                    on the broker) under that load
-                    against one companion alone.  Two kinds of taking phase: "with", companions as
-                    the library leaves them (what they let go stays mapped in its chunk cache, so a
-                    take after a step imports again through the registry without driver calls), and
-                    "fresh", each take from nothing (vmmshim.drop_idle after it: every take maps and
-                    unmaps the whole model, 16 page-table rewrites of 777 MiB per step; reported).
+  run --part load   8 companions take the whole GPT-2 at the same moment as a step of a trainer under
+                    the shim begins (open_torch by name, the README's way; let go): no take may
+                    fail; the trainer's step time with them against without, and the broker's
+                    latency (a take's wait on the broker) under that load against one companion
+                    alone.  Blocks of --steps steps (4 of each kind by turns); in a block every step
+                    is drawn at random to be one with takes or one without, and each step with takes
+                    is set against the nearest steps without on either side (the machine's step
+                    moves between two levels ~10% apart in runs of a few to tens of steps, whatever
+                    the companions do; target: the median of those ratios <= 1.02).  Two kinds of
+                    block: "with", companions as the library leaves them (what they let go stays
+                    mapped in its chunk cache, so a take imports again through the registry without
+                    driver calls), and "fresh", each take from nothing (vmmshim.drop_idle after it:
+                    every take maps and unmaps the whole model; reported).
 
 Each part prints PASS/FAIL lines, its tables, and "weight-sync PART: N passed, N failed"; raw
 results go to OUT_DIR/raw-PART.jsonl, each process's stderr to OUT_DIR/*.log.  --standin runs the
@@ -55,6 +56,7 @@ import math
 import os
 import pathlib
 import pickle
+import random
 import select
 import signal
 import statistics
@@ -677,19 +679,20 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def paired_ratios(phase_ms, kind):
-    """Each `kind` phase's median step over the geometric mean of the nearest "without" phases before
-    and after it (one side where the other is missing): a drift of the machine's speed across the
-    run cancels, where pooling every phase's steps would count it."""
+def paired_ratios(labels, ms, kind, reach=3):
+    """Each `kind` step's time over the geometric mean of the nearest "without" steps before and after
+    it, at most `reach` steps away (one side where the other has none): the machine's step moves
+    between two levels ~10% apart in runs of a few to tens of steps, whatever the companions do, and
+    a neighbour is nearly always at the same level, where a median over many steps is not."""
     out = []
-    for j, (ph, ms) in enumerate(phase_ms):
-        if ph != kind:
+    for i, lab in enumerate(labels):
+        if lab != kind:
             continue
-        before = next((m for p, m in reversed(phase_ms[:j]) if p == "without"), None)
-        after = next((m for p, m in phase_ms[j + 1:] if p == "without"), None)
+        before = next((ms[j] for j in range(i - 1, max(i - reach, 0) - 1, -1) if labels[j] == "without"), None)
+        after = next((ms[j] for j in range(i + 1, min(i + reach + 1, len(ms))) if labels[j] == "without"), None)
         sides = [m for m in (before, after) if m]
         if sides:
-            out.append(ms / math.prod(sides) ** (1 / len(sides)))
+            out.append(ms[i] / math.prod(sides) ** (1 / len(sides)))
     return out
 
 
@@ -766,6 +769,16 @@ def part_takes(run, kind):
                   f"{ts['reduce_ms']} ms", flush=True)
             run.check(len(ts["params"]) == (148 if kind == "gpt2" else 291) and ts["published"],
                       f"{tag}: the trainer under the shim has {len(ts['params'])} tensors, published")
+            base_conf = conf
+            if "reduce-native" in ways and not tn["reduce"] and conf != "default":
+                # PyTorch cannot share this allocator's memory: the baseline is a native trainer under
+                # the default setting, taken in the same rounds, so that a drift of the machine
+                # between parts is not counted against either side
+                print(f"note: {tag}: reduce_tensor failed natively: {tn['reduce_ms']}; the baseline is a native "
+                      f"trainer under the default setting, taken in the same rounds")
+                native = run.spawn("trainer", f"{tag}-trainer-native-default", False, "default", reg + "-native",
+                                   "--kind", kind, "--reduce")
+                tn, base_conf = native.recv(600), "default"
             comps = {}
             for w in ways:
                 if w == "reduce-native" and not tn["reduce"]:
@@ -774,7 +787,7 @@ def part_takes(run, kind):
                 if w == "reduce-shim" and not ts["reduce"]:
                     print(f"note: {tag}: reduce_tensor failed under the shim: {ts['reduce_ms']} (reported only)")
                     continue
-                comps[w] = run.spawn("companion", f"{tag}-{w}", w == "reduce-shim", conf,
+                comps[w] = run.spawn("companion", f"{tag}-{w}", w == "reduce-shim", base_conf if w == "reduce-native" else conf,
                                      reg + ("-native" if w == "reduce-native" else ""), "--kind", kind, "--way", w)
             for c in comps.values():
                 c.recv(300)
@@ -846,7 +859,8 @@ def part_takes(run, kind):
                     run.record(part=kind, conf=conf, threads=th, import_ms=ms)
             # the table
             print(f"\n{tag}: taking all {len(ts['params'])} tensors ({rounds} rounds after a first; ratio: per round "
-                  f"against reduce_tensor's rebuild in the native trainer's companion)")
+                  f"against reduce_tensor's rebuild in the native trainer's companion"
+                  f"{'' if base_conf == conf else ', the trainer under the default setting'})")
             print(f"| way | round 0 (the owner exports each handle once: {order[0]} paid, with its companion's first "
                   f"take) | median | spread | vs reduce_tensor native | ratio spread |")
             print("|---|---|---|---|---|---|")
@@ -868,7 +882,9 @@ def part_takes(run, kind):
                     continue
                 if meds[w][1] is not None:
                     run.target(meds[w][1] <= 1.0, f"{tag}: {w} median {meds[w][0]:.2f} ms against reduce_tensor "
-                                                   f"{median(base):.2f} ms: {meds[w][1]:.2f}x (target <= 1.00x)")
+                                                   f"{median(base):.2f} ms"
+                                                   f"{'' if base_conf == conf else ' (default setting, same rounds)'}: "
+                                                   f"{meds[w][1]:.2f}x (target <= 1.00x)")
                 elif getattr(run, "base_native", None):
                     print(f"{tag}: {w} median {meds[w][0]:.2f} ms against the default setting's reduce_tensor "
                           f"{run.base_native:.2f} ms (none here): {meds[w][0] / run.base_native:.2f}x (report)")
@@ -906,20 +922,27 @@ def part_load(run):
             a = comps[0].ask(cmd="cycle")
             alone.append(a["timing"]["broker_ns"] / 1e6)
         tr.ask(cmd="train", n=3)  # warm-up (AdamW's state, cuBLAS)
+        # Blocks of steps, "with" and "fresh" by turns; inside a block each step is drawn at random to
+        # be one during which the 8 companions take the model (sent the moment the step before it
+        # ends) or one without: a drift of the machine falls on both alike.  A "fresh" take lets go
+        # of everything (drop_idle), so the two kinds cannot share a block.
+        rng = random.Random(16)
         steps = {"without": [], "with": [], "fresh": []}
         take_ms = {"with": [], "fresh": []}
+        paired = {"with": [], "fresh": []}
+        per_block = []  # (kind, its taking steps' median over its steps without's)
         under = []
-        failures = 0
-        takes = 0
-        # a closing "without" phase: every taking phase then has one without companions on each side
-        phases = ["without", "with", "fresh"] * args.load_phases + ["without"]
-        phase_ms = []  # (phase, median step) in order
-        for ph in phases:
+        failures = takes = asked = 0
+        for kind in ["with", "fresh"] * args.load_blocks:
             if run.left() < 20:
                 print("note: load: stopped early: the budget is spent")
                 break
-            tr.send(cmd="train", n=args.steps, notify=ph != "without")
-            take = dict(cmd="cycle", fresh=ph == "fresh")
+            n = args.steps
+            # the first steps settle the clocks; a "with" block's first taking step maps afresh (the
+            # block before let go of everything), and is not counted either
+            labels = ["without"] * 2 + [kind if rng.random() < 0.5 else "without" for _ in range(n - 2)]
+            tr.send(cmd="train", n=n, notify=True)
+            take = dict(cmd="cycle", fresh=kind == "fresh")
             outstanding = {c: 0 for c in comps}
             done = None
             while done is None or any(outstanding.values()):
@@ -936,9 +959,11 @@ def part_load(run):
                     if p is tr:
                         m = tr.recv()
                         if "stepdone" in m:
-                            for c in comps:  # all at the same moment, after every step
-                                c.send(**take)
-                                outstanding[c] += 1
+                            if m["stepdone"] + 1 < n and labels[m["stepdone"] + 1] == kind:
+                                for c in comps:  # all at the same moment, as the next step starts
+                                    c.send(**take)
+                                    outstanding[c] += 1
+                                    asked += 1
                         elif "trained" in m:
                             done = m["ms"]
                     else:
@@ -947,36 +972,43 @@ def part_load(run):
                         try:
                             a = p.recv()
                             broker_ms = a["timing"]["broker_ns"] / 1e6
-                            if ph == "fresh":  # a take that the chunk cache serves asks no broker
+                            if kind == "fresh":  # a take that the chunk cache serves asks no broker
                                 under.append(broker_ms)
-                            take_ms[ph].append(a["ms"])
-                            run.record(part="load", phase=ph, take_ms=a["ms"], broker_ms=broker_ms)
+                            take_ms[kind].append(a["ms"])
+                            run.record(part="load", block=kind, take_ms=a["ms"], broker_ms=broker_ms)
                         except RuntimeError as e:
                             failures += 1
                             print(f"take failed: {e}")
-            steps[ph] += done[2:]  # each phase's first steps settle the clocks
-            phase_ms.append((ph, median(done[2:])))
-            run.record(part="load", phase=ph, step_ms=done)
-        n_with = len(phases) // 3 * 2 * args.steps * len(comps)
-        run.check(failures == 0 and takes >= n_with, f"load: {takes} takes by {len(comps)} companions after every "
-                                                     f"step ({n_with} asked for), {failures} failed")
+            if kind == "with" and kind in labels:
+                labels[labels.index(kind)] = "warm-up"
+            for lab, ms in zip(labels[2:], done[2:]):
+                if lab in steps:
+                    steps[lab].append(ms)
+            paired[kind] += paired_ratios(labels, done, kind)
+            mine = [[m for lab, m in zip(labels[2:], done[2:]) if lab == k] for k in (kind, "without")]
+            if all(mine):
+                per_block.append((kind, median(mine[0]) / median(mine[1])))
+            run.record(part="load", block=kind, labels=labels, step_ms=done)
+        run.check(failures == 0 and takes == asked and asked > 0,
+                  f"load: {takes} takes by {len(comps)} companions, each as a step began ({asked} asked for), "
+                  f"{failures} failed")
         so, sw, sf = (median(steps[k]) if steps[k] else float("nan") for k in ("without", "with", "fresh"))
-        pooled = sw / so
-        paired = {k: paired_ratios(phase_ms, k) for k in ("with", "fresh")}
-        ratio, fresh = (median(paired[k]) if paired[k] else sw / so if k == "with" else sf / so for k in ("with", "fresh"))
-        print(f"\nload: the trainer's step: {so:.2f} ms without companions; {sw:.2f} ms ({pooled:.3f}x pooled) with {len(comps)} "
-              f"taking the model after every step (take median {median(take_ms['with']) if take_ms['with'] else 0:.2f} ms, "
-              f"the chunk cache as the library keeps it); {sf:.2f} ms ({sf / so:.3f}x pooled) with each take from nothing (take "
-              f"median {median(take_ms['fresh']) if take_ms['fresh'] else 0:.2f} ms, mapped and unmapped every time); "
-              f"medians of {len(steps['without'])}, {len(steps['with'])} and {len(steps['fresh'])} steps, phases "
-              f"alternating")
-        print(f"load: each taking phase against the phases without companions on either side of it (the machine's "
-              f"step drifts by a few % between phases): with {' '.join(f'{r:.3f}' for r in paired['with'])}; "
-              f"fresh {' '.join(f'{r:.3f}' for r in paired['fresh'])}; medians {ratio:.3f} and {fresh:.3f}")
-        run.target(ratio <= 1.02, f"load: step time with {len(comps)} companions {ratio:.3f}x without (median of "
-                                  f"{len(paired['with'])} phases, each against its neighbours; {spread(paired['with'])}; "
-                                  f"target <= 1.02)")
-        print(f"report: load: step time with {len(comps)} companions taking from nothing every step {fresh:.3f}x without "
+        ratio, fresh = (median(paired[k]) if paired[k] else float("nan") for k in ("with", "fresh"))
+        q = {k: statistics.quantiles(v, n=4) if len(v) >= 4 else [float("nan")] * 3 for k, v in paired.items()}
+        print(f"\nload: the trainer's step, {len(steps['without'])} steps without companions, {len(steps['with'])} with "
+              f"{len(comps)} taking the model as they began (take median "
+              f"{median(take_ms['with']) if take_ms['with'] else 0:.2f} ms, the chunk cache as the library keeps it) and "
+              f"{len(steps['fresh'])} with each take from nothing (take median "
+              f"{median(take_ms['fresh']) if take_ms['fresh'] else 0:.2f} ms, mapped and unmapped every time), drawn at "
+              f"random step by step; medians {so:.2f}, {sw:.2f} ({sw / so:.3f}x) and {sf:.2f} ms ({sf / so:.3f}x)")
+        print(f"load: each step with companions against the nearest steps without on either side: with median "
+              f"{ratio:.3f} (quartiles {q['with'][0]:.3f}-{q['with'][2]:.3f}, {len(paired['with'])} steps); fresh "
+              f"median {fresh:.3f} (quartiles {q['fresh'][0]:.3f}-{q['fresh'][2]:.3f}, {len(paired['fresh'])} steps)")
+        print("load: block by block, its steps with takes (median) over its steps without: " +
+              " ".join(f"{k} {r:.3f}" for k, r in per_block))
+        run.target(ratio <= 1.02, f"load: step time with {len(comps)} companions taking {ratio:.3f}x without (median of "
+                                  f"{len(paired['with'])} steps, each against its neighbours without; target <= 1.02)")
+        print(f"report: load: step time with {len(comps)} companions taking from nothing {fresh:.3f}x without "
               f"(each take rewrites the GPU's page tables for the whole model twice)")
         if alone and under:
             q = statistics.quantiles(under, n=10) if len(under) >= 10 else [max(under)] * 9
@@ -1021,8 +1053,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--companions", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--load-phases", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--load-blocks", type=int, default=4)
     ap.add_argument("--load-alone", type=int, default=10)
     ap.add_argument("--budget", type=float, default=540)
     ap.add_argument("--scale", type=int, default=1, help="divide the widths (stand-in runs)")

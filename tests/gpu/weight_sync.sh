@@ -10,7 +10,7 @@
 #   7b    a 7B-class layout (291 bf16 tensors, 13.5 GB): time, and the share of each step;
 #   load  8 companions take the model after every trainer step: none may fail, the step time with
 #         them against without (<= 1.02), the broker's latency under that load.
-# About 3-4 minutes on an H100, each part capped (WS_GPT2_S 240, WS_7B_S 150, WS_LOAD_S 120 s) and
+# About 4-6 minutes on an H100, each part capped (WS_GPT2_S 240, WS_7B_S 150, WS_LOAD_S 180 s) and
 # skipped when it would not fit what is left of WS_BUDGET (570 s): one 10-minute command.  Prints
 # each part's PASS/FAIL lines and tables, then "weight-sync: N passed, N failed".  Raw results and
 # every process's stderr: ${OUT:-/tmp}/vmmshim-weightsync/.
@@ -94,12 +94,12 @@ part() {
 if [ "$DRY" = 1 ]; then
   part gpt2 120 --scale 8 --rounds 2 --threads 1,2
   part 7b 120 --scale 16 --rounds 2 --threads 1,2
-  part load 120 --scale 8 --steps 6 --load-alone 3 --load-phases 2
+  part load 120 --scale 8 --steps 12 --load-alone 3 --load-blocks 1
   rm -rf "$VMMSHIM_BROKER_DIR"
 else
   part gpt2 "${WS_GPT2_S:-240}"
   part 7b "${WS_7B_S:-150}"
-  part load "${WS_LOAD_S:-120}"
+  part load "${WS_LOAD_S:-180}"
 fi
 echo
 echo "weight-sync: $pass passed, $fail failed$([ "$DRY" = 1 ] && echo ' (--dry: the emulated driver)') in $((SECONDS - START)) s"
