@@ -848,9 +848,12 @@ static void seg_exported_locked(vseg *c, int fd)
 }
 
 /* The broker asks for handles [first, first + max) of a live allocation's span: their fds (the
- * broker closes them) and sizes, in address order. */
+ * broker closes them), sizes and keys (a segment's id, never reused: one segment may lie under
+ * two allocations, and a batch passes it once), in address order.  A range the program mapped
+ * itself has no key: its handle may be mapped at several places. */
 static int broker_export_many(uint64_t slot, uint64_t generation, const uint8_t id[16], uint32_t first, uint32_t max,
-                              int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
+                              int *fds, uint64_t *sizes, uint64_t *keys, uint32_t *n_here, uint32_t *n_total,
+                              uint32_t *device)
 {
     *n_here = *n_total = 0;
     pthread_mutex_lock(&S.lock);
@@ -895,6 +898,7 @@ static int broker_export_many(uint64_t slot, uint64_t generation, const uint8_t 
                 pinned[*n_here] = s->mech;
                 n_pinned++;
             }
+            keys[*n_here] = ((vseg *)s->mech)->id;
             sizes[(*n_here)++] = s->size;
         }
     }

@@ -356,7 +356,11 @@ struct broker_batch {
     uint32_t next;        /* the handle of entry `at` that goes next */
     uint32_t seq;         /* the next message's seq */
     bool done;            /* the last message is built */
-    bool pending;         /* msg (with fds[0 .. msg.n_here)) is built and not yet queued */
+    bool pending;         /* msg (with fds[0 .. n_fds)) is built and not yet queued */
+    bool repeats;         /* VMM_BROKER_REQ3_REPEATS: each handle's fd once */
+    uint32_t n_fds;       /* fds msg passes: its entries without VMM_BROKER_FD3_REPEAT */
+    uint64_t *passed;     /* with repeats: the keys of the handles passed so far, open-addressed (0: free) */
+    size_t passed_mask, n_passed;
     vmm_broker_reply3 msg;
     int fds[VMM_BROKER_MAX_FDS];
     vmm_broker_entry3 entries[];
@@ -392,7 +396,7 @@ static uint32_t saturate_ns(const struct timespec *t0, const struct timespec *t1
 /* Ask the backing for handles [first, first + max) and hold it to its contract: on success
  * 1 <= *n_here <= max valid fds within *n_total, else none (any it passed are closed here). */
 static int export_checked(const broker_cfg *cfg, const uint8_t *id, uint64_t slot, uint64_t generation,
-                          uint32_t first, uint32_t max, int *fds, uint64_t *sizes, uint32_t *n_here,
+                          uint32_t first, uint32_t max, int *fds, uint64_t *sizes, uint64_t *keys, uint32_t *n_here,
                           uint32_t *n_total, uint32_t *device, uint32_t *ns)
 {
     *n_here = *n_total = 0;
@@ -400,10 +404,11 @@ static int export_checked(const broker_cfg *cfg, const uint8_t *id, uint64_t slo
     for (uint32_t i = 0; i < max; i++) {
         fds[i] = -1;
         sizes[i] = 0;
+        keys[i] = VMM_BROKER_NO_KEY;
     }
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    int rc = cfg->export_fn(slot, generation, id, first, max, fds, sizes, n_here, n_total, device);
+    int rc = cfg->export_fn(slot, generation, id, first, max, fds, sizes, keys, n_here, n_total, device);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     *ns = saturate_ns(&t0, &t1);
     if (rc > 0) rc = -rc;
@@ -423,10 +428,10 @@ static int export_checked(const broker_cfg *cfg, const uint8_t *id, uint64_t slo
 static void serve_v1(const broker_cfg *cfg, int sock, const vmm_broker_request *q)
 {
     int fd = -1;
-    uint64_t size = 0;
+    uint64_t size = 0, key;
     uint32_t n_here, n_total, device, ns;
-    int rc = export_checked(cfg, q->alloc_id, q->slot, q->generation, 0, 1, &fd, &size, &n_here, &n_total, &device,
-                            &ns);
+    int rc = export_checked(cfg, q->alloc_id, q->slot, q->generation, 0, 1, &fd, &size, &key, &n_here, &n_total,
+                            &device, &ns);
     if (rc == 0 && n_total != 1) {
         close(fd);
         rc = -EPROTONOSUPPORT; /* a part of it would map as if it were the whole */
@@ -445,11 +450,12 @@ static void serve_v2(const broker_cfg *cfg, int sock, const vmm_broker_request2 
     memset(&rep, 0, sizeof rep);
     rep.magic = VMM_BROKER_MAGIC;
     int fds[VMM_BROKER_MAX_FDS];
+    uint64_t keys[VMM_BROKER_MAX_FDS];
     uint32_t max = q->max < VMM_BROKER_MAX_FDS ? q->max : VMM_BROKER_MAX_FDS;
     int rc = -EINVAL;
     if (max > 0)
-        rc = export_checked(cfg, q->alloc_id, q->slot, q->generation, q->first, max, fds, rep.sizes, &rep.n_here,
-                            &rep.n_total, &rep.device, &rep.export_ns);
+        rc = export_checked(cfg, q->alloc_id, q->slot, q->generation, q->first, max, fds, rep.sizes, keys,
+                            &rep.n_here, &rep.n_total, &rep.device, &rep.export_ns);
     if (rc != 0) {
         memset(&rep, 0, sizeof rep);
         rep.magic = VMM_BROKER_MAGIC;
@@ -476,16 +482,46 @@ static void batch_drop_pending(broker_conn *c)
     broker_batch *b = c->batch;
     if (!b || !b->pending) return;
     batch_note_fds(c, NULL, 0);
-    for (uint32_t i = 0; i < b->msg.n_here; i++) close(b->fds[i]);
+    for (uint32_t i = 0; i < b->n_fds; i++) close(b->fds[i]);
     b->pending = false;
 }
 
 static void batch_end(broker_conn *c)
 {
     batch_drop_pending(c);
+    if (c->batch) free(c->batch->passed);
     free(c->batch);
     c->batch = NULL;
     c->stalled = false;
+}
+
+/* With repeats: true when the handle of this key went in the batch already, else noted as gone
+ * now.  Keys are stored + 1 (0 marks a free place); a table that cannot grow passes every fd. */
+static bool passed_before(broker_batch *b, uint64_t key)
+{
+    if (key == VMM_BROKER_NO_KEY) return false;
+    if (2 * (b->n_passed + 1) > b->passed_mask + 1) {
+        size_t cap = b->passed ? 2 * (b->passed_mask + 1) : 64;
+        uint64_t *t = calloc(cap, sizeof *t);
+        if (!t) return false;
+        for (size_t i = 0; b->passed && i <= b->passed_mask; i++)
+            if (b->passed[i]) {
+                size_t j = (size_t)(b->passed[i] * 0x9e3779b97f4a7c15ull >> 20) & (cap - 1);
+                while (t[j]) j = (j + 1) & (cap - 1);
+                t[j] = b->passed[i];
+            }
+        free(b->passed);
+        b->passed = t;
+        b->passed_mask = cap - 1;
+    }
+    for (size_t j = (size_t)((key + 1) * 0x9e3779b97f4a7c15ull >> 20) & b->passed_mask;; j = (j + 1) & b->passed_mask) {
+        if (b->passed[j] == key + 1) return true;
+        if (!b->passed[j]) {
+            b->passed[j] = key + 1;
+            b->n_passed++;
+            return false;
+        }
+    }
 }
 
 /* Build the batch's next message: the handles that follow, up to 64, entry after entry; the
@@ -499,6 +535,7 @@ static void batch_build(const broker_cfg *cfg, broker_conn *c)
     m->magic = VMM_BROKER_MAGIC;
     m->version = VMM_BROKER_VERSION3;
     m->seq = b->seq++;
+    b->n_fds = 0;
     uint64_t ns_total = 0;
     int rc = 0;
     while (rc == 0 && b->at < b->n && m->n_here < VMM_BROKER_MAX_FDS) {
@@ -512,16 +549,23 @@ static void batch_build(const broker_cfg *cfg, broker_conn *c)
             }
             if (end - b->next < max) max = (uint32_t)(end - b->next);
         }
-        uint64_t sizes[VMM_BROKER_MAX_FDS];
+        uint64_t sizes[VMM_BROKER_MAX_FDS], keys[VMM_BROKER_MAX_FDS];
+        int got_fds[VMM_BROKER_MAX_FDS];
         uint32_t got, n_total, device, ns;
-        rc = export_checked(cfg, e->alloc_id, e->slot, e->generation, b->next, max, b->fds + m->n_here, sizes, &got,
+        rc = export_checked(cfg, e->alloc_id, e->slot, e->generation, b->next, max, got_fds, sizes, keys, &got,
                             &n_total, &device, &ns);
         if (rc != 0) break;
         ns_total += ns;
-        for (uint32_t k = 0; k < got; k++)
+        for (uint32_t k = 0; k < got; k++) {
+            bool again = b->repeats && passed_before(b, keys[k]);
+            if (again)
+                close(got_fds[k]);
+            else
+                b->fds[b->n_fds++] = got_fds[k];
             m->fds[m->n_here + k] =
-                (vmm_broker_fd3){.entry = b->at, .handle = b->next + k, .n_total = n_total, .device = device,
-                                 .size = sizes[k]};
+                (vmm_broker_fd3){.entry = b->at, .handle = b->next + k, .n_total = n_total,
+                                 .device = device | (again ? VMM_BROKER_FD3_REPEAT : 0), .size = sizes[k]};
+        }
         m->n_here += got;
         b->next += got;
         uint32_t end = e->count ? e->first + e->count : n_total;
@@ -531,7 +575,8 @@ static void batch_build(const broker_cfg *cfg, broker_conn *c)
         }
     }
     if (rc != 0) {
-        for (uint32_t i = 0; i < m->n_here; i++) close(b->fds[i]);
+        for (uint32_t i = 0; i < b->n_fds; i++) close(b->fds[i]);
+        b->n_fds = 0;
         uint32_t seq = m->seq;
         memset(m, 0, sizeof *m);
         m->magic = VMM_BROKER_MAGIC;
@@ -546,7 +591,7 @@ static void batch_build(const broker_cfg *cfg, broker_conn *c)
         b->done = true;
     }
     b->pending = true;
-    batch_note_fds(c, b->fds, m->n_here);
+    batch_note_fds(c, b->fds, b->n_fds);
 }
 
 /* Queue the batch's messages while the peer's socket takes them (at most BROKER_PUMP_MAX, so
@@ -557,7 +602,7 @@ static bool batch_pump(const broker_cfg *cfg, broker_conn *c, const struct times
     for (int k = 0; k < BROKER_PUMP_MAX && c->batch; k++) {
         broker_batch *b = c->batch;
         if (!b->pending) batch_build(cfg, c);
-        int rc = send_msg(c->fd, &b->msg, sizeof b->msg, b->fds, b->msg.n_here);
+        int rc = send_msg(c->fd, &b->msg, sizeof b->msg, b->fds, b->n_fds);
         if (rc == -EAGAIN || rc == -EWOULDBLOCK) return true; /* POLLOUT says when */
         if (rc == -ETOOMANYREFS) {
             c->stalled = true;
@@ -565,7 +610,7 @@ static bool batch_pump(const broker_cfg *cfg, broker_conn *c, const struct times
         }
         if (rc != 0) return false; /* the peer went away */
         batch_note_fds(c, NULL, 0);
-        for (uint32_t i = 0; i < b->msg.n_here; i++) close(b->fds[i]); /* the peer holds them now */
+        for (uint32_t i = 0; i < b->n_fds; i++) close(b->fds[i]); /* the peer holds them now */
         b->pending = false;
         c->last = *now;
         if (b->done) batch_end(c);
@@ -596,7 +641,7 @@ static bool serve_v3(const broker_cfg *cfg, broker_conn *c, const uint8_t *raw, 
         send_reply(c->fd, -EPROTO, 0, 0, -1, 0);
         return false;
     }
-    if (h.n_entries == 0 || h.n_entries > VMM_BROKER_MAX_ENTRIES || h.flags != 0) {
+    if (h.n_entries == 0 || h.n_entries > VMM_BROKER_MAX_ENTRIES || (h.flags & ~VMM_BROKER_REQ3_REPEATS)) {
         refuse_batch(c->fd, -EINVAL, h.n_entries);
         return true;
     }
@@ -607,6 +652,7 @@ static bool serve_v3(const broker_cfg *cfg, broker_conn *c, const uint8_t *raw, 
     }
     memset(b, 0, sizeof *b);
     b->n = h.n_entries;
+    b->repeats = h.flags & VMM_BROKER_REQ3_REPEATS;
     memcpy(b->entries, raw + sizeof h, h.n_entries * sizeof(vmm_broker_entry3));
     b->next = b->entries[0].first;
     c->batch = b;

@@ -8,12 +8,15 @@
  * allocation (slot, generation) whose id matches, in address order (an allocation may span
  * several handles mapped back to back).  Returns 0 with *n_here (1 .. max) fds in fds[], each
  * handle's size in sizes[], *n_total the handles the allocation has and *device its device; the
- * broker closes the fds.  Else -ESTALE when the generation moved on, -ENOENT when the slot is
+ * broker closes the fds.  keys[i], where given, tells handle i apart from every other live
+ * handle of the process (its address in the owner), so that a batch passes it once; left as the
+ * broker set it (VMM_BROKER_NO_KEY), the handle is passed every time it is asked for.  Else -ESTALE when the generation moved on, -ENOENT when the slot is
  * not a live allocation of this process, -ERANGE when first >= *n_total, or another -errno; on
  * failure the broker closes fds[0 .. *n_here) (the shim's backing leaves *n_here 0). */
+#define VMM_BROKER_NO_KEY UINT64_MAX
 typedef int (*vmm__broker_export_fn)(uint64_t slot, uint64_t generation, const uint8_t id[16], uint32_t first,
-                                     uint32_t max, int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total,
-                                     uint32_t *device);
+                                     uint32_t max, int *fds, uint64_t *sizes, uint64_t *keys, uint32_t *n_here,
+                                     uint32_t *n_total, uint32_t *device);
 
 /* Start the broker thread once (idempotent, thread-safe).  Writes the socket path into path
  * (for the registry).  Returns 0 or -errno; never blocks the caller for long. */

@@ -31,12 +31,20 @@
  *   fails ends the batch: the last message then has status (-ESTALE, -ENOENT, -ERANGE, ...) and
  *   `entry` set to it, and carries no fd; fds sent before it are the peer's (to close).  An empty
  *   last message (status 0, n_here 0) may close a batch whose final handles went in the message
- *   before.  n_entries 0 or above VMM_BROKER_MAX_ENTRIES, or flags not 0, get one last message
- *   with -EINVAL.  The broker reads no further request from the connection until the batch's last
+ *   before.  n_entries 0 or above VMM_BROKER_MAX_ENTRIES, or flags other than 0 or
+ *   VMM_BROKER_REQ3_REPEATS, get one last message with -EINVAL.  The broker reads no further request from the connection until the batch's last
  *   message is queued, so a peer sends its next request after receiving that one.  The broker
  *   queues messages as the peer's socket takes them (one slow peer stalls nobody else); a peer
  *   that reads nothing for 60 s is disconnected.  A broker older than v3 answers -EPROTO (v1 form)
  *   and closes the connection: the peer reconnects and asks with v1/v2, one allocation at a time.
+ *   Repeats (flags VMM_BROKER_REQ3_REPEATS): a stream-ordered pool packs the end of one
+ *   allocation and the start of the next into one handle, so a batch may name a handle twice.
+ *   With this flag the broker passes each handle's fd once a batch; a later entry's handle that
+ *   the batch passed already comes as an fds[k] with VMM_BROKER_FD3_REPEAT set in `device` and no
+ *   fd (the peer knows it by its address in the owner and its size).  n_here then counts every
+ *   fds[] entry, and the SCM_RIGHTS message carries one fd per entry without the bit, in order.
+ *   A broker that predates the flag refuses such a request (-EINVAL, entry = n_entries, the
+ *   connection kept); the peer asks again without it.
  *
  * An error reply to a v2 request is a vmm_broker_reply2 as well, and to a v3 request a
  * vmm_broker_reply3, except for requests the broker cannot read (wrong length, magic or version:
@@ -58,6 +66,8 @@
  * send buffer (~208 KiB), the most one datagram can be; a peer wanting more sends several */
 #define VMM_BROKER_MAX_ENTRIES 2048u
 #define VMM_BROKER_REPLY_LAST 1u     /* vmm_broker_reply3.flags: the batch's last message */
+#define VMM_BROKER_REQ3_REPEATS 1u   /* vmm_broker_request3.flags: each handle's fd once a batch */
+#define VMM_BROKER_FD3_REPEAT 0x80000000u /* vmm_broker_fd3.device: passed before in this batch, no fd */
 
 typedef struct vmm_broker_request {
     uint32_t magic;
@@ -107,7 +117,7 @@ typedef struct vmm_broker_request3 {
     uint32_t magic;
     uint32_t version;     /* VMM_BROKER_VERSION3 */
     uint32_t n_entries;   /* 1 .. VMM_BROKER_MAX_ENTRIES; the datagram is 16 + 40 * n_entries bytes */
-    uint32_t flags;       /* 0 */
+    uint32_t flags;       /* 0 or VMM_BROKER_REQ3_REPEATS */
     /* followed by n_entries vmm_broker_entry3 */
 } vmm_broker_request3; /* 16 */
 
@@ -115,7 +125,8 @@ typedef struct vmm_broker_fd3 {
     uint32_t entry;       /* the request entry this fd answers (entries in order, never going back) */
     uint32_t handle;      /* which handle of its allocation, 0-based in address order */
     uint32_t n_total;     /* handles the allocation has */
-    uint32_t device;      /* the device the handle's memory lies on (the owner's ordinal) */
+    uint32_t device;      /* the device the handle's memory lies on (the owner's ordinal), with
+                             VMM_BROKER_FD3_REPEAT when no fd comes with this entry */
     uint64_t size;        /* the handle's bytes */
 } vmm_broker_fd3; /* 24 */
 
@@ -125,7 +136,8 @@ typedef struct vmm_broker_reply3 {
     uint32_t version;     /* VMM_BROKER_VERSION3 */
     uint32_t flags;       /* VMM_BROKER_REPLY_LAST on the batch's last message */
     uint32_t entry;       /* with status != 0: the failing entry (n_entries for a malformed batch) */
-    uint32_t n_here;      /* fds passed with this message, 0 .. 64; fds[n_here..] are 0 */
+    uint32_t n_here;      /* fds[] entries in this message, 0 .. 64 (fds passed: those without
+                             VMM_BROKER_FD3_REPEAT); fds[n_here..] are 0 */
     uint32_t export_ns;   /* the owner's time exporting this message's fds (saturating) */
     uint32_t seq;         /* this message's place in the batch's stream, from 0 */
     vmm_broker_fd3 fds[VMM_BROKER_MAX_FDS];

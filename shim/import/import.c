@@ -214,6 +214,7 @@ typedef struct owner_ref {
     int pidfd;            /* -1: judged through /proc each time (another pid namespace, no pidfd_open) */
     int sock;             /* the kept connection to its broker, -1 none; used under io */
     pthread_mutex_t io;   /* one request at a time on sock */
+    bool no_repeats;      /* its broker predates VMM_BROKER_REQ3_REPEATS (under io) */
     unsigned long chunks; /* chunks of it in the chunk table, held or idle */
     unsigned long busy;   /* threads using the entry outside chunks_lock */
     uint64_t last_used_ns;
@@ -2523,6 +2524,8 @@ typedef struct stream {
     const uint32_t *list;
     uint32_t count, at, seq;
     bool done, fallback;
+    bool repeats;         /* asked with VMM_BROKER_REQ3_REPEATS */
+    bool ask_plain;       /* refused that flag: a broker older than it */
 } stream;
 
 static vmm_status take_reply(many *m, stream *sm, const vmm_broker_reply3 *rep, size_t len, int *fds, uint32_t nf)
@@ -2537,12 +2540,20 @@ static vmm_status take_reply(many *m, stream *sm, const vmm_broker_reply3 *rep, 
         }
         return reply_failed(a0, rep->status);
     }
-    if (len != sizeof *rep || rep->version != VMM_BROKER_VERSION3 || rep->seq != sm->seq || rep->n_here != nf ||
+    uint32_t passed = 0; /* fds[] entries that come with an fd */
+    for (uint32_t k = 0; len == sizeof *rep && k < rep->n_here && k < VMM_BROKER_MAX_FDS; k++)
+        passed += !(sm->repeats && (rep->fds[k].device & VMM_BROKER_FD3_REPEAT));
+    if (len != sizeof *rep || rep->version != VMM_BROKER_VERSION3 || rep->seq != sm->seq || passed != nf ||
         rep->n_here > VMM_BROKER_MAX_FDS)
         return set_err(VMM_ERR_IO, "owner pid %u's broker sent a malformed reply (message %u of a batch)", m->pid,
                        sm->seq);
     sm->seq++;
     mt.export_ns += rep->export_ns;
+    if (rep->status == -EINVAL && sm->repeats && rep->entry == sm->count && sm->seq == 1 &&
+        (rep->flags & VMM_BROKER_REPLY_LAST)) {
+        sm->ask_plain = true; /* a broker that predates the flag refuses the whole request */
+        return VMM_OK;
+    }
     if (rep->status != 0) {
         if (rep->entry >= sm->count) return reply_failed(a0, rep->status);
         m->fail_unit = sm->list[rep->entry];
@@ -2554,8 +2565,9 @@ static vmm_status take_reply(many *m, stream *sm, const vmm_broker_reply3 *rep, 
         st = reply_failed(&u->a, rep->status);
         return set_err(st, "the allocation at 0x%llx: %s", (unsigned long long)u->a.address, vmm__error_text());
     }
-    for (uint32_t k = 0; k < nf && st == VMM_OK; k++) {
+    for (uint32_t k = 0, at_fd = 0; k < rep->n_here && st == VMM_OK; k++) {
         const vmm_broker_fd3 *f = &rep->fds[k];
+        bool again = sm->repeats && (f->device & VMM_BROKER_FD3_REPEAT);
         while (st == VMM_OK && sm->at < sm->count && f->entry > sm->at) { /* the next entry begins */
             unit *u = &m->u[sm->list[sm->at]];
             if (u->got != u->n)
@@ -2581,8 +2593,17 @@ static vmm_status take_reply(many *m, stream *sm, const vmm_broker_reply3 *rep, 
         uint64_t at = u->a.address - u->a.chunk_offset + u->bytes; /* the owner's address of this handle */
         u->size[hi] = f->size;
         u->bytes += f->size;
-        int fd = fds[k];
-        fds[k] = -1;
+        if (again) { /* passed before in this batch: for another unit, at the same address */
+            if (seen_before(m, at, f->size, sm->list[sm->at], hi, &u->alias[hi]))
+                mt.shared++;
+            else
+                st = set_err(VMM_ERR_IO, "owner pid %u's broker named again a handle it had not passed (the allocation "
+                                         "at 0x%llx, handle %u)",
+                             m->pid, (unsigned long long)u->a.address, hi);
+            continue;
+        }
+        int fd = fds[at_fd];
+        fds[at_fd++] = -1;
         if (seen_before(m, at, f->size, sm->list[sm->at], hi, &u->alias[hi])) {
             close(fd);
             mt.shared++;
@@ -2613,7 +2634,9 @@ static vmm_status batch_request(many *m, const uint32_t *list, uint32_t count, b
     size_t len = sizeof(vmm_broker_request3) + count * sizeof(vmm_broker_entry3);
     uint8_t *req = malloc(len);
     if (!req) return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
-    vmm_broker_request3 h = {.magic = VMM_BROKER_MAGIC, .version = VMM_BROKER_VERSION3, .n_entries = count};
+    /* repeats are known by the segments seen (seen_before): without that table, every fd comes */
+    vmm_broker_request3 h = {.magic = VMM_BROKER_MAGIC, .version = VMM_BROKER_VERSION3, .n_entries = count,
+                             .flags = o->no_repeats || !m->segs ? 0 : VMM_BROKER_REQ3_REPEATS};
     memcpy(req, &h, sizeof h);
     for (uint32_t i = 0; i < count; i++) {
         const vmm_alloc_info *a = &m->u[list[i]].a;
@@ -2622,7 +2645,7 @@ static vmm_status batch_request(many *m, const uint32_t *list, uint32_t count, b
         memcpy(req + sizeof h + i * sizeof e, &e, sizeof e);
     }
     vmm_status st = VMM_OK;
-    stream sm = {.list = list, .count = count};
+    stream sm = {.list = list, .count = count, .repeats = h.flags != 0};
     for (int attempt = 0;; attempt++) {
         bool fresh = o->sock < 0;
         if (fresh) {
@@ -2638,7 +2661,7 @@ static vmm_status batch_request(many *m, const uint32_t *list, uint32_t count, b
         while (n < 0 && errno == EINTR);
         int rc = n == (ssize_t)len ? 0 : -(n < 0 ? errno : EIO);
         if (rc == 0) mt.requests++;
-        while (rc == 0 && st == VMM_OK && !sm.done && !sm.fallback && !many_failed(m)) {
+        while (rc == 0 && st == VMM_OK && !sm.done && !sm.fallback && !sm.ask_plain && !many_failed(m)) {
             union {
                 vmm_broker_reply3 rep;
                 uint8_t raw[sizeof(vmm_broker_reply3) + 32];
@@ -2663,6 +2686,14 @@ static vmm_status batch_request(many *m, const uint32_t *list, uint32_t count, b
         uint64_t imported = m->threads <= 1 ? __atomic_load_n(&m->import_ns, __ATOMIC_RELAXED) - imported0 : 0;
         mt.broker_ns += now_ns() - t0 - imported;
         if (rc == 0 && st == VMM_OK && sm.done) break;
+        if (rc == 0 && st == VMM_OK && sm.ask_plain) { /* the same request without the flag, same connection */
+            o->no_repeats = true;
+            h.flags = 0;
+            memcpy(req, &h, sizeof h);
+            sm = (stream){.list = list, .count = count};
+            attempt--;
+            continue;
+        }
         /* a stream broken off, a failure, or an old broker (which closes the connection): the
          * connection's state is unknown, so it goes */
         close(o->sock);

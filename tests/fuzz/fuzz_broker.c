@@ -15,7 +15,10 @@
  * closed); every fd it hands over is closed once the request is served.  A v3 batch (up to 6
  * entries fit a datagram here) is answered by a stream of messages, pumped as the peer reads them:
  * a model of the broker (v3_model) says which fds must come, in which message, and which status
- * ends the stream; the export function checks each call against the same model. */
+ * ends the stream; the export function checks each call against the same model.  Each handle
+ * has a key (bits 3.. of its slot and its index), so that with VMM_BROKER_REQ3_REPEATS a batch
+ * naming a handle again (the same slot twice, or two slots that share those bits) must name it
+ * as a repeat, with no fd. */
 #include "../../shim/broker/broker.c"
 
 #include <stdint.h>
@@ -55,13 +58,15 @@ static int g_n_given;
 
 static uint32_t handles_of(uint64_t slot) { return 1 + (uint32_t)((slot >> 3) & 127); }
 static uint64_t size_of(uint32_t i) { return (uint64_t)(i + 1) << 21; }
+static uint64_t key_of(uint64_t slot, uint32_t handle) { return (slot >> 3) << 8 | handle; }
 
-static int give(int *fds, uint64_t *sizes, uint32_t first, uint32_t n)
+static int give(int *fds, uint64_t *sizes, uint64_t *keys, uint64_t slot, uint32_t first, uint32_t n)
 {
     for (uint32_t i = 0; i < n; i++) {
         fds[i] = g_given[g_n_given++] = dup(g_memfd);
         if (fds[i] < 0) return -EMFILE;
         sizes[i] = size_of(first + i);
+        keys[i] = key_of(slot, first + i);
     }
     return 0;
 }
@@ -112,7 +117,8 @@ static void v3_advance(int rc, uint32_t k)
 }
 
 static int fake_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
-                       int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
+                       int *fds, uint64_t *sizes, uint64_t *keys, uint32_t *n_here, uint32_t *n_total,
+                       uint32_t *device)
 {
     g_exports++;
     if (g_sent.version == 3) {
@@ -143,9 +149,9 @@ static int fake_export(uint64_t slot, uint64_t generation, const uint8_t alloc_i
     uint32_t k = n - first < max ? n - first : max;
     switch (slot & 7) {
     case 4: return 0; /* success without an fd */
-    case 5: *n_here = k; return give(fds, sizes, first, k) ? -EMFILE : -EBUSY;
-    case 7: *n_here = k + 1; return give(fds, sizes, first, k); /* claims one more than it gave */
-    default: *n_here = k; return give(fds, sizes, first, k);
+    case 5: *n_here = k; return give(fds, sizes, keys, slot, first, k) ? -EMFILE : -EBUSY;
+    case 7: *n_here = k + 1; return give(fds, sizes, keys, slot, first, k); /* claims one more than it gave */
+    default: *n_here = k; return give(fds, sizes, keys, slot, first, k);
     }
 }
 
@@ -213,7 +219,7 @@ static int32_t expected_status(bool allowed, const sent *q, uint32_t *n_fds)
 /* Did the broker call the export function for this request? */
 static bool exports(bool allowed, const sent *q)
 {
-    if (q->version == 3) return allowed && q->v3_n > 0 && q->v3_flags == 0;
+    if (q->version == 3) return allowed && q->v3_n > 0 && !(q->v3_flags & ~VMM_BROKER_REQ3_REPEATS);
     return allowed && q->version && q->max != 0;
 }
 
@@ -221,14 +227,23 @@ static bool exports(bool allowed, const sent *q)
  * failing entry of the last one, the messages and the export calls. */
 typedef struct v3_want {
     uint32_t n_fds, fd_entry[MAX_ENTRIES * 128], fd_handle[MAX_ENTRIES * 128];
+    bool fd_repeat[MAX_ENTRIES * 128]; /* named again with no fd (VMM_BROKER_REQ3_REPEATS) */
     uint32_t msgs, calls, entry;
     int32_t status;
 } v3_want;
 
+/* With repeats: did an entry before this one (of the batch's fds so far) bring this handle? */
+static bool brought_before(const sent *q, const v3_want *w, uint64_t key)
+{
+    for (uint32_t i = 0; i < w->n_fds; i++)
+        if (!w->fd_repeat[i] && key_of(q->e[w->fd_entry[i]].slot, w->fd_handle[i]) == key) return true;
+    return false;
+}
+
 static void v3_model(const sent *q, v3_want *w)
 {
     memset(w, 0, sizeof *w);
-    if (q->v3_n == 0 || q->v3_flags != 0) {
+    if (q->v3_n == 0 || (q->v3_flags & ~VMM_BROKER_REQ3_REPEATS)) {
         w->status = -EINVAL;
         w->entry = q->v3_n;
         w->msgs = 1;
@@ -250,6 +265,7 @@ static void v3_model(const sent *q, v3_want *w)
             break;
         }
         for (uint32_t i = 0; i < k; i++) {
+            w->fd_repeat[w->n_fds] = (q->v3_flags & VMM_BROKER_REQ3_REPEATS) && brought_before(q, w, key_of(e->slot, next + i));
             w->fd_entry[w->n_fds] = at;
             w->fd_handle[w->n_fds++] = next + i;
         }
@@ -305,7 +321,7 @@ static bool take_stream(int fd, const v3_want *w, uint32_t *msgs, uint32_t *fds_
                 got++;
             }
         }
-        if (got != m.n_here) abort();
+        uint32_t passed = 0;
         for (uint32_t i = 0; i < VMM_BROKER_MAX_FDS; i++) {
             const vmm_broker_fd3 *f = &m.fds[i];
             if (i >= m.n_here) {
@@ -316,10 +332,11 @@ static bool take_stream(int fd, const v3_want *w, uint32_t *msgs, uint32_t *fds_
             if (at >= w->n_fds || f->entry != w->fd_entry[at] || f->handle != w->fd_handle[at]) abort();
             const sent *q = &g_sent;
             uint64_t slot = q->e[f->entry].slot;
-            if (f->n_total != handles_of(slot) || f->device != (uint32_t)(q->e[f->entry].generation & 7) ||
-                f->size != size_of(f->handle))
-                abort();
+            uint32_t device = (uint32_t)(q->e[f->entry].generation & 7) | (w->fd_repeat[at] ? VMM_BROKER_FD3_REPEAT : 0);
+            if (f->n_total != handles_of(slot) || f->device != device || f->size != size_of(f->handle)) abort();
+            passed += !w->fd_repeat[at];
         }
+        if (got != passed) abort();
         *fds_seen += m.n_here;
         (*msgs)++;
         bool last = m.flags & VMM_BROKER_REPLY_LAST;

@@ -340,7 +340,8 @@ static void broker_seeds(void)
     /* v3 on a kept connection: one-handle, 3-handle and 100-handle allocations in one batch (94
      * fds, two messages); five of 128 handles (640 fds, ten messages: more than a socket queues at
      * once); a batch whose second entry is stale (the first's 64 fds come, then the status); one
-     * whose count runs past the allocation's end; n_entries 0; flags set; then a v1 request */
+     * whose count runs past the allocation's end; n_entries 0; a flag no broker knows; then a v1
+     * request */
     b.n = 0;
     add_u8(&b, 1);
     {
@@ -356,10 +357,32 @@ static void broker_seeds(void)
         uint32_t f4[2] = {1, 1}, c4[2] = {2, 5};
         add_request3(&b, 2, s4, f4, c4, 0);
         add_request3(&b, 0, NULL, NULL, NULL, 0);
-        add_request3(&b, 1, s1, f1, c1, 1);
+        add_request3(&b, 1, s1, f1, c1, 2);
         add_request(&b, 0, VMM_BROKER_VERSION);
     }
     put("broker", "v3-batches", b.p, b.n);
+
+    /* v3 with VMM_BROKER_REQ3_REPEATS: a 3-handle allocation named twice (its second run all
+     * repeats); two slots whose handles share keys, overlapping runs; a 100-handle allocation
+     * twice (its repeats cross a message boundary); repeats, then a stale entry; and a plain
+     * batch after them on the same connection (every fd again) */
+    b.n = 0;
+    add_u8(&b, 1);
+    {
+        uint64_t s1[2] = {2u << 3, 2u << 3};
+        uint32_t z[4] = {0, 0, 0, 0};
+        add_request3(&b, 2, s1, z, z, VMM_BROKER_REQ3_REPEATS);
+        uint64_t s2[2] = {5u << 3, (5u << 3) | 6};
+        uint32_t f2[2] = {0, 2}, c2[2] = {4, 0};
+        add_request3(&b, 2, s2, f2, c2, VMM_BROKER_REQ3_REPEATS);
+        uint64_t s3[2] = {99u << 3, 99u << 3};
+        uint32_t f3[2] = {0, 40}, c3[2] = {0, 0};
+        add_request3(&b, 2, s3, f3, c3, VMM_BROKER_REQ3_REPEATS);
+        uint64_t s4[3] = {2u << 3, 2u << 3, (2u << 3) | 1};
+        add_request3(&b, 3, s4, z, z, VMM_BROKER_REQ3_REPEATS);
+        add_request3(&b, 2, s1, z, z, 0);
+    }
+    put("broker", "v3-repeats", b.p, b.n);
 
     b.n = 0; /* a v3 batch whose length does not match its n_entries, which ends the connection */
     add_u8(&b, 1);

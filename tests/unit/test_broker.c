@@ -299,8 +299,9 @@ static int o_pidfd_fd = -1;
 static owner_info o_info;
 
 static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
-                        int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
+                        int *fds, uint64_t *sizes, uint64_t *keys, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
+    (void)keys; /* no key: every handle passed each time it is asked for */
     pthread_mutex_lock(&o_lock);
     int rc = 0;
     if (slot != o_slot)
@@ -680,8 +681,9 @@ static int companion_run(const char *const *args, const creds *cr, const char *c
 /* Cases                                                                                       */
 
 static int dummy_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
-                        int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
+                        int *fds, uint64_t *sizes, uint64_t *keys, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
+    (void)keys; /* no key: every handle passed each time it is asked for */
     (void)slot, (void)generation, (void)alloc_id, (void)first, (void)max, (void)fds, (void)sizes, (void)n_here,
         (void)n_total, (void)device;
     return -ENOENT;
@@ -818,12 +820,13 @@ static void dir_case_child(void *arg)
 /* ---- v3 batches: the broker thread of this (child) process, a raw peer in another thread ---- */
 
 /* Slot s is an allocation of s handles (slot 0: none, -ENOENT), generation 3 * s (else -ESTALE);
- * handle h is 2 MiB * (h + 1) of one memfd, dup'ed per export. */
+ * handle h is 2 MiB * (h + 1) of one memfd, dup'ed per export, keyed by slot and h (a slot named
+ * twice in a batch names its handles again). */
 static int g_b3_memfd = -1;
 static unsigned long g_b3_exports;
 
 static int batch_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
-                        int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
+                        int *fds, uint64_t *sizes, uint64_t *keys, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
     (void)alloc_id;
     __atomic_add_fetch(&g_b3_exports, 1, __ATOMIC_RELAXED);
@@ -835,6 +838,7 @@ static int batch_export(uint64_t slot, uint64_t generation, const uint8_t alloc_
     for (*n_here = 0; *n_here < max && first + *n_here < slot; (*n_here)++) {
         fds[*n_here] = fcntl(g_b3_memfd, F_DUPFD_CLOEXEC, 0);
         sizes[*n_here] = (2ull << 20) * (first + *n_here + 1);
+        keys[*n_here] = slot << 16 | (first + *n_here);
     }
     return 0;
 }
@@ -893,20 +897,25 @@ static int count_fds(void)
     return n - 3; /* ".", ".." and the directory's own fd */
 }
 
+/* Entries of the last b3_stream named as repeats (VMM_BROKER_FD3_REPEAT: no fd came with them). */
+static uint32_t g_b3_repeats;
+
 /* A whole stream: the fds of each entry in order (*fds_total), checked against the export's
  * rules; the last message's status and entry.  *msgs: messages read. */
 static int b3_stream(int s, uint32_t n, const uint64_t *slot, const uint32_t *first, uint32_t *msgs,
                      uint32_t *fds_total, uint32_t *failed_entry, int *bad)
 {
     uint32_t at = 0, next = first ? first[0] : 0;
-    *msgs = *fds_total = *failed_entry = 0;
+    *msgs = *fds_total = *failed_entry = g_b3_repeats = 0;
     *bad = 0;
     for (;;) {
         vmm_broker_reply3 m;
-        uint32_t got;
+        uint32_t got, repeats = 0;
         ssize_t len = b3_recv(s, &m, &got, 5000);
+        for (uint32_t i = 0; len == (ssize_t)sizeof m && i < m.n_here && i < VMM_BROKER_MAX_FDS; i++)
+            repeats += (m.fds[i].device & VMM_BROKER_FD3_REPEAT) != 0;
         if (len != (ssize_t)sizeof m || m.magic != VMM_BROKER_MAGIC || m.version != VMM_BROKER_VERSION3 ||
-            m.seq != *msgs || got != m.n_here) {
+            m.seq != *msgs || got != m.n_here - repeats) {
             *bad = 1;
             return len < 0 ? (int)len : -EPROTO;
         }
@@ -917,12 +926,13 @@ static int b3_stream(int s, uint32_t n, const uint64_t *slot, const uint32_t *fi
                 at++;
                 next = first && at < n ? first[at] : 0;
             }
-            if (at >= n || f->handle != next || f->n_total != slot[at] || f->device != 1 ||
+            if (at >= n || f->handle != next || f->n_total != slot[at] || (f->device & ~VMM_BROKER_FD3_REPEAT) != 1 ||
                 f->size != (2ull << 20) * (next + 1))
                 *bad = 1;
             next++;
         }
-        *fds_total += m.n_here;
+        *fds_total += got;
+        g_b3_repeats += repeats;
         if (m.flags & VMM_BROKER_REPLY_LAST) {
             *failed_entry = m.entry;
             return m.status;
@@ -1006,7 +1016,38 @@ static void batch_child(void *arg)
     len = b3_request(req, 1, s_r, NULL, NULL, 4);
     CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
     rc = b3_stream(s, 1, s_r, NULL, &msgs, &total, &failed, &bad);
-    CHECK(rc == -EINVAL && total == 0, "flags: status %d", rc);
+    CHECK(rc == -EINVAL && total == 0 && failed == 1, "flags: status %d, entry %u", rc, failed);
+    /* a flag this broker knows beside one it does not: refused whole, as a broker older than
+     * VMM_BROKER_REQ3_REPEATS refuses that one (the peer then asks without it) */
+    len = b3_request(req, 1, s_r, NULL, NULL, VMM_BROKER_REQ3_REPEATS | 2);
+    CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
+    rc = b3_stream(s, 1, s_r, NULL, &msgs, &total, &failed, &bad);
+    CHECK(rc == -EINVAL && total == 0 && failed == 1, "an unknown flag beside REPEATS: status %d", rc);
+
+    /* 4b. VMM_BROKER_REQ3_REPEATS: each handle's fd once a batch.  Slot 3 from handle 0, slot 3
+     * from handle 1 (both repeats), slot 70, slot 70 again (70 repeats, across a message
+     * boundary): 73 fds in 3 messages of 145 entries; the same batch without the flag: 145 fds */
+    uint64_t s_rep[4] = {3, 3, 70, 70};
+    uint32_t f_rep[4] = {0, 1, 0, 0};
+    len = b3_request(req, 4, s_rep, f_rep, NULL, VMM_BROKER_REQ3_REPEATS);
+    CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
+    rc = b3_stream(s, 4, s_rep, f_rep, &msgs, &total, &failed, &bad);
+    CHECK(rc == 0 && !bad && msgs == 3 && total == 73 && g_b3_repeats == 72,
+          "repeats: status %d, %u messages, %u fds, %u repeats (want 3, 73, 72)%s", rc, msgs, total, g_b3_repeats,
+          bad ? ", out of order" : "");
+    len = b3_request(req, 4, s_rep, f_rep, NULL, 0);
+    CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
+    rc = b3_stream(s, 4, s_rep, f_rep, &msgs, &total, &failed, &bad);
+    CHECK(rc == 0 && !bad && msgs == 3 && total == 145 && g_b3_repeats == 0,
+          "without the flag: status %d, %u messages, %u fds, %u repeats", rc, msgs, total, g_b3_repeats);
+    /* repeats, then a stale entry: the batch ends there, the repeats' handles came once */
+    uint64_t s_rs[3] = {3, 3, 7};
+    len = b3_request(req, 3, s_rs, NULL, NULL, VMM_BROKER_REQ3_REPEATS);
+    ((vmm_broker_entry3 *)(req + sizeof(vmm_broker_request3)))[2].generation = 1;
+    CHECK(send(s, req, len, MSG_NOSIGNAL) == (ssize_t)len, "send: %s", strerror(errno));
+    rc = b3_stream(s, 3, s_rs, NULL, &msgs, &total, &failed, &bad);
+    CHECK(rc == -ESTALE && failed == 2 && msgs == 1 && total == 0 && !bad,
+          "repeats, then a stale entry: status %d, entry %u, %u fds", rc, failed, total);
     /* still a working connection: a v1 request of a one-handle allocation */
     vmm_broker_request q1 = {.magic = VMM_BROKER_MAGIC, .version = VMM_BROKER_VERSION, .slot = 1, .generation = 3};
     vmm_broker_reply r1;

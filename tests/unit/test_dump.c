@@ -295,8 +295,9 @@ static int fo_first;
 static int fo_evt = -1, fo_go = -1; /* broker thread -> test, test -> broker thread */
 
 static int fo_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
-                     int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
+                     int *fds, uint64_t *sizes, uint64_t *keys, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
+    (void)keys; /* no key: every handle passed each time it is asked for */
     pthread_mutex_lock(&fo_lock);
     int i = slot == fo_slot[0] && fo_live[0] ? 0 : slot == fo_slot[1] && fo_live[1] ? 1 : -1;
     bool hold = i == fo_first && fo_hold;

@@ -50,7 +50,11 @@ static fakecuda_counters_fn g_counters;
 #include <sys/un.h>
 
 static unsigned long g_sent_v3, g_sent_other, g_connects;
-static enum { HOOK_NONE, HOOK_FREE, HOOK_KILL, HOOK_OLD_BROKER } g_hook;
+static unsigned long g_sent_repeats_flag; /* v3 requests asking for VMM_BROKER_REQ3_REPEATS */
+static unsigned long g_recv_fds, g_recv_repeats; /* of v3 replies: fds passed, entries named again without one */
+/* HOOK_NO_REPEATS: a broker that predates VMM_BROKER_REQ3_REPEATS, as far as the request goes: the
+ * flag becomes one no broker knows, which the real one refuses whole, as an older one refuses it */
+static enum { HOOK_NONE, HOOK_FREE, HOOK_KILL, HOOK_OLD_BROKER, HOOK_NO_REPEATS } g_hook;
 static int g_hook_index; /* the buffer HOOK_FREE frees */
 
 
@@ -65,6 +69,19 @@ ssize_t send(int fd, const void *buf, size_t len, int flags)
     if (len >= sizeof head) memcpy(head, buf, sizeof head);
     if (head[0] == VMM_BROKER_MAGIC && head[1] == VMM_BROKER_VERSION3) {
         g_sent_v3++;
+        vmm_broker_request3 h;
+        memset(&h, 0, sizeof h);
+        memcpy(&h, buf, len < sizeof h ? len : sizeof h);
+        if (h.flags & VMM_BROKER_REQ3_REPEATS) g_sent_repeats_flag++;
+        if (g_hook == HOOK_NO_REPEATS && (h.flags & VMM_BROKER_REQ3_REPEATS)) {
+            static uint8_t copy[sizeof(vmm_broker_request3) + VMM_BROKER_MAX_ENTRIES * sizeof(vmm_broker_entry3)];
+            if (len <= sizeof copy) {
+                memcpy(copy, buf, len);
+                h.flags = 1u << 30;
+                memcpy(copy, &h, sizeof h);
+                return real(fd, copy, len, flags);
+            }
+        }
         if (g_hook == HOOK_FREE) {
             g_hook = HOOK_NONE;
             (void)owner_cmd(NULL, "f %d", g_hook_index);
@@ -84,6 +101,28 @@ ssize_t send(int fd, const void *buf, size_t len, int flags)
         g_sent_other++;
     }
     return real(fd, buf, len, flags);
+}
+
+/* The v3 replies the client library reads: the fds passed, and the entries named again without one. */
+ssize_t recvmsg(int fd, struct msghdr *mh, int flags)
+{
+    static ssize_t (*real)(int, struct msghdr *, int);
+    if (!real) {
+        void *f = dlsym(RTLD_NEXT, "recvmsg");
+        memcpy(&real, &f, sizeof f);
+    }
+    ssize_t n = real(fd, mh, flags);
+    vmm_broker_reply3 m;
+    if (n == (ssize_t)sizeof m && mh->msg_iovlen >= 1 && mh->msg_iov[0].iov_len >= sizeof m) {
+        memcpy(&m, mh->msg_iov[0].iov_base, sizeof m);
+        if (m.magic == VMM_BROKER_MAGIC && m.version == VMM_BROKER_VERSION3 && m.n_here <= VMM_BROKER_MAX_FDS) {
+            for (uint32_t i = 0; i < m.n_here; i++) g_recv_repeats += (m.fds[i].device & VMM_BROKER_FD3_REPEAT) != 0;
+            for (struct cmsghdr *c = CMSG_FIRSTHDR(mh); c; c = CMSG_NXTHDR(mh, c))
+                if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+                    g_recv_fds += (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        }
+    }
+    return n;
 }
 
 /* glibc declares the address as a transparent union under _GNU_SOURCE */
@@ -397,11 +436,16 @@ int main(void)
             uint64_t addr[2] = {x, y};
             vmm_imported *out[2];
             vmm_import_many_timing t;
+            unsigned long fds0 = g_recv_fds, rep0 = g_recv_repeats, flag0 = g_sent_repeats_flag;
             vmm_status st = vmm_import_many(reg, pid, addr, NULL, 2, out);
             CHECK(st == VMM_OK, "a shared segment: %s", vmm_last_error());
             if (st == VMM_OK) {
                 struct fakecuda_counters c1 = counters();
                 uint32_t handles = ax.n_handles + ay.n_handles;
+                /* the owner's broker passed the shared segment's fd once, and named it again */
+                CHECK(g_sent_repeats_flag - flag0 == 1 && g_recv_fds - fds0 == handles - 1 && g_recv_repeats - rep0 == 1,
+                      "a shared segment: %lu requests with REPEATS, %lu fds and %lu repeats came (want 1, %u, 1)",
+                      g_sent_repeats_flag - flag0, g_recv_fds - fds0, g_recv_repeats - rep0, handles - 1);
                 CHECK(vmm_import_many_last_timing(&t) == VMM_OK && t.handles == handles && t.shared == 1 &&
                           c1.imports - c0.imports == handles - 1 && c1.mappings_live - c0.mappings_live == handles - 1 &&
                           t.maps == handles - 1,
@@ -425,6 +469,42 @@ int main(void)
                 release_all(out + 1, 1);
             }
             same_as_before(c0, "a shared segment");
+            /* a broker that predates REPEATS refuses the flag: the same request goes again without it
+             * on the same connection, every fd comes, and the library dedupes; later requests to
+             * that owner no longer ask */
+            unsigned long v3_0 = g_sent_v3, conn0 = g_connects;
+            fds0 = g_recv_fds, rep0 = g_recv_repeats, flag0 = g_sent_repeats_flag;
+            g_hook = HOOK_NO_REPEATS;
+            st = vmm_import_many(reg, pid, addr, NULL, 2, out);
+            g_hook = HOOK_NONE;
+            CHECK(st == VMM_OK, "a broker without REPEATS: %s", vmm_last_error());
+            if (st == VMM_OK) {
+                uint32_t handles = ax.n_handles + ay.n_handles;
+                CHECK(g_sent_v3 - v3_0 == 2 && g_sent_repeats_flag - flag0 == 1 && g_connects == conn0 &&
+                          g_recv_fds - fds0 == handles && g_recv_repeats == rep0,
+                      "a broker without REPEATS: %lu v3 requests (%lu flagged), %lu connects, %lu fds, %lu repeats "
+                      "(want 2 (1), 0, %u, 0)",
+                      g_sent_v3 - v3_0, g_sent_repeats_flag - flag0, g_connects - conn0, g_recv_fds - fds0,
+                      g_recv_repeats - rep0, handles);
+                CHECK(vmm_import_many_last_timing(&t) == VMM_OK && t.shared == 1 && t.maps == handles - 1 &&
+                          t.requests == 2 && t.fallback == 0,
+                      "a broker without REPEATS: %u shared, %u maps, %u round trips (the refused one too), fallback %u",
+                      t.shared, t.maps,
+                      t.requests, t.fallback);
+                CHECK(first_wrong(vmm_import_ptr(out[0]), SEG + SEG / 2, 310, 0) < 0 &&
+                          first_wrong(vmm_import_ptr(out[1]), SEG + SEG / 2, 311, 0) < 0,
+                      "a broker without REPEATS: reads wrong");
+                release_all(out, 2);
+                same_as_before(c0, "a broker without REPEATS");
+                flag0 = g_sent_repeats_flag;
+                v3_0 = g_sent_v3;
+                st = vmm_import_many(reg, pid, addr, NULL, 2, out);
+                CHECK(st == VMM_OK && g_sent_v3 - v3_0 == 1 && g_sent_repeats_flag == flag0,
+                      "after it: %s, %lu requests, %lu flagged (want 1, 0)", st == VMM_OK ? "ok" : vmm_last_error(),
+                      g_sent_v3 - v3_0, g_sent_repeats_flag - flag0);
+                if (st == VMM_OK) release_all(out, 2);
+                same_as_before(c0, "after a broker without REPEATS");
+            }
         } else {
             CHECK(0, "the owner did not lay two MULTI-HANDLE allocations over one segment (0x%llx: %u handles from "
                      "0x%llx, %llu bytes; 0x%llx: %u handles from 0x%llx, %llu bytes)",

@@ -120,8 +120,9 @@ static uint64_t o_requests; /* broker requests served (any outcome) */
 static int o_refuse = -1;   /* a record the broker answers as freed while the registry still shows it */
 
 static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_id[16], uint32_t first, uint32_t max,
-                        int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
+                        int *fds, uint64_t *sizes, uint64_t *keys, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
 {
+    (void)keys; /* no key: every handle passed each time it is asked for */
     pthread_mutex_lock(&o_lock);
     o_requests++;
     int rc = -ENOENT, h = 0;

@@ -246,10 +246,13 @@ static uint64_t publish_counts(owner *o)
 }
 
 /* The broker's export function: fds of a held record's chunk, for the processes that import a
- * kept owner's memory (its broker_path names this keeper's socket). */
+ * kept owner's memory (its broker_path names this keeper's socket).  No keys: a record's chunk
+ * keeps fds of its own, and nothing here tells two records' shared segment apart. */
 static int export_held(uint64_t slot, uint64_t generation, const uint8_t id[16], uint32_t first, uint32_t max,
-                       int *fds, uint64_t *sizes, uint32_t *n_here, uint32_t *n_total, uint32_t *device)
+                       int *fds, uint64_t *sizes, uint64_t *keys, uint32_t *n_here, uint32_t *n_total,
+                       uint32_t *device)
 {
+    (void)keys;
     *n_here = *n_total = 0;
     int rc = 0;
     pthread_mutex_lock(&g_lock);
