@@ -1794,6 +1794,13 @@ static vmm_status range_walk(vmm_registry *reg, range_plan *p)
                            (unsigned long long)p->end);
         }
         if (st != VMM_OK) return st; /* vmm_find's reason */
+        /* each record after the first begins where the one before ends: one that begins inside it
+         * was read at another moment (an allocation freed and its place reused during the walk) */
+        if (p->n_rec && a.address != at)
+            return set_err(VMM_ERR_STALE,
+                           "pid %u's allocations changed while the range was read: the one holding 0x%llx begins at "
+                           "0x%llx, inside the one before it (freed and its place reused meanwhile)",
+                           p->pid, (unsigned long long)at, (unsigned long long)a.address);
         if (p->n_rec && (a.owner_start_time != p->rec[0].owner_start_time || a.owner_pidns != p->rec[0].owner_pidns))
             return set_err(VMM_ERR_NOT_FOUND,
                            "the allocation at 0x%llx belongs to another process with pid %u than the range's start "

@@ -12,7 +12,7 @@
  * the owner's bytes across page boundaries at one pointer, a chunk offset honoured, one mapping
  * per chunk, handles released once mapped and everything gone at release; a gap, a record that
  * is not exportable, chunks meeting off a granule boundary, a record freed between lookup and
- * import, and a freed page all refused with the address concerned and nothing left mapped; the
+ * import, records of two moments (one beginning inside the one before), and a freed page all refused with the address concerned and nothing left mapped; the
  * owner releasing and unmapping a page while it is imported here; threads; `vmmctl import-test`
  * over several pages; a dead owner. */
 #include "../../shim/broker/broker.c" /* test equipment: a real broker in the owner */
@@ -144,6 +144,29 @@ static int owner_export(uint64_t slot, uint64_t generation, const uint8_t alloc_
     return 0;
 }
 
+/* o_lock held.  Bind and publish record i's allocation at offset `at` of its region, `extent`
+ * bytes at chunk_offset in its chunk (REC[i]'s own place, or another: 'Y'). */
+static int owner_publish(int i, uint64_t at, uint64_t extent, uint64_t chunk_offset)
+{
+    int rc = vmm__reg_bind(&o_reg, o_info.base[REC[i].region] + at, extent, &o_slot[i]);
+    if (rc) return rc;
+    vmm_reg_alloc d, pub;
+    memset(&d, 0, sizeof d);
+    d.api = REC[i].api;
+    d.requested_size = extent;
+    d.mapped_size = HANDLE[REC[i].handle].size;
+    d.chunk_id = REC[i].chunk_id;
+    d.chunk_offset = chunk_offset;
+    d.handle_kinds = REC[i].kinds;
+    d.flags = REC[i].kinds ? 0 : VMM_REG_F_NOT_EXPORTABLE;
+    if (REC[i].api == VMM_FROM_TEST) d.flags |= VMM_REG_F_SHARED_CHUNK;
+    snprintf(d.tag, sizeof d.tag, "%.31s", REC[i].name);
+    if ((rc = vmm__reg_publish(&o_reg, o_slot[i], &d, &pub))) return rc;
+    o_gen[i] = pub.generation;
+    memcpy(o_id[i], pub.alloc_id, 16);
+    return 0;
+}
+
 #define OWNER_FAIL(step, ...)                                                                    \
     do {                                                                                         \
         o_info.rc = step;                                                                        \
@@ -188,22 +211,8 @@ static void owner_main(int cmd, int rep)
     if ((rc = vmm__reg_attach(&o_reg, NULL))) OWNER_FAIL(8, "attach: %d", rc);
     pthread_mutex_lock(&o_lock);
     for (int i = 0; i < N_REC; i++) {
-        uint64_t addr = o_info.base[REC[i].region] + REC[i].at;
-        if ((rc = vmm__reg_bind(&o_reg, addr, REC[i].extent, &o_slot[i]))) OWNER_FAIL(9, "bind: %d", rc);
-        vmm_reg_alloc d, pub;
-        memset(&d, 0, sizeof d);
-        d.api = REC[i].api;
-        d.requested_size = REC[i].extent;
-        d.mapped_size = HANDLE[REC[i].handle].size;
-        d.chunk_id = REC[i].chunk_id;
-        d.chunk_offset = REC[i].chunk_offset;
-        d.handle_kinds = REC[i].kinds;
-        d.flags = REC[i].kinds ? 0 : VMM_REG_F_NOT_EXPORTABLE;
-        if (REC[i].api == VMM_FROM_TEST) d.flags |= VMM_REG_F_SHARED_CHUNK;
-        snprintf(d.tag, sizeof d.tag, "%.31s", REC[i].name);
-        if ((rc = vmm__reg_publish(&o_reg, o_slot[i], &d, &pub))) OWNER_FAIL(10, "publish: %d", rc);
-        o_gen[i] = pub.generation;
-        memcpy(o_id[i], pub.alloc_id, 16);
+        if ((rc = owner_publish(i, REC[i].at, REC[i].extent, REC[i].chunk_offset)))
+            OWNER_FAIL(9, "publish record %d: %d", i, rc);
     }
     pthread_mutex_unlock(&o_lock);
     char sock[112];
@@ -233,6 +242,16 @@ static void owner_main(int cmd, int rep)
                 o_info.rc = (int)r;
             pthread_mutex_lock(&o_lock);
             if (!o_info.rc) o_info.rc = vmm__reg_retract(&o_reg, o_slot[i]);
+            pthread_mutex_unlock(&o_lock);
+        } else if (c.op == 'Y') {
+            /* record i goes, and comes back a bytes earlier and as many bytes longer, in the same
+             * chunk (arg 1), or at its own place again (arg 0): with arg 1 it overlaps the record
+             * before it, as a walk reading two moments of a busy owner sees them */
+            uint64_t back = c.arg ? c.a : 0;
+            pthread_mutex_lock(&o_lock);
+            o_info.rc = vmm__reg_retract(&o_reg, o_slot[i]);
+            if (!o_info.rc)
+                o_info.rc = owner_publish(i, REC[i].at - back, REC[i].extent + back, REC[i].chunk_offset - back);
             pthread_mutex_unlock(&o_lock);
         } else if (c.op == 'H') { /* the fnv of the owner's bytes [a, a + b) */
             o_info.value = fnv((const uint8_t *)(uintptr_t)c.a, c.b);
@@ -534,6 +553,18 @@ static void case_stale(owner *o)
     CHECK(owner_do(o, 'S', PG2, 0, 0, 0, NULL), "owner: page 2 again");
 }
 
+/* A walk that reads the owner at two moments: pooled 1, then, at its end, a record that begins
+ * halfway into it (pooled 2, freed meanwhile and its place reused by an allocation starting
+ * earlier).  No moment of the owner shows both: stale, not a layout that cannot be mapped. */
+static void case_overlap(owner *o)
+{
+    CHECK(owner_do(o, 'Y', P2, 1, 32 * KiB, 0, NULL), "owner: pooled 2 from 32 KiB earlier");
+    check_refused(o, rec_addr(P1), 128 * KiB, VMM_ERR_STALE, "changed while the range was read", rec_addr(P2), 0,
+                  "records of two moments");
+    CHECK(owner_do(o, 'Y', P2, 0, 0, 0, NULL), "owner: pooled 2 at its place again");
+    case_merged(o);
+}
+
 /* Threads importing overlapping ranges at once (each its own reservation and mappings). */
 typedef struct {
     pthread_barrier_t *gate;
@@ -722,6 +753,7 @@ int main(void)
         case_merged(&o);
         case_refusals(&o);
         case_stale(&o);
+        case_overlap(&o);
         case_threads(&o);
         case_vmmctl();
         case_owner_frees(&o);

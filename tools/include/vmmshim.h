@@ -257,7 +257,8 @@ vmm_status vmm_import_fds(vmm_registry *reg, const vmm_alloc_info *alloc, int *f
  * pid at the first byte not covered: a gap, or freed meanwhile), VMM_ERR_ACCESS (a record is not
  * exportable, or offers only a FABRIC handle; or the broker refused), VMM_ERR_INVALID (length 0
  * or past the end of the address space, or two chunks of the range that do not lie back to back
- * in the owner), VMM_ERR_STALE (a record was freed between finding and importing it),
+ * in the owner), VMM_ERR_STALE (a record was freed between finding and importing it, or the
+ * records read disagree: one begins inside the one before, freed and its place reused meanwhile),
  * VMM_ERR_OWNER_DEAD, VMM_ERR_CUDA, VMM_ERR_IO, as vmm_import.  On failure nothing stays
  * mapped and *out is NULL. */
 vmm_status vmm_import_range(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t length,
