@@ -49,9 +49,10 @@ TESTS    := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC) $(HELPER_SRC)
 FUZZ_REPLAY := $(patsubst %,$(BUILD)/tests/test_fuzz_%,$(FUZZ_TARGETS))
 GEN_SEEDS := $(BUILD)/fuzz/gen_seeds
 CHECKSUMS_SO := $(BUILD)/tests/libchecksums.so
+TRACE_SO := $(BUILD)/tests/liballoc_trace.so
 
 .PHONY: all deps fuzz-deps test check fuzz fuzz-seeds test-gpu test-matrix bench-gpu demo install clean
-all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(FUZZ_REPLAY) $(GEN_SEEDS) $(PROGS) $(CHECKSUMS_SO)
+all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(FUZZ_REPLAY) $(GEN_SEEDS) $(PROGS) $(CHECKSUMS_SO) $(TRACE_SO)
 
 # Debian packages the build needs; installed when root, otherwise the exact command is printed.
 deps:
@@ -119,6 +120,12 @@ $(BUILD)/progs/named: LDLIBS := -L$(BUILD) -l:libvmmshim-client.so -Wl,-rpath,'$
 $(CHECKSUMS_SO): $(BUILD)/obj/tests/gpu/checksums.o
 	@mkdir -p $(dir $@)
 	$(CC) -shared $(LDFLAGS) -o $@ $^
+
+# An LD_PRELOAD logger of a real program's allocation calls, for the GPU machine
+# (tests/gpu/alloc_trace.c); its traces replay over the emulated driver.
+$(TRACE_SO): $(BUILD)/obj/tests/gpu/alloc_trace.o
+	@mkdir -p $(dir $@)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ -ldl -pthread
 
 $(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(CLIENT_A) $(CORE_A)
 	@mkdir -p $(dir $@)

@@ -10,6 +10,10 @@ which samples device memory through NVML from its own process meanwhile.
                inputs, fixed shapes) through torch.cuda.make_graphed_callables, then graph replays with
                an optimizer step outside the graph: "R graphs/NAME ..." with memory_reserved,
                max_memory_reserved and memory_stats() figures
+  gpt NAME     a GPT-2-class decoder (8 layers, width 768, 12 heads, vocabulary 50,304, causal
+               attention, bf16 autocast, AdamW) trained on batches of 8 whose sequence length changes
+               every step between 96 and 1,024 tokens (GPT_STEPS, default 40): the held-out workload of
+               issue 27, where the host runs far ahead of the GPU; output as `steps`
   worker NAME  a GPU-bound step (d_model 1024, 12 layers, 8 x 1024..2048 tokens, bf16 autocast);
                after warm-up prints "M ready", then answers each stdin line "run ROUND K" with K steps
                (shapes seeded by ROUND, so both sides run the same ones) and one line
@@ -142,6 +146,71 @@ def graphs():
     )
 
 
+class _Block(torch.nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class _Gpt(torch.nn.Module):
+    def __init__(self, vocab=50304, d=768, heads=12, layers=8, ctx=1024):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(ctx, d)
+        self.blocks = torch.nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+def gpt():
+    import os
+
+    warmup, n, batch, vocab = 5, int(os.environ.get("GPT_STEPS", "40")), 8, 50304
+    rng = random.Random(0)
+    seqs = [rng.randint(96, 1024) for _ in range(warmup + n)]
+    model = _Gpt(vocab).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    torch.cuda.synchronize()
+    mark("ready")
+    times = []
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+    for i, s in enumerate(seqs):
+        if i == warmup:
+            torch.cuda.synchronize()
+            mark("steady_begin")
+        t0 = time.perf_counter()
+        idx = torch.randint(0, vocab, (batch, s + 1), device=dev, generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), idx[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= warmup:  # no synchronize inside the loop: the host runs ahead of the GPU, as in training
+            times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    mark("steady_end")
+    print(f"R gpt/{name} step_ms={statistics.median(times):.3f} steps={len(times)} loss={loss.item():.6f} "
+          f"{mem_fields()}", flush=True)
+
+
 def worker():
     d, heads, layers, batch, seqs = 1024, 16, 12, 8, (1024, 1536, 2048)
     model = model_of(d, heads, layers, 0.1)
@@ -180,4 +249,4 @@ def worker():
     print(f"R worker/{name} {mem_fields()}", flush=True)
 
 
-{"steps": steps, "graphs": graphs, "worker": worker}[mode]()
+{"steps": steps, "graphs": graphs, "gpt": gpt, "worker": worker}[mode]()
