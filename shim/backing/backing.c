@@ -583,6 +583,31 @@ static void seg_destroy(void *ctx, vmm__seg *ps)
     if (S.registry_ok) vmm__keep_ring(&S.reg, 0);
 }
 
+/* The stream-ordered pool maps an empty segment's handle at a second place, where a request of
+ * the stream whose frees are still in flight in it needs room (shim/pool, "moving"). */
+static int seg_move(void *ctx, vmm__seg *from, uint64_t base)
+{
+    device_state *d = ctx;
+    vseg *c = from->mech;
+    if (cu.MemMap(base, from->size, 0, c->handle, 0) != CUDA_SUCCESS) return -EIO;
+    CUmemAccessDesc acc[MAX_DEVICES];
+    if (cu.MemSetAccess(base, from->size, acc, (size_t)access_list(d, acc, from->arena->pool == &d->pool[0])) != CUDA_SUCCESS) {
+        (void)VMM__TWICE(cu.MemUnmap(base, from->size));
+        return -EIO;
+    }
+    return 0;
+}
+
+/* The old place of a moved segment, once the stream reached the frees there: only the mapping goes. */
+static void unmap_old(void *ctx, uint64_t base, uint64_t size)
+{
+    (void)ctx;
+    CUresult rc = VMM__TWICE(cu.MemUnmap(base, size));
+    if (rc)
+        vmm__log(VMM__LOG_WARNING, "unmapping the old place of a moved segment failed twice (CUDA error %d); its "
+                 "address space stays mapped until exit", (int)rc);
+}
+
 static int arena_reserve(void *ctx, uint64_t size, uint64_t *base)
 {
     device_state *d = ctx;
@@ -688,7 +713,9 @@ static void pools_ready_locked(device_state *d)
                          .event_done = event_done,
                          .event_record = record_now,
                          .event_release = event_release,
-                         .now_ns = now_ns};
+                         .now_ns = now_ns,
+                         .seg_move = seg_move,
+                         .unmap_old = unmap_old};
     uint64_t arena = arena_bytes(d);
     for (int k = 0; k < 2; k++) vmm__pool_init(&d->pool[k], &ops, d->granularity, arena, retain_of(d, k), S.isolate);
     d->pool[0].exact = 1; /* cudaMalloc: natively each allocation is memory of its own, gone at its free */

@@ -272,6 +272,8 @@ static vmm__block *coalesce(vmm__pool *p, vmm__block *b)
 
 /* ---- segments ---- */
 
+static void retired_poll(vmm__pool *p);
+
 static void empty_unlink(vmm__pool *p, vmm__seg *s)
 {
     if (s->eprev) s->eprev->enext = s->enext;
@@ -386,12 +388,13 @@ static void seg_release(vmm__pool *p, vmm__seg *s)
     p->segs_released++;
     p->ops.seg_destroy(p->ops.ctx, s);
     free(s);
-    if (--a->n_segs == 0) arena_drop(p, a);
+    if (--a->n_segs == 0 && !a->n_retired) arena_drop(p, a);
 }
 
 uint64_t vmm__pool_release(vmm__pool *p, uint64_t keep_reserved, uint64_t keep_empty, uint64_t until)
 {
     uint64_t given = 0;
+    if (p->retired) retired_poll(p);
     for (vmm__seg *s = p->empty_head, *next; s && p->reserved > keep_reserved && p->empty_bytes > keep_empty; s = next) {
         next = s->enext;
         if (s->empty_since > until) break; /* oldest first: the rest are younger still */
@@ -434,6 +437,155 @@ static int seg_add(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi)
     if (p->reserved > p->footprint_high) p->footprint_high = p->reserved;
     s->n_live = 1; /* the caller's block touches it; untouch files it as empty if not */
     return 0;
+}
+
+/* ---- moving an empty segment whose frees are still in flight on the requesting stream ----
+ *
+ * A program that runs ahead of its GPU frees blocks long before the stream reaches the frees.
+ * The stream that freed them may reuse them at once (its later work runs after the frees), and
+ * does where they lie; but when a request needs more contiguous space than the free blocks offer,
+ * an empty segment whose frees are not reached can be neither reused there nor given back, so
+ * the pool would grow by new memory while the old sits idle (a transformer with varying sequence
+ * lengths on a host far ahead of its H200: 1.22x its live bytes, native 1.08x).  Instead the
+ * segment's memory is mapped at the place the request needs as well: only work queued after the
+ * frees can reach it there, and the old place stays mapped, out of use, until its event is
+ * reached, then only its mapping goes. */
+
+/* Empty segment s of arena a lies outside [lo, hi), and each free block in it is reached or
+ * waits on `stream` alone, in one context (which a new event on the stream needs: a free whose
+ * event was recorded at once names none, and is let be).  1 with *pending set when one waits. */
+static int seg_movable(vmm__pool *p, const vmm__seg *s, const vmm__arena *a, uint64_t lo, uint64_t hi,
+                       uint64_t stream, vmm__block **pending)
+{
+    if (s->arena != a || (s->base < hi && s->base + s->size > lo)) return 0;
+    *pending = NULL;
+    for (vmm__block *b = a->blk[page_of(p, a, s->base)]; b && b->addr < s->base + s->size; b = b->next) {
+        if (!b->free) return 0;
+        if (!b->event || (b->event->e && p->ops.event_done(p->ops.ctx, b->event->e))) continue;
+        if (b->stream != stream || !b->event->sctx) return 0;
+        if (*pending && (*pending)->event->sctx != b->event->sctx) return 0;
+        *pending = b;
+    }
+    return 1;
+}
+
+static int spares(vmm__pool *p, int n)
+{
+    for (vmm__block *b = p->spare; b && n; b = b->fnext) n--;
+    while (n--) {
+        vmm__block *b = malloc(sizeof *b);
+        if (!b) return -ENOMEM;
+        block_recycle(p, b);
+    }
+    return 0;
+}
+
+/* The old place of a moved segment, reached: its mapping goes and its space is free again. */
+static void retired_done(vmm__pool *p, vmm__block *r)
+{
+    p->ops.unmap_old(p->ops.ctx, r->addr, r->size);
+    ev_put(p, r->event);
+    r->event = NULL;
+    r->stream = 0;
+    r->retired = 0;
+    r->free = 1;
+    r->backed = 0;
+    r->arena->n_retired--;
+    coalesce(p, r);
+}
+
+/* Every old place whose event was reached goes (never waits). */
+static void retired_poll(vmm__pool *p)
+{
+    for (vmm__block **pp = &p->retired; *pp;) {
+        vmm__block *r = *pp;
+        if (r->event && !(r->event->e && p->ops.event_done(p->ops.ctx, r->event->e))) {
+            pp = &r->fnext;
+            continue;
+        }
+        *pp = r->fnext;
+        r->fnext = NULL;
+        vmm__arena *a = r->arena;
+        retired_done(p, r);
+        if (!a->n_segs && !a->n_retired) arena_drop(p, a);
+    }
+}
+
+/* Map empty segment s (seg_movable, *pending its waiting block or NULL) over the unmapped [lo,
+ * lo + s->size) of its arena instead of new memory: 0, or nonzero with nothing changed. */
+static int seg_move(vmm__pool *p, vmm__seg *s, uint64_t lo, vmm__block *pending)
+{
+    vmm__arena *a = s->arena;
+    uint64_t old = s->base, size = s->size, stream = pending ? pending->stream : 0;
+    void *e = NULL;
+    if (spares(p, 6) != 0) return -ENOMEM; /* the cuts below cannot fail half-way */
+    /* one event recorded now on the stream covers every free in the segment */
+    if (pending && p->ops.event_record(p->ops.ctx, pending->stream, pending->event->sctx, &e) <= 0) return -EAGAIN;
+    vmm__ev *ev = ev_wrap(p, e);
+    if (e && !ev) return -ENOMEM;
+    if (p->ops.seg_move(p->ops.ctx, s, lo) != 0) {
+        ev_put(p, ev);
+        return -EIO;
+    }
+    /* the old place: its free blocks become one retired block, out of every bin */
+    vmm__block *b = vmm__pool_block_at(a, p->granule, old), *l, *r, *inner = NULL;
+    bin_remove(p, b);
+    if (b->addr < old) {
+        split(p, b, old, &l, &r);
+        bin_insert(p, l);
+        b = r;
+    }
+    for (;;) {
+        if (end_of(b) > old + size) {
+            split(p, b, old + size, &l, &r);
+            bin_insert(p, r);
+            b = l;
+        }
+        inner = inner ? join(p, inner, b, NULL, 0) : b;
+        if (end_of(inner) >= old + size) break;
+        b = inner->next;
+        bin_remove(p, b);
+    }
+    ev_put(p, inner->event);
+    inner->event = ev;
+    inner->stream = ev ? stream : 0;
+    inner->free = 0;
+    inner->retired = 1;
+    a->n_retired++;
+    for (uint64_t i = page_of(p, a, old), n = size / p->granule; n--; i++) a->seg[i] = NULL;
+    empty_unlink(p, s);
+    /* the new place */
+    set_backed(p, a, lo, lo + size, 1);
+    for (uint64_t i = page_of(p, a, lo), n = size / p->granule; n--; i++) a->seg[i] = s;
+    s->base = lo;
+    s->n_live = 1; /* as seg_add: the caller's block touches it */
+    p->segs_moved++;
+    if (!ev) retired_done(p, inner);
+    else {
+        vmm__block **pp = &p->retired;
+        while (*pp) pp = &(*pp)->fnext;
+        inner->fnext = NULL;
+        *pp = inner;
+    }
+    return 0;
+}
+
+/* Map [at, hi) of arena a for a request of `stream` (ordered), the part [guard, hi) of the arena
+ * being the request's: an empty segment that fits moves there when one can (the rest is new
+ * memory, at most cap a segment).  Returns the end of what was mapped, or at with *rc set. */
+static uint64_t map_one(vmm__pool *p, vmm__arena *a, uint64_t at, uint64_t hi, uint64_t cap, int ordered,
+                        uint64_t stream, uint64_t guard, int *rc)
+{
+    if (ordered && p->ops.seg_move && !p->isolate)
+        for (vmm__seg *s = p->empty_head; s; s = s->enext) {
+            vmm__block *pending;
+            if (s->size <= hi - at && seg_movable(p, s, a, guard, hi, stream, &pending) && pending &&
+                seg_move(p, s, at, pending) == 0)
+                return at + s->size;
+        }
+    uint64_t to = cap && hi - at > cap ? at + cap : hi;
+    if ((*rc = seg_add(p, a, at, to)) == 0) return to;
+    return at;
 }
 
 /* ---- arenas ---- */
@@ -578,12 +730,10 @@ static vmm__block *grow(vmm__pool *p, int small, uint64_t need, uint64_t align, 
     if (hi > u_end) hi = u_end;
     /* at most seg_max bytes a segment, so free space inside a large block's extent can go back in
      * pieces once no live block touches them */
-    uint64_t at = lo, cap = keeps_all(p) ? p->seg_max : 0;
+    uint64_t at = lo, cap = keeps_all(p) ? p->seg_max : 0, guard = start / p->granule * p->granule;
     int rc = 0;
-    while (at < hi && rc == 0) {
-        uint64_t to = cap && hi - at > cap ? at + cap : hi;
-        if ((rc = seg_add(p, a, at, to)) == 0) at = to; /* u and l may be joined with the new space from here on */
-    }
+    while (at < hi && rc == 0) /* u and l may be joined with the new space from here on */
+        at = map_one(p, a, at, hi, cap, ordered, stream, guard, &rc);
     vmm__block *got = NULL;
     if (rc == 0) got = carve(p, vmm__pool_block_at(a, p->granule, start), start, need, err);
     else *err = rc;
@@ -593,7 +743,7 @@ static vmm__block *grow(vmm__pool *p, int small, uint64_t need, uint64_t align, 
         x = s->base + s->size;
         untouch(p, s, &now);
     }
-    if (!a->n_segs) arena_drop(p, a);
+    if (!a->n_segs && !a->n_retired) arena_drop(p, a);
     return got;
 }
 
@@ -606,6 +756,7 @@ vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uin
     }
     uint64_t need = p->isolate ? round_up(size, p->granule) : round_up(size, VMM_POOL_ALIGN);
     int small = !p->isolate && need <= VMM_POOL_SMALL_MAX;
+    if (p->retired) retired_poll(p);
     /* Native cudaMalloc gives requests over 1 MiB whole 2 MiB pages; cudaMallocAsync packs them at
      * 512 bytes (measured, README.md).  Each gets at least what native gives it. */
     uint64_t align = VMM_POOL_ALIGN;
@@ -721,6 +872,8 @@ void vmm__pool_init(vmm__pool *p, const vmm__pool_ops *ops, uint64_t granule, ui
 
 void vmm__pool_destroy(vmm__pool *p)
 {
+    for (vmm__block *r = p->retired; r; r = r->fnext) p->ops.unmap_old(p->ops.ctx, r->addr, r->size);
+    p->retired = NULL;
     while (p->segs) {
         vmm__seg *s = p->segs;
         p->segs = s->snext;

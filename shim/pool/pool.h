@@ -52,6 +52,7 @@ typedef struct vmm__block {
     uint64_t requested, generation;
     uint32_t slot, api;
     int live;
+    int retired;                         /* a moved segment's old place, still mapped until its event is reached */
     void *ctx;                           /* the context it was made in: cudaFree syncs that */
     uint8_t alloc_id[16];
     UT_hash_handle hh, hs;               /* caller's tables: by address, by registry slot */
@@ -75,6 +76,7 @@ struct vmm__arena {
     vmm__block *first;
     int small;
     uint32_t n_segs;                     /* none left: the arena's address space goes back too */
+    uint32_t n_retired;                  /* ... once no moved segment's old place is mapped either */
     vmm__arena *next;
 };
 
@@ -94,6 +96,11 @@ typedef struct vmm__pool_ops {
     int (*event_record)(void *ctx, uint64_t stream, void *stream_ctx, void **event);
     void (*event_release)(void *ctx, void *event);
     uint64_t (*now_ns)(void *ctx);
+    /* Optional (NULL: segments never move).  Map the handle of empty segment `from` at `base` as
+     * well, with the same access: 0, or a negative errno with nothing changed.  Its old mapping
+     * stays until unmap_old, once the frees that last touched it are reached. */
+    int (*seg_move)(void *ctx, vmm__seg *from, uint64_t base);
+    void (*unmap_old)(void *ctx, uint64_t base, uint64_t size);
 } vmm__pool_ops;
 
 #define VMM_POOL_CLASSES 320
@@ -116,10 +123,11 @@ typedef struct vmm__pool {
     vmm__arena *arenas;
     vmm__seg *segs, *empty_head, *empty_tail;
     vmm__block *spare;
+    vmm__block *retired;                 /* old places of moved segments (via fnext), oldest first */
     vmm__ev *spare_ev;
     uint64_t reserved, reserved_high, used, used_high, empty_bytes;
     uint64_t footprint_high;             /* reserved_high, but never reset by the program */
-    uint64_t n_segs, segs_made, segs_released;
+    uint64_t n_segs, segs_made, segs_released, segs_moved;
     uint64_t n_unrecorded;               /* events of frees not recorded yet */
 } vmm__pool;
 

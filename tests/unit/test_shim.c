@@ -105,6 +105,34 @@ static void test_async_order(void)
     CHECK(strstr(out, "other stream after the freeing stream was destroyed: new") != NULL, "%s", out);
 }
 
+/* A real program's stream-ordered allocations (a GPT-2-class model trained with varying sequence
+ * lengths under PyTorch's backend:cudaMallocAsync, recorded on an H200 by tests/gpu/alloc_trace.c)
+ * replayed on a GPU that lags 5 ms behind the host: the default pool must hold no more than the
+ * program's live bytes need.  The pool before empty segments could move held 1.16x (10,441 MiB
+ * for 8,581 MiB live), where the same replay with no lag holds 1.01x. */
+static void test_lagging_replay(void)
+{
+    char prog[600], out[4096], err[4096];
+    snprintf(prog, sizeof prog, "%s/progs/replay", build);
+    char trace[] = "tests/progs/traces/gpt2-async.trace.gz";
+    char *argv[] = {prog, trace, NULL};
+    const char *delays[] = {"FAKECUDA_EVENT_DELAY_US=0", "FAKECUDA_EVENT_DELAY_US=5000", "FAKECUDA_EVENT_DELAY_US=50000"};
+    for (int i = 0; i < 3; i++) {
+        const char *env[] = {preload, "FAKECUDA_MEM_BYTES=64G", delays[i], NULL};
+        int rc = run(argv, env, out, sizeof out, err, sizeof err);
+        unsigned long long live = 0, reserved = 0, used = 0;
+        long fails = -1;
+        const char *r = strstr(out, "R replay ");
+        int got = r && sscanf(r, "R replay calls=%*d live_peak=%llu reserved_high=%llu used_high=%llu fail=%ld", &live,
+                              &reserved, &used, &fails) == 4;
+        CHECK(rc == 0 && got && fails == 0 && live > (8ull << 30), "%s: rc %d, %s%s", delays[i], rc, out, err);
+        printf("stat: replay with %s: reserved peak %llu MiB for a live peak of %llu MiB (%.3fx)\n", delays[i],
+               reserved >> 20, live >> 20, live ? (double)reserved / (double)live : 0);
+        CHECK(reserved <= live + live / 20 + (64ull << 20), "%s: the pool's reserved peak %llu MiB <= 1.05 x live peak %llu MiB + 64 MiB",
+              delays[i], reserved >> 20, live >> 20);
+    }
+}
+
 /* One device's cudaMalloc memory copied while another device is current, natively and under
  * the shim (the emulated driver refuses a copy of VMM memory not granted to the current device,
  * as an H100 does). */
@@ -620,6 +648,7 @@ int main(void)
     test_captured_free();
     test_threads();
     test_async_order();
+    test_lagging_replay();
     test_cross_device_copy();
     test_rtld_next();
     test_fallback_and_strict();
