@@ -127,6 +127,7 @@ static struct {
     note *notes;                   /* by address */
     uint64_t next_chunk_id;
     uint64_t cache_limit;          /* bytes of empty synchronous memory kept past the give-back delay */
+    uint64_t hold_limit;           /* bytes of it that may wait out the delay (at least cache_limit) */
     uint64_t give_back_ns;
     pthread_cond_t purge_wake;     /* the give-back thread waits on it (CLOCK_MONOTONIC) */
     int purge_state;               /* 0 not started, 1 waiting for work, 2 waiting for a deadline, -1 could not start */
@@ -354,6 +355,8 @@ static void init(void)
     }
     S.export_pidfd = vmm__opt_enum(VMM__OPT_EXPORT) == 1;
     S.cache_limit = vmm__opt_size(VMM__OPT_CACHE_SIZE);
+    S.hold_limit = vmm__opt_size(VMM__OPT_GIVE_BACK_HOLD);
+    if (S.hold_limit < S.cache_limit) S.hold_limit = S.cache_limit;
     S.give_back_ns = (uint64_t)vmm__opt_int(VMM__OPT_GIVE_BACK_MS) * 1000000u;
     purge_cond_init();
     S.isolate = vmm__opt_bool(VMM__OPT_ISOLATE);
@@ -785,6 +788,10 @@ static void purge_kick_locked(void);
 static void emptied_locked(vmm__pool *p, int stream_ordered)
 {
     if (stream_ordered) __atomic_store_n(&S.sync_due, 1, __ATOMIC_RELAXED);
+    /* Natively cudaFree's memory is the device's again when it returns, and a neighbour woken by
+     * the free (a rollout engine after empty_cache) may allocate it at once: the delay keeps
+     * only a little of it, what a program that frees and allocates the same sizes reuses. */
+    else if (vmm__pool_empty_bytes(p) > S.hold_limit) vmm__pool_release_newest(p, S.hold_limit);
     if (!S.give_back_ns) {
         release_locked(p, stream_ordered, UINT64_MAX);
         if (settled(p, stream_ordered)) return;

@@ -86,6 +86,8 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
         "Bytes of freed `cudaMalloc` memory kept per device past the give-back delay (0: all of it goes back, as natively)."),
     OPT(GIVE_BACK_MS, T_INT, "200", 0, 60000, NULL, NULL,
         "Milliseconds freed memory stays mapped for reuse before it goes back to the device (stream-ordered memory: beyond the pool's release threshold)."),
+    OPT(GIVE_BACK_HOLD, T_SIZE, "64M", 0, TiB, NULL, NULL,
+        "Bytes of freed `cudaMalloc` memory per device that may wait out the give-back delay; a free beyond them goes back at once, as natively, so another process can have it."),
     OPT(ISOLATE, T_BOOL, "0", 0, 0, NULL, NULL,
         "1 gives every allocation a chunk of its own, so an importer maps nothing of its neighbours."),
     OPT(ADOPT, T_BOOL, "1", 0, 0, NULL, NULL,

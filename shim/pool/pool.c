@@ -406,6 +406,19 @@ uint64_t vmm__pool_release(vmm__pool *p, uint64_t keep_reserved, uint64_t keep_e
     return given;
 }
 
+uint64_t vmm__pool_release_newest(vmm__pool *p, uint64_t keep_empty)
+{
+    uint64_t given = 0;
+    for (vmm__seg *s = p->empty_tail, *prev; s && p->empty_bytes > keep_empty; s = prev) {
+        prev = s->eprev;
+        if (!seg_idle(p, s)) continue;
+        uint64_t size = s->size, before = p->reserved;
+        seg_release(p, s);
+        if (p->reserved < before) given += size;
+    }
+    return given;
+}
+
 /* Map segments over the unmapped [lo, hi) of arena a: 0, or the mechanism's error with nothing
  * made. */
 static int seg_add(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi)

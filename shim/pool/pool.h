@@ -157,6 +157,9 @@ void vmm__pool_record_stream(vmm__pool *p, uint64_t stream);
  * clock) or earlier.  A segment some free still in flight touches is skipped, never waited for.
  * Returns the bytes given back. */
 uint64_t vmm__pool_release(vmm__pool *p, uint64_t keep_reserved, uint64_t keep_empty, uint64_t until);
+/* The same, newest first, while more than keep_empty bytes are in empty segments: what a free
+ * just emptied goes before what waits for its delay.  Returns the bytes given back. */
+uint64_t vmm__pool_release_newest(vmm__pool *p, uint64_t keep_empty);
 /* When the oldest empty segment became empty (UINT64_MAX: none is). */
 uint64_t vmm__pool_oldest_empty(const vmm__pool *p);
 /* Up to `max` events that frees still in flight wait on (to wait for outside the caller's lock);

@@ -4,6 +4,8 @@
  *                                 allocation keeps after a free and a synchronization (all 50 MiB)
  *   giveback_left / giveback_ms   bytes still held 2 s after a cudaFree with no further CUDA call,
  *                                 and when they went back (the shim: after VMMSHIM_GIVE_BACK_MS)
+ *   large_free_left / small_free_left   bytes still held right after a cudaFree of 1 GiB (natively
+ *                                 none: a neighbour may allocate it at once) and of 16 MiB
  *   sync_left                     bytes held right after cudaFreeAsync + cudaStreamSynchronize
  *                                 (release threshold 0: natively nothing stays)
  *   attr_used / attr_reserved     the default pool's UsedMemCurrent / ReservedMemCurrent with a
@@ -70,6 +72,20 @@ static void giveback(void)
     }
     printf("giveback_left %llu\n", phys() - base);
     printf("giveback_ms %.0f\n", back);
+}
+
+static void free_at_once(void)
+{
+    void *p;
+    unsigned long long base = phys();
+    must(cudaMalloc(&p, 1024 * MiB), "cudaMalloc");
+    must(cudaMemset(p, 1, 1024 * MiB), "cudaMemset");
+    must(cudaFree(p), "cudaFree");
+    printf("large_free_left %llu\n", phys() - base);
+    must(cudaMalloc(&p, 16 * MiB), "cudaMalloc");
+    must(cudaFree(p), "cudaFree");
+    printf("small_free_left %llu\n", phys() - base);
+    for (double t0 = now_ms(); phys() > base && now_ms() - t0 < 2000;) usleep(2000); /* the next cases start from nothing held */
 }
 
 static void sync_release(cudaStream_t s)
@@ -201,6 +217,7 @@ int main(void)
     must(cudaStreamCreate(&s), "cudaStreamCreate");
     early_threshold(s); /* first: before any allocation started the shim */
     giveback();
+    free_at_once();
     sync_release(s);
     attributes_and_trim(s);
     trim_unsynced(s);

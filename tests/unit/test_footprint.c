@@ -67,6 +67,12 @@ int main(void)
     CHECK(value(&shimmed, "giveback_left") == 0 && ms >= 190 && ms <= 450,
           "a cudaFree'd 64 MiB goes back 200 ms later with no further call: %.0f ms, %.0f bytes left", ms,
           value(&shimmed, "giveback_left"));
+    CHECK(value(&native, "large_free_left") == 0 && value(&shimmed, "large_free_left") == 0,
+          "a cudaFree'd 1 GiB is the device's again when cudaFree returns, for a neighbour to allocate: %.0f bytes "
+          "left (natively %.0f)", value(&shimmed, "large_free_left"), value(&native, "large_free_left"));
+    CHECK(value(&shimmed, "small_free_left") == 16 * MiB,
+          "a cudaFree'd 16 MiB waits out the delay for reuse (VMMSHIM_GIVE_BACK_HOLD): %.0f bytes held",
+          value(&shimmed, "small_free_left"));
     CHECK(value(&shimmed, "sync_left") == 0, "after cudaFreeAsync + synchronize (threshold 0) %.0f bytes stay",
           value(&shimmed, "sync_left"));
     CHECK(value(&shimmed, "attr_used") == value(&native, "attr_used") && value(&shimmed, "attr_used") == 8 * MiB,
