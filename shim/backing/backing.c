@@ -132,8 +132,6 @@ static struct {
     pthread_cond_t purge_wake;     /* the give-back thread waits on it (CLOCK_MONOTONIC) */
     int purge_state;               /* 0 not started, 1 waiting for work, 2 waiting for a deadline, -1 could not start */
     int stopping;                  /* at exit: no more driver calls from the give-back thread */
-    int sync_due;                  /* empty segments wait for a synchronization (vmm__synchronized) */
-    int unrecorded_due;            /* frees whose event is not recorded yet may be pending */
     uint64_t free_seq;             /* stream-ordered frees so far: orders them against synchronizations */
     char tag[32];
     device_state dev[MAX_DEVICES];
@@ -141,6 +139,9 @@ static struct {
 
 /* Streams being captured right now, process-wide (vmm__capture_begun). */
 static int captures;
+
+/* What a synchronization has to do (backing.h): read by the synchronize hooks first. */
+vmm__sync_flags vmm__sync;
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
@@ -787,7 +788,7 @@ static void purge_kick_locked(void);
  * natively (unless a free in flight still touches it: then at the next synchronization or pass). */
 static void emptied_locked(vmm__pool *p, int stream_ordered)
 {
-    if (stream_ordered) __atomic_store_n(&S.sync_due, 1, __ATOMIC_RELAXED);
+    if (stream_ordered) __atomic_store_n(&vmm__sync.sync_due, 1, __ATOMIC_RELAXED);
     /* Natively cudaFree's memory is the device's again when it returns, and a neighbour woken by
      * the free (a rollout engine after empty_cache) may allocate it at once: the delay keeps
      * only a little of it, what a program that frees and allocates the same sizes reuses. */
@@ -795,7 +796,7 @@ static void emptied_locked(vmm__pool *p, int stream_ordered)
     if (!S.give_back_ns) {
         release_locked(p, stream_ordered, UINT64_MAX);
         if (settled(p, stream_ordered)) return;
-        __atomic_store_n(&S.sync_due, 1, __ATOMIC_RELAXED);
+        __atomic_store_n(&vmm__sync.sync_due, 1, __ATOMIC_RELAXED);
     }
     purge_kick_locked();
 }
@@ -1237,7 +1238,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     if (stream_ordered && stream_ctx) {
         if (vmm__pool_free_unrecorded(pool, b, (uint64_t)(uintptr_t)stream, stream_ctx, __atomic_add_fetch(&S.free_seq, 1, __ATOMIC_RELEASE)))
             emptied_locked(pool, 1);
-        if (!__atomic_load_n(&S.unrecorded_due, __ATOMIC_RELAXED)) __atomic_store_n(&S.unrecorded_due, 1, __ATOMIC_RELAXED);
+        if (!__atomic_load_n(&vmm__sync.unrecorded_due, __ATOMIC_RELAXED)) __atomic_store_n(&vmm__sync.unrecorded_due, 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&S.lock);
         return VMM__DONE;
     }
@@ -1270,8 +1271,8 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
 }
 
 /* Natively a synchronization releases the default pool's memory beyond its threshold; with no
- * give-back delay, what cudaMalloc freed goes then too.  A flag keeps the common case (nothing
- * waiting) to one load. */
+ * give-back delay, what cudaMalloc freed goes then too.  The hooks come here only when
+ * vmm__sync_watching() said something waits (backing.h). */
 uint64_t vmm__free_mark(void) { return __atomic_load_n(&S.free_seq, __ATOMIC_ACQUIRE) + 1; }
 
 static int legacy_stream(CUstream s) { return s == NULL || s == CU_STREAM_LEGACY; }
@@ -1279,12 +1280,12 @@ static int legacy_stream(CUstream s) { return s == NULL || s == CU_STREAM_LEGACY
 void vmm__synchronized(int whole_context, CUstream stream, uint64_t mark)
 {
     if (!S.ready) return;
-    int sync_due = __atomic_load_n(&S.sync_due, __ATOMIC_ACQUIRE), unrecorded = __atomic_load_n(&S.unrecorded_due, __ATOMIC_ACQUIRE);
+    int sync_due = __atomic_load_n(&vmm__sync.sync_due, __ATOMIC_ACQUIRE), unrecorded = __atomic_load_n(&vmm__sync.unrecorded_due, __ATOMIC_ACQUIRE);
     if (!sync_due && !unrecorded) return;
     CUcontext ctx = NULL;
     if (unrecorded && (cu.CtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)) unrecorded = 0;
     pthread_mutex_lock(&S.lock);
-    __atomic_store_n(&S.sync_due, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&vmm__sync.sync_due, 0, __ATOMIC_RELAXED);
     int left = 0;
     uint64_t still_unrecorded = 0;
     for (int i = 0; i < MAX_DEVICES; i++) {
@@ -1304,14 +1305,14 @@ void vmm__synchronized(int whole_context, CUstream stream, uint64_t mark)
             left |= !settled(&d->pool[k], k);
         }
     }
-    if (left) __atomic_store_n(&S.sync_due, 1, __ATOMIC_RELAXED); /* frees of streams not synchronized yet */
-    if (unrecorded && !still_unrecorded) __atomic_store_n(&S.unrecorded_due, 0, __ATOMIC_RELAXED);
+    if (left) __atomic_store_n(&vmm__sync.sync_due, 1, __ATOMIC_RELAXED); /* frees of streams not synchronized yet */
+    if (unrecorded && !still_unrecorded) __atomic_store_n(&vmm__sync.unrecorded_due, 0, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&S.lock);
 }
 
 void vmm__stream_destroying(CUstream stream)
 {
-    if (!S.ready || !__atomic_load_n(&S.unrecorded_due, __ATOMIC_ACQUIRE)) return;
+    if (!S.ready || !__atomic_load_n(&vmm__sync.unrecorded_due, __ATOMIC_ACQUIRE)) return;
     pthread_mutex_lock(&S.lock);
     for (int i = 0; i < MAX_DEVICES; i++)
         for (int k = 0; k < 2 && S.dev[i].pool_ready; k++) vmm__pool_record_stream(&S.dev[i].pool[k], (uint64_t)(uintptr_t)stream);
@@ -1631,7 +1632,7 @@ void vmm__pool_set_release_threshold(int dev, uint64_t bytes)
     d->release_threshold = bytes;
     if (d->pool_ready) d->pool[1].retain = retain_of(d, 1);
     /* a lower threshold may put memory past it: gone at the next synchronization, as natively */
-    __atomic_store_n(&S.sync_due, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&vmm__sync.sync_due, 1, __ATOMIC_RELAXED);
     purge_kick_locked();
     pthread_mutex_unlock(&S.lock);
 }

@@ -102,6 +102,19 @@ void vmm__device_reset(int dev);
  * does, a free never synchronizes a context, and its block waits for a safe moment. */
 void vmm__capture_begun(void);
 void vmm__capture_ended(void);
+/* What a synchronization may have to do: empty segments of the default pool waiting for one
+ * (sync_due), stream-ordered frees whose event is not recorded yet (unrecorded_due).  Written by
+ * backing.c; the synchronize hooks read them before anything else, so that with both 0 (the
+ * common case: nothing waiting) a synchronization costs the shim these two loads and nothing
+ * more (no call, no thread-local guard, no lock, no driver call). */
+typedef struct vmm__sync_flags {
+    int sync_due, unrecorded_due;
+} vmm__sync_flags;
+extern __attribute__((visibility("hidden"))) vmm__sync_flags vmm__sync;
+static inline int vmm__sync_watching(void)
+{
+    return __atomic_load_n(&vmm__sync.sync_due, __ATOMIC_ACQUIRE) | __atomic_load_n(&vmm__sync.unrecorded_due, __ATOMIC_ACQUIRE);
+}
 /* Taken before a synchronization begins: the stream-ordered frees it covers are those below it. */
 uint64_t vmm__free_mark(void);
 /* The program synchronized `stream`, or its current context (whole_context), successfully; mark

@@ -500,32 +500,33 @@ VMM_HOOK CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *g)
 }
 
 /* A synchronization is where the default pool gives back what lies beyond its release threshold
- * (natively too), and where frees waiting on the work just finished become idle. */
-static CUresult synchronized(CUresult rc, int whole_context, CUstream s, uint64_t mark)
-{
-    if (rc == CUDA_SUCCESS && !vmm__in_shim()) vmm__synchronized(whole_context, s, mark);
-    return rc;
-}
+ * (natively too), and where frees waiting on the work just finished become idle.  Nothing waiting
+ * (the common case: a training step synchronizes every step): the real call and two loads. */
+#define SYNCHRONIZED(call, whole_context, s)                                                          \
+    do {                                                                                              \
+        if (!vmm__sync_watching()) return call;                                                       \
+        uint64_t mark_ = vmm__free_mark();                                                            \
+        CUresult rc_ = call;                                                                          \
+        if (rc_ == CUDA_SUCCESS && !vmm__in_shim()) vmm__synchronized(whole_context, s, mark_);       \
+        return rc_;                                                                                   \
+    } while (0)
 
 VMM_HOOK CUresult cuCtxSynchronize(void)
 {
     VMM_REAL_DRIVER(cuCtxSynchronize, CUDA_ERROR_NOT_INITIALIZED);
-    uint64_t mark = vmm__free_mark();
-    return synchronized(real_(), 1, NULL, mark);
+    SYNCHRONIZED(real_(), 1, NULL);
 }
 
 VMM_HOOK CUresult cuStreamSynchronize(CUstream s)
 {
     VMM_REAL_DRIVER(cuStreamSynchronize, CUDA_ERROR_NOT_INITIALIZED);
-    uint64_t mark = vmm__free_mark();
-    return synchronized(real_(s), 0, s, mark);
+    SYNCHRONIZED(real_(s), 0, s);
 }
 
 VMM_HOOK CUresult cuStreamSynchronize_ptsz(CUstream s)
 {
     VMM_REAL_DRIVER(cuStreamSynchronize_ptsz, CUDA_ERROR_NOT_INITIALIZED);
-    uint64_t mark = vmm__free_mark();
-    return synchronized(real_(s), 0, s ? s : CU_STREAM_PER_THREAD, mark);
+    SYNCHRONIZED(real_(s), 0, s ? s : CU_STREAM_PER_THREAD);
 }
 
 /* Frees on a stream whose event was left for later get it before the stream goes. */

@@ -12,7 +12,8 @@
 # Then the memory rows of issue 15 and the GPU-bound PyTorch step rows (tests/gpu/bench_mem.py: NVML
 # sampled from another process, its own table and "bench-mem: N passed, N failed"; MEM_ROUNDS,
 # STEP_ROUNDS, MEM_BUDGET), and a last line "bench: total N passed, N failed" over both tables.
-# BENCH_ONLY (comma-separated; default all) picks rows: speed (= churn,many,oom,align,torchspeed,step),
+# BENCH_ONLY (comma-separated; default all) picks rows: speed (= churn,many,oom,align,torchspeed,step,
+# jaxstep: JAX's GPU-bound and small host-bound steps, workers taking turns, issue 27),
 # mem (= torch,graphs,mixed,giveback,pool,coloc,cupy), companion (companion_bench.sh, run by the
 # Makefile), weightsync (weight_sync.sh, run by the Makefile: issue 16's takes of a whole model), or
 # any of those names.  BENCH_DRY=1 runs nothing on a GPU: it prints what would run and
@@ -45,7 +46,7 @@ unset PYTORCH_CUDA_ALLOC_CONF
 export PYTHONUNBUFFERED=1
 
 # BENCH_ONLY -> the selected jobs, each between spaces in SEL
-SPEED_JOBS="churn many oom align torchspeed step"
+SPEED_JOBS="churn many oom align torchspeed step jaxstep"
 MEM_JOBS="torch graphs mixed giveback pool coloc cupy"
 SEL=" "
 KEEPER=${BENCH_KEEPER:-0}
@@ -59,7 +60,7 @@ for tok in $(printf '%s' "${BENCH_ONLY:-all}" | tr ',' ' '); do
       ;;
     speed) SEL="$SEL$SPEED_JOBS " ;;
     mem) SEL="$SEL$MEM_JOBS " ;;
-    churn | many | oom | align | torchspeed | step | torch | graphs | mixed | giveback | pool | coloc | cupy | companion | weightsync)
+    churn | many | oom | align | torchspeed | step | jaxstep | torch | graphs | mixed | giveback | pool | coloc | cupy | companion | weightsync)
       SEL="$SEL$tok " ;;
     *)
       echo "bench: unknown BENCH_ONLY entry '$tok' (all, speed, mem, companion, weightsync, keeper, $SPEED_JOBS $MEM_JOBS)"
@@ -74,7 +75,7 @@ sel() {
 LEGACY=0
 for j in churn many oom align torchspeed; do sel "$j" && LEGACY=1; done
 MEMSEL=""
-for j in $MEM_JOBS step; do sel "$j" && MEMSEL="$MEMSEL $j"; done
+for j in $MEM_JOBS step jaxstep; do sel "$j" && MEMSEL="$MEMSEL $j"; done
 rm -rf "$W"
 mkdir -p "$W"
 : >"$RAW"
