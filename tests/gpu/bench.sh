@@ -47,7 +47,7 @@ export PYTHONUNBUFFERED=1
 
 # BENCH_ONLY -> the selected jobs, each between spaces in SEL
 SPEED_JOBS="churn many oom align torchspeed step jaxstep"
-MEM_JOBS="torch graphs mixed giveback pool coloc cupy"
+MEM_JOBS="torch gpt graphs mixed giveback pool coloc cupy"
 SEL=" "
 KEEPER=${BENCH_KEEPER:-0}
 for tok in $(printf '%s' "${BENCH_ONLY:-all}" | tr ',' ' '); do
@@ -60,7 +60,7 @@ for tok in $(printf '%s' "${BENCH_ONLY:-all}" | tr ',' ' '); do
       ;;
     speed) SEL="$SEL$SPEED_JOBS " ;;
     mem) SEL="$SEL$MEM_JOBS " ;;
-    churn | many | oom | align | torchspeed | step | jaxstep | torch | graphs | mixed | giveback | pool | coloc | cupy | companion | weightsync)
+    churn | many | oom | align | torchspeed | step | jaxstep | torch | gpt | graphs | mixed | giveback | pool | coloc | cupy | companion | weightsync)
       SEL="$SEL$tok " ;;
     *)
       echo "bench: unknown BENCH_ONLY entry '$tok' (all, speed, mem, companion, weightsync, keeper, $SPEED_JOBS $MEM_JOBS)"
@@ -342,10 +342,12 @@ def why_missing(job, side, rnd):
 
 API = {"sync": "cudaMalloc+cudaFree", "async": "cudaMallocAsync+cudaFreeAsync"}
 ROWS = []
+# A cudaFree beyond VMMSHIM_GIVE_BACK_HOLD (64 MiB) goes back at once, as natively (issue 27): a
+# large pair then costs a real free and allocation, as native's does, so its bound is 1.0x.
 for api, limit in (("sync", 0.2), ("async", 1.0)):
     for sz in ("4KiB", "2MiB", "64MiB", "1GiB"):
         ROWS.append(dict(label=f"same-size churn {sz[:-3]} {sz[-3:]}, {API[api]}", job="churn", case=f"pair/{api}/{sz}",
-                         kind="time", key="us", unit="µs/pair", max=limit))
+                         kind="time", key="us", unit="µs/pair", max=1.0 if sz == "1GiB" else limit))
 for api, limit in (("sync", 1.0), ("async", 1.3)):
     ROWS.append(dict(label=f"mixed churn 256 B..256 MiB, {API[api].replace('+', '/')}", job="churn", case=f"mix/{api}",
                      kind="time", key="us", unit="µs/op", max=limit))

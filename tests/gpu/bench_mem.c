@@ -5,9 +5,14 @@
  *   mixed sync|async     mixed-size churn, 256 B..256 MiB, at most 64 live (bench.c's sequence),
  *                        pausing at every new live peak so a 2 ms sampler sees it; then the last
  *                        live set held through a settle and a steady window
- *   giveback sync|async  2.4 GiB allocated and filled, then cudaFree (sync) or cudaFreeAsync +
- *                        cudaStreamSynchronize + cudaMemPoolTrimTo(pool, 0) (async), then no CUDA
- *                        call at all while the sampler watches the memory come back
+ *   giveback sync|async  BENCH_GIVEBACK_FRACTION (0.6) of the device's memory allocated and filled,
+ *                        then cudaFree (sync) or cudaFreeAsync + cudaStreamSynchronize +
+ *                        cudaMemPoolTrimTo(pool, 0) (async); the moment that returns, a neighbour
+ *                        (this program again, started before with its own context and no
+ *                        LD_PRELOAD) allocates the same bytes with cudaMalloc; then no CUDA call
+ *                        at all while the sampler watches the memory come back
+ *   neighbour            that neighbour: answers a line "BYTES" on stdin with "ok=0|1 err=E
+ *                        free=F ms=T" (cudaMemGetInfo's free bytes just before its cudaMalloc)
  *   pool                 a mixed async workload on the default pool with the release threshold at
  *                        UINT64_MAX (as PyTorch and CuPy set it): ReservedMemCurrent and
  *                        UsedMemCurrent with the live set held, then after freeing everything,
@@ -28,6 +33,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -145,9 +152,58 @@ static int mixed(int async, cudaStream_t s)
 
 /* ---- giveback: when another process sees a freed 2.4 GiB free ---- */
 
+/* The neighbour: a process of its own, started before the free, whose context is up. */
+static int neighbour(void)
+{
+    char line[64];
+    printf("ready\n");
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin)) return 1;
+    size_t bytes = (size_t)strtoull(line, NULL, 10), free_b = 0, total = 0;
+    double t0 = now_s();
+    cudaMemGetInfo(&free_b, &total);
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, bytes);
+    printf("ok=%d err=%d free=%zu ms=%.3f\n", e == cudaSuccess, (int)e, free_b, (now_s() - t0) * 1e3);
+    fflush(stdout);
+    if (e == cudaSuccess) cudaFree(p);
+    return 0;
+}
+
+/* Starts the neighbour (this binary without LD_PRELOAD) before this process starts CUDA: a
+ * process that forks after would hand the child a CUDA it cannot use. */
+static pid_t neighbour_start(FILE **to, FILE **from)
+{
+    int in[2], out[2];
+    if (pipe(in) || pipe(out)) return -1;
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(in[0], 0);
+        dup2(out[1], 1);
+        close(in[1]);
+        close(out[0]);
+        unsetenv("LD_PRELOAD");
+        execl("/proc/self/exe", "bench_mem", "neighbour", (char *)NULL);
+        _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    *to = fdopen(in[1], "w");
+    *from = fdopen(out[0], "r");
+    return pid;
+}
+
+static FILE *nb_to, *nb_from;
+static pid_t nb_pid = -1;
+
 static int giveback(int async, cudaStream_t s)
 {
-    size_t bytes = (size_t)(2.4 * (double)GiB);
+    size_t free_b = 0, total = 0;
+    cudaMemGetInfo(&free_b, &total); /* the device's size: its total is the same under the shim */
+    double fraction = env_ms("BENCH_GIVEBACK_FRACTION", 0.6);
+    size_t bytes = (size_t)((double)total * fraction) / (2 * MiB) * (2 * MiB);
+    char line[256] = "";
+    if (nb_pid > 0 && !fgets(line, sizeof line, nb_from)) nb_pid = -1; /* its context is up */
     void *p = NULL;
     mark("ready");
     sleep_ms(150);
@@ -174,10 +230,24 @@ static int giveback(int async, cudaStream_t s)
         e = cudaFree(p);
     }
     mark("freed");
-    /* No CUDA call from here on: whatever gives the memory back must do it on its own. */
+    /* No CUDA call from here on: whatever gives the memory back must do it on its own, while a
+     * neighbour allocates what was freed at once. */
+    line[0] = 0;
+    if (nb_pid > 0) {
+        fprintf(nb_to, "%zu\n", bytes);
+        fflush(nb_to);
+        if (!fgets(line, sizeof line, nb_from)) line[0] = 0;
+        line[strcspn(line, "\n")] = 0;
+    }
+    int nb_ok = -1, nb_err = 0;
+    unsigned long long nb_free = 0;
+    double nb_ms = 0;
+    sscanf(line, "ok=%d err=%d free=%llu ms=%lf", &nb_ok, &nb_err, &nb_free, &nb_ms);
+    mark("neighbour");
     sleep_ms(env_ms("BENCH_GIVEBACK_WAIT_MS", 1500));
     mark("end");
-    printf("R giveback/%s bytes=%zu fail=0 err=%d\n", async ? "async" : "sync", bytes, (int)e);
+    printf("R giveback/%s bytes=%zu fail=0 err=%d neighbour_ok=%d neighbour_err=%d neighbour_free=%llu neighbour_ms=%.3f\n",
+           async ? "async" : "sync", bytes, (int)e, nb_ok, nb_err, nb_free, nb_ms);
     fflush(stdout);
     return 0;
 }
@@ -321,12 +391,14 @@ int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "";
     const char *api = argc > 2 ? argv[2] : "";
+    if (!strcmp(mode, "neighbour")) return neighbour();
     int ok = ((!strcmp(mode, "mixed") || !strcmp(mode, "giveback")) && (!strcmp(api, "sync") || !strcmp(api, "async"))) ||
              !strcmp(mode, "pool") || (!strcmp(mode, "coloc") && argc > 4);
     if (!ok) {
         fprintf(stderr, "usage: bench_mem mixed|giveback sync|async | pool | coloc IDX CAP_BYTES GOFILE\n");
         return 2;
     }
+    if (!strcmp(mode, "giveback")) nb_pid = neighbour_start(&nb_to, &nb_from);
     cudaStream_t s;
     cudaError_t e = cudaFree(0); /* the context first: "ready" marks the level with it */
     if (e == cudaSuccess) e = cudaStreamCreate(&s);
@@ -340,5 +412,9 @@ int main(int argc, char **argv)
     else if (!strcmp(mode, "pool")) rc = pool(s);
     else rc = coloc(atoi(argv[2]), (size_t)strtoull(argv[3], NULL, 10), argv[4]);
     cudaStreamDestroy(s);
+    if (nb_pid > 0) {
+        fclose(nb_to);
+        waitpid(nb_pid, NULL, 0);
+    }
     return rc;
 }

@@ -10,7 +10,8 @@ Jobs (argument: what runs):
             steady state, max_memory_reserved(), memory_stats() reserved/allocated (cudaMallocAsync)
   graphs    bench_mem_torch.py graphs (make_graphed_callables), both allocators: memory_reserved(), NVML
   mixed     bench_mem mixed sync|async: NVML peak and steady state against the live bytes
-  giveback  bench_mem giveback sync|async: ms from the free (or TrimTo) until NVML shows 2.4 GiB back
+  giveback  bench_mem giveback sync|async: whether a neighbour's cudaMalloc of the bytes freed (60% of the
+            device) succeeds right after the free (or TrimTo), and ms until NVML shows them back
   pool      bench_mem pool: ReservedMemCurrent/UsedMemCurrent held and after TrimTo(0), NVML
   cupy      bench_mem_cupy.py: MemoryAsyncPool used/free/total bytes, held and after free_all_blocks()
   coloc     COLOC_PROCS (8) bench_mem coloc processes at once, each keeping COLOC_FRACTION (0.1) of the
@@ -69,7 +70,7 @@ REG = f"/vmmshim-benchmem-{os.getpid()}"
 BESIDE = os.environ.get("BENCH_KEEPER") == "beside"  # the native side: the shim without a keeper
 KEEPER = os.environ.get("BENCH_KEEPER") == "1" or BESIDE
 VMMCTL = os.environ.get("BENCH_VMMCTL", os.path.join(HERE, "..", "..", "build", "vmmctl"))
-ALL_JOBS = ("torch", "graphs", "mixed", "giveback", "pool", "cupy", "coloc", "step", "jaxstep")
+ALL_JOBS = ("torch", "gpt", "graphs", "mixed", "giveback", "pool", "cupy", "coloc", "step", "jaxstep")
 ASYNC_CONF = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
 DEFAULT_CONF = {"PYTORCH_CUDA_ALLOC_CONF": ""}  # unset below: the default caching allocator
 
@@ -277,12 +278,12 @@ def fake_run(job, side, rnd):
     t = time.monotonic()
     base, ctx = 600 * MiB, 520 * MiB
     steps, mk, r = [], {}, ""  # steps: (offset s, used bytes above base)
-    if job.startswith(("torch-", "graphs-")):
+    if job.startswith(("torch-", "graphs-", "gpt-")):
         conf = job.split("-")[1]
         top = (6119 if conf == "async" else 8035) * MiB
         mk = {"ready": 1.0, "steady_begin": 1.5, "steady_end": 3.0}
         steps = [(0, 0), (0.8, ctx), (1.2, top * f), (1.5, top * 0.8 * f), (3.05, 0)]
-        case = "torch" if job.startswith("torch-") else "graphs"
+        case = job.split("-")[0]
         res = int((4800 if conf == "async" else 6786) * MiB * f)
         r = (f"R {case}/{conf} step_ms=30 memory_reserved={res} max_reserved={res} reserved_current={res} "
              f"reserved_peak={res} allocated_current={int(res * 0.7)} allocated_peak={int(res * 0.8)}"
@@ -296,8 +297,9 @@ def fake_run(job, side, rnd):
     elif job.startswith("giveback-"):
         mk = {"ready": 0.5, "before": 0.65, "allocated": 0.8, "free_call": 1.0, "freed": 1.002, "end": 2.5}
         delay = 0.002 if side == "native" or job.endswith("async") else 0.2 + rr.uniform(0, 0.02)
-        steps = [(0, 0), (0.4, ctx), (0.7, ctx + int(2.4 * GiB)), (1.002 + delay, ctx), (2.6, 0)]
-        r = f"R giveback/{job[9:]} bytes={int(2.4 * GiB)} fail=0 err=0"
+        steps = [(0, 0), (0.4, ctx), (0.7, ctx + int(84 * GiB)), (1.002 + delay, ctx), (2.6, 0)]
+        r = (f"R giveback/{job[9:]} bytes={int(84 * GiB)} fail=0 err=0 neighbour_ok=1 neighbour_err=0 "
+             f"neighbour_free={int(138 * GiB)} neighbour_ms=0.2")
     elif job in ("pool", "cupy"):
         mk = {"ready": 0.5, "held_begin": 1.0, "held_end": 1.3, "trimmed": 1.35, "end": 1.75}
         steps = [(0, 0), (0.4, ctx), (0.7, ctx + 900 * MiB * f), (1.34, ctx), (1.8, 0)]
@@ -335,7 +337,7 @@ def above(run, v, ref=None):
 def derive(job, run):
     """{metric: value} of one run.  NVML figures are bytes above a reference level."""
     m, r, s, d = run.marks, run.r, run.samples, {}
-    if job.startswith(("torch-", "graphs-")):
+    if job.startswith(("torch-", "graphs-", "gpt-")):
         kv = next(iter(r.values()), {})
         d["nvml_peak"] = above(run, ns.wmax(s, run.t0, run.t1))
         if "steady_begin" in m and "steady_end" in m:
@@ -356,7 +358,7 @@ def derive(job, run):
             before = ns.wmedian(s, m["ready"] + 0.02, m["before"])
             held = ns.wmedian(s, m["allocated"], m["free_call"])
             d["held"] = above(run, held, before)
-            nbytes = num(kv.get("bytes")) or 2.4 * GiB
+            nbytes = num(kv.get("bytes")) or 0
             if d["held"] is not None and d["held"] < 0.9 * nbytes:  # NVML looks at another GPU?
                 d["unseen"] = 1.0
             else:
@@ -365,6 +367,7 @@ def derive(job, run):
                 d["never"] = 1.0 if back is None and before is not None else 0.0
             d["free_call_ms"] = (m["freed"] - m["free_call"]) * 1e3
         d["bytes"] = num(kv.get("bytes"))
+        d["neighbour_ok"], d["neighbour_free"] = num(kv.get("neighbour_ok")), num(kv.get("neighbour_free"))
     elif job in ("pool", "cupy"):
         kv = next(iter(r.values()), {})
         if all(k in m for k in ("ready", "held_begin", "held_end", "trimmed", "end")):
@@ -399,6 +402,8 @@ JAX_ENV = {"XLA_PYTHON_CLIENT_ALLOCATOR": "", "XLA_PYTHON_CLIENT_PREALLOCATE": "
 SIMPLE = {  # job -> (argv, environment, timeout s)
     "torch-default": (torch_prog("steps", "default"), DEFAULT_CONF, 180),
     "torch-async": (torch_prog("steps", "async"), ASYNC_CONF, 180),
+    "gpt-default": (torch_prog("gpt", "default"), DEFAULT_CONF, 180),
+    "gpt-async": (torch_prog("gpt", "async"), ASYNC_CONF, 180),
     "graphs-default": (torch_prog("graphs", "default"), DEFAULT_CONF, 180),
     "graphs-async": (torch_prog("graphs", "async"), ASYNC_CONF, 180),
     "mixed-sync": (bench_bin("mixed", "sync"), {}, 90),
@@ -408,7 +413,7 @@ SIMPLE = {  # job -> (argv, environment, timeout s)
     "pool": (bench_bin("pool"), {}, 60),
     "cupy": ([PY, os.path.join(HERE, "bench_mem_cupy.py")], {}, 120),
 }
-GROUP = {"torch": ["torch-default", "torch-async"], "graphs": ["graphs-default", "graphs-async"],
+GROUP = {"torch": ["torch-default", "torch-async"], "gpt": ["gpt-async", "gpt-default"], "graphs": ["graphs-default", "graphs-async"],
          "mixed": ["mixed-sync", "mixed-async"], "giveback": ["giveback-sync", "giveback-async"],
          "pool": ["pool"], "cupy": ["cupy"], "coloc": ["coloc"], "step": ["step-default", "step-async"],
          "jaxstep": ["jaxstep-big", "jaxstep-small"]}
@@ -634,6 +639,12 @@ def rows():
             for k in ("reserved_peak", "reserved_current", "allocated_peak", "allocated_current"):
                 crit = "within5" if k.startswith("allocated") else "reserved"
                 out.append(dict(job=j, key=k, label=f"{L}: memory_stats() {k.replace('_', ' ')}", crit=crit))
+    for conf in ("async", "default"):
+        j, L = f"gpt-{conf}", f"GPT-2-class model, 8 x 768, sequence 96..1024 varying, host ahead of the GPU, {conf_label[conf]}"
+        out += [dict(job=j, key="nvml_peak", label=f"{L}: NVML peak", crit="foot", nvml=True),
+                dict(job=j, key="nvml_steady", label=f"{L}: NVML steady state", crit="foot", nvml=True),
+                dict(job=j, key="max_reserved", label=f"{L}: max_memory_reserved()",
+                     crit="reserved5" if conf == "async" else "foot")]
     for conf in ("default", "async"):
         j, L = f"graphs-{conf}", f"PyTorch CUDA graphs (make_graphed_callables), {conf_label[conf]}"
         out += [dict(job=j, key="memory_reserved", label=f"{L}: memory_reserved()", crit="foot"),
@@ -645,11 +656,18 @@ def rows():
                      live="live_peak"),
                 dict(job=j, key="nvml_steady", label=f"{L}: NVML steady state (last live set held)", crit="foot",
                      nvml=True, live="final_live")]
-    out += [dict(job="giveback-sync", key="delay_ms", nvml=True, crit="giveback",
-                 label="give-back: ms from cudaFree(2.4 GiB) until NVML shows it free"),
+    out += [dict(job="giveback-sync", key="neighbour_ok", crit="neighbour",
+                 label="give-back: another process's cudaMalloc of the bytes freed, right after cudaFree(60% of the device)"),
+            dict(job="giveback-sync", key="neighbour_free", crit="report",
+                 label="give-back: the free memory that process sees right after cudaFree (cudaMemGetInfo, native process)"),
+            dict(job="giveback-async", key="neighbour_ok", crit="neighbour",
+                 label="give-back: another process's cudaMalloc of the bytes freed, right after cudaFreeAsync + "
+                       "cudaStreamSynchronize + cudaMemPoolTrimTo(0) (60% of the device)"),
+            dict(job="giveback-sync", key="delay_ms", nvml=True, crit="giveback",
+                 label="give-back: ms from cudaFree(60% of the device) until NVML shows it free"),
             dict(job="giveback-async", key="delay_ms", nvml=True, crit="giveback",
-                 label="give-back: ms from cudaFreeAsync + cudaStreamSynchronize + cudaMemPoolTrimTo(0) of 2.4 GiB "
-                       "until NVML shows it free")]
+                 label="give-back: ms from cudaFreeAsync + cudaStreamSynchronize + cudaMemPoolTrimTo(0) of 60% of the "
+                       "device until NVML shows it free")]
     L = "default pool (release threshold UINT64_MAX), mixed async workload"
     out += [dict(job="pool", key="reserved_held", label=f"{L}: ReservedMemCurrent, live set held", crit="foot"),
             dict(job="pool", key="used_held", label=f"{L}: UsedMemCurrent, live set held", crit="within5"),
@@ -720,7 +738,7 @@ def table(selected_jobs, elapsed):
         n, s = med([nv[r] for r in both]), med([sv[r] for r in both])
         per = [sv[r] / nv[r] for r in both if nv[r]]
         ratio = s / n if n and s is not None else None
-        unit = "ms" if key in ("delay_ms", "step_ms") else ("n" if key in ("fail",) else "B")
+        unit = "ms" if key in ("delay_ms", "step_ms") else ("n" if key in ("fail", "neighbour_ok") else "B")
 
         def cell(v, side):
             if v is None:
@@ -739,7 +757,7 @@ def table(selected_jobs, elapsed):
                     text += f"; not back within the wait in {never:.0f} round(s)"
                 unseen = sum(results.get((job, "unseen"), {}).get(side, {}).values())
                 if unseen:
-                    text += f"; NVML never saw the 2.4 GiB in {unseen:.0f} round(s) (BENCH_NVML_INDEX?)"
+                    text += f"; NVML never saw the bytes allocated in {unseen:.0f} round(s) (BENCH_NVML_INDEX?)"
             return text
 
         ok = None
@@ -757,6 +775,13 @@ def table(selected_jobs, elapsed):
             verdict = f"every round ≤ {lim:.0f} ms (VMMSHIM_GIVE_BACK_MS {GIVE_BACK_MS:.0f} + {SLACK_MS:.0f})"
             never = sum(results.get((job, "never"), {}).get("shim", {}).values())
             ok = bool(both) and not never and max(sv[r] for r in both) <= lim
+            per = []
+        elif crit == "reserved5":
+            verdict = "within 5% of native"
+            ok = n is not None and s is not None and abs(s - n) <= 0.05 * n
+        elif crit == "neighbour":
+            verdict = "succeeds (1) in every shim round where it does natively"
+            ok = bool(both) and all(sv[r] == 1 for r in both if nv[r] == 1) and any(nv[r] == 1 for r in both)
             per = []
         elif crit == "zero":
             verdict = "shim 0 in every round"
