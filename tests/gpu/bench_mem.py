@@ -644,7 +644,7 @@ def rows():
         out += [dict(job=j, key="nvml_peak", label=f"{L}: NVML peak", crit="foot", nvml=True),
                 dict(job=j, key="nvml_steady", label=f"{L}: NVML steady state", crit="foot", nvml=True),
                 dict(job=j, key="max_reserved", label=f"{L}: max_memory_reserved()",
-                     crit="reserved5" if conf == "async" else "foot")]
+                     crit="reserved" if conf == "async" else "foot")]
     for conf in ("default", "async"):
         j, L = f"graphs-{conf}", f"PyTorch CUDA graphs (make_graphed_callables), {conf_label[conf]}"
         out += [dict(job=j, key="memory_reserved", label=f"{L}: memory_reserved()", crit="foot"),
@@ -776,9 +776,6 @@ def table(selected_jobs, elapsed):
             never = sum(results.get((job, "never"), {}).get("shim", {}).values())
             ok = bool(both) and not never and max(sv[r] for r in both) <= lim
             per = []
-        elif crit == "reserved5":
-            verdict = "within 5% of native"
-            ok = n is not None and s is not None and abs(s - n) <= 0.05 * n
         elif crit == "neighbour":
             verdict = "succeeds (1) in every shim round where it does natively"
             ok = bool(both) and all(sv[r] == 1 for r in both if nv[r] == 1) and any(nv[r] == 1 for r in both)

@@ -10,8 +10,9 @@ D=/tmp/vmmshim-campaign
 case ${1:-} in
   start)
     shift
-    rm -rf "$D"; mkdir -p "$D"
-    setsid bash -c '
+    rm -rf "$D"; mkdir -p "$D/out"
+    # the benches' own folders live outside $OUT, which the next call of the lease empties
+    OUT=$D/out setsid bash -c '
       for part in "$@"; do
         echo "=== $part $(date +%T)" >>'"$D"'/progress
         case $part in
@@ -29,7 +30,7 @@ case ${1:-} in
     end=$((SECONDS + ${2:-500}))
     while [ $SECONDS -lt "$end" ] && ! grep -qx done "$D/progress" 2>/dev/null; do sleep 5; done
     cat "$D/progress"
-    mkdir -p "$OUT/c"; cp "$D"/*.log "$OUT/c/" 2>/dev/null
+    mkdir -p "$OUT/c"; cp "$D"/*.log "$OUT/c/" 2>/dev/null; cp "$D"/out/vmmshim-bench/*table* "$OUT/c/" 2>/dev/null
     for f in "$D"/*.log; do echo "##### $f"; grep -E '^\||passed, [0-9]+ failed|PASS|FAIL' "$f" | tail -60; done
     ;;
   *) echo "usage: campaign.sh start PART... | wait SECONDS"; exit 2 ;;
