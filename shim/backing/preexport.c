@@ -174,14 +174,20 @@ int vmm__preexport_step(vmm__broker_export_fn export_fn)
         pthread_mutex_unlock(&P.lock);
         return ms;
     }
-    if (vmm__backing_kept_fds() >= fd_room()) {
+    unsigned long room = fd_room();
+    if (vmm__backing_kept_fds() >= room) {
         int warn = !P.warned;
         P.warned = 1;
         reset_locked();
         pthread_mutex_unlock(&P.lock);
-        if (warn)
+        struct rlimit rl;
+        if (warn && room == 0 && vmm__opt_int(VMM__OPT_PREEXPORT_FDS) > 0 && getrlimit(RLIMIT_NOFILE, &rl) == 0)
+            vmm__log(VMM__LOG_WARNING, "no pre-export: RLIMIT_NOFILE %llu leaves no fd numbers above 1023 to keep "
+                     "exports in (raise it, ulimit -n); each segment is exported at each request",
+                     (unsigned long long)rl.rlim_cur);
+        else if (warn && room)
             vmm__log(VMM__LOG_WARNING, "pre-export stopped at %lu kept fds (VMMSHIM_PREEXPORT_FDS, RLIMIT_NOFILE); "
-                     "further segments are exported at their first request", fd_room());
+                     "further segments are exported at their first request", room);
         return -1;
     }
     if (!next_locked(r)) {

@@ -9,7 +9,8 @@
  * vmm_import_many: no export in the owner, and in much less than one export's time (the code
  * before exported each segment at the first take: at least 300 ms here).  A buffer never named
  * is still exported at its first take (slow, as before), and a buffer named and freed within
- * the delay is never exported. */
+ * the delay is never exported.  With VMMSHIM_PREEXPORT_FDS=1 one segment is exported ahead and
+ * the others at the take. */
 #include "../fakecuda/fakecuda.h"
 #include "check.h"
 #include "spawn.h"
@@ -20,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 
@@ -87,6 +89,17 @@ static double take(vmm_registry *reg, const uint64_t *addr, const uint64_t *seed
     return ms;
 }
 
+static bool stop_owner(void)
+{
+    fputs("q\n", g_to);
+    fclose(g_to);
+    int wst = 0;
+    waitpid(g_pid, &wst, 0);
+    fclose(g_from);
+    g_to = g_from = NULL;
+    return WIFEXITED(wst) && WEXITSTATUS(wst) == 0;
+}
+
 int main(void)
 {
     const char *b = getenv("VMMSHIM_TEST_BUILD");
@@ -98,6 +111,17 @@ int main(void)
     setenv("VMMSHIM_REGISTRY", g_reg, 1);
     setenv("VMMSHIM_PREEXPORT_MS", "150", 1);
     signal(SIGPIPE, SIG_IGN);
+    /* kept fds live above 1023: the owner (which inherits this limit) needs room there */
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < 4096 && rl.rlim_max > rl.rlim_cur) {
+        rl.rlim_cur = rl.rlim_max < 4096 ? rl.rlim_max : 4096;
+        (void)setrlimit(RLIMIT_NOFILE, &rl);
+    }
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur < 1024 + 64 + 16) {
+        printf("note: RLIMIT_NOFILE %llu leaves no fd numbers above 1023 to keep exports in: nothing to test\n",
+               (unsigned long long)rl.rlim_cur);
+        CHECK_DONE();
+    }
     CHECK(spans_start(), "cannot start the owner");
     CHECK(owner_cmd(NULL, "e %llu", EXPORT_US), "the owner cannot slow its exports");
 
@@ -153,12 +177,19 @@ int main(void)
     sleep_ms(600);
     CHECK(owner_exports() == before, "a buffer freed within the delay: %lld exports", owner_exports() - before);
 
-    fputs("q\n", g_to);
-    fclose(g_to);
-    int wst = 0;
-    waitpid(g_pid, &wst, 0);
-    CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0, "the owner ended with status 0x%x", wst);
-    fclose(g_from);
+    CHECK(stop_owner(), "the owner did not end cleanly");
+
+    /* 6. the kept fds are bounded: VMMSHIM_PREEXPORT_FDS=1 keeps one, the rest wait for a request */
+    setenv("VMMSHIM_PREEXPORT_FDS", "1", 1);
+    CHECK(spans_start() && owner_cmd(NULL, "e %llu", EXPORT_US / 10), "cannot start the second owner");
+    for (int i = 0; i < 3; i++) idx[i] = owner_alloc(24 * MIB, seed[i], &named[i]);
+    for (int i = 0; i < 3; i++) CHECK(idx[i] >= 0 && owner_cmd(NULL, "p %d w%d", idx[i], i), "second owner: buffer %d", i);
+    settled = exports_settled();
+    CHECK(settled == 1, "VMMSHIM_PREEXPORT_FDS=1: %lld exports ahead of requests", settled);
+    ms = take(reg, named, seed, 3);
+    CHECK(owner_exports() == settled + 2, "the take exported %lld (the two not kept)", owner_exports() - settled);
+    CHECK(stop_owner(), "the second owner did not end cleanly");
+
     vmm_close(reg);
     shm_unlink(g_reg);
     CHECK_DONE();
