@@ -77,9 +77,14 @@ static int load_driver(void)
     return A.Release != NULL;
 }
 
+static unsigned long A_kept; /* handles whose broker_fd is open */
+
 static void entry_free(handle_entry *e)
 {
-    if (e->broker_fd >= 0) close(e->broker_fd);
+    if (e->broker_fd >= 0) {
+        close(e->broker_fd);
+        __atomic_sub_fetch(&A_kept, 1, __ATOMIC_RELAXED);
+    }
     free(e);
 }
 
@@ -243,40 +248,60 @@ void vmm__adopt_released(CUmemGenericAllocationHandle handle)
     pthread_mutex_unlock(&A.lock);
 }
 
+/* The range of registry slot `slot` with this generation and id, under A.lock; -ENOENT/-ESTALE. */
+static int find_published(uint64_t slot, uint64_t generation, const uint8_t id[16], range **out)
+{
+    range *r = NULL;
+    uint32_t key = (uint32_t)slot;
+    HASH_FIND(hs, A.by_slot, &key, sizeof key, r);
+    *out = r;
+    if (!r) return -ENOENT;
+    if (r->pub.generation != generation || memcmp(r->pub.alloc_id, id, 16) != 0) return -ESTALE;
+    return r->h->exportable ? 0 : -ENOENT;
+}
+
 int vmm__adopt_export(uint64_t slot, uint64_t generation, const uint8_t id[16], int *fd, uint64_t *mapped,
                       uint32_t *device)
 {
     pthread_mutex_lock(&A.lock);
-    range *r = NULL;
-    uint32_t key = (uint32_t)slot;
-    HASH_FIND(hs, A.by_slot, &key, sizeof key, r);
-    int rc;
-    if (!r)
-        rc = -ENOENT;
-    else if (r->pub.generation != generation || memcmp(r->pub.alloc_id, id, 16) != 0)
-        rc = -ESTALE;
-    else if (!r->h->exportable)
-        rc = -ENOENT;
-    else {
-        /* the program may have released its handle already: take our own reference from the mapping */
-        CUmemGenericAllocationHandle h;
-        rc = -EIO;
-        if (r->h->broker_fd >= 0) {
-            rc = (*fd = fcntl(r->h->broker_fd, F_DUPFD_CLOEXEC, 0)) < 0 ? -errno : 0;
-        } else if (A.RetainAllocationHandle(&h, (void *)(uintptr_t)r->addr) == CUDA_SUCCESS) {
-            if (A.ExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) == CUDA_SUCCESS) {
-                rc = 0;
-                r->h->broker_fd = fcntl(*fd, F_DUPFD_CLOEXEC, 1024);
-            }
-            if (VMM__TWICE(A.Release(h)) != CUDA_SUCCESS)
-                vmm__log(VMM__LOG_WARNING, "cuMemRelease of a handle retained for an export failed twice; the driver keeps "
-                         "its memory until exit");
-        }
+    range *r;
+    int rc = find_published(slot, generation, id, &r);
+    if (rc == 0 && r->h->broker_fd >= 0) { /* exported before: a duplicate */
+        rc = (*fd = fcntl(r->h->broker_fd, F_DUPFD_CLOEXEC, 0)) < 0 ? -errno : 0;
         if (rc == 0) {
             *mapped = r->h->size;
             *device = (uint32_t)r->h->dev;
         }
+        pthread_mutex_unlock(&A.lock);
+        return rc;
+    }
+    /* the program may have released its handle already: take our own reference from the mapping,
+     * and export it with A.lock let go (an export is ~0.6 ms the program's cuMemMap and cuMemUnmap
+     * would otherwise wait; the reference keeps the handle valid if the range goes meanwhile) */
+    CUmemGenericAllocationHandle h;
+    if (rc == 0 && A.RetainAllocationHandle(&h, (void *)(uintptr_t)r->addr) != CUDA_SUCCESS) rc = -EIO;
+    pthread_mutex_unlock(&A.lock);
+    if (rc) return rc;
+    *fd = -1;
+    if (A.ExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS) rc = -EIO;
+    if (VMM__TWICE(A.Release(h)) != CUDA_SUCCESS)
+        vmm__log(VMM__LOG_WARNING, "cuMemRelease of a handle retained for an export failed twice; the driver keeps "
+                 "its memory until exit");
+    pthread_mutex_lock(&A.lock);
+    if (rc == 0 && (rc = find_published(slot, generation, id, &r)) == 0) {
+        if (r->h->broker_fd < 0) {
+            r->h->broker_fd = fcntl(*fd, F_DUPFD_CLOEXEC, 1024);
+            if (r->h->broker_fd >= 0) __atomic_add_fetch(&A_kept, 1, __ATOMIC_RELAXED);
+        }
+        *mapped = r->h->size;
+        *device = (uint32_t)r->h->dev;
     }
     pthread_mutex_unlock(&A.lock);
+    if (rc && *fd >= 0) {
+        close(*fd); /* unmapped while it was exported */
+        *fd = -1;
+    }
     return rc;
 }
+
+unsigned long vmm__adopt_kept_fds(void) { return __atomic_load_n(&A_kept, __ATOMIC_RELAXED); }

@@ -24,6 +24,7 @@
 
 #include "backing/adopt.h"
 #include "backing/frames.h"
+#include "backing/preexport.h"
 #include "broker/broker.h"
 #include "broker/protocol.h"
 #include "core/log.h"
@@ -122,6 +123,7 @@ static struct {
     int registry_ok;
     char broker_path[112];
     int broker_started;
+    unsigned long kept_fds;        /* segments' broker_fd kept open (preexport.c bounds its own by it) */
     vmm__block *by_addr, *by_slot; /* live allocations */
     vmm__block *deferred;          /* freed while a stream captured, not yet synchronized (via fnext) */
     note *notes;                   /* by address */
@@ -311,7 +313,9 @@ static void after_fork_child(void)
     if (S.registry_ok) vmm__reg_forget_after_fork(&S.reg);
     S.broker_started = 0;
     S.broker_path[0] = 0;
+    S.kept_fds = 0;
     vmm__broker_forget_after_fork();
+    vmm__preexport_forget_after_fork();
     if (S.registry_ok && vmm__reg_attach(&S.reg, "") != 0) S.registry_ok = 0;
     if (S.registry_ok) {
         coverage = vmm__reg_self(&S.reg);
@@ -570,7 +574,10 @@ static void seg_destroy(void *ctx, vmm__seg *ps)
     (void)ctx;
     vseg *c = ps->mech;
     if (c->exported_fd >= 0) close(c->exported_fd); /* its records were retracted before */
-    if (c->broker_fd >= 0) close(c->broker_fd);
+    if (c->broker_fd >= 0) {
+        close(c->broker_fd);
+        __atomic_store_n(&S.kept_fds, S.kept_fds - 1, __ATOMIC_RELAXED);
+    }
     c->exported_fd = c->broker_fd = -1;
     if (c->exporting) { /* its space goes now; its handle once the broker's export is done */
         CUresult unmap = VMM__TWICE(cu.MemUnmap(ps->base, ps->size));
@@ -879,8 +886,11 @@ static void seg_exported_locked(vseg *c, int fd)
         }
     } else if (fd >= 0 && c->broker_fd < 0) {
         c->broker_fd = fcntl(fd, F_DUPFD_CLOEXEC, 1024);
+        if (c->broker_fd >= 0) __atomic_store_n(&S.kept_fds, S.kept_fds + 1, __ATOMIC_RELAXED);
     }
 }
+
+unsigned long vmm__backing_kept_fds(void) { return __atomic_load_n(&S.kept_fds, __ATOMIC_RELAXED) + vmm__adopt_kept_fds(); }
 
 /* The broker asks for handles [first, first + max) of a live allocation's span: their fds (the
  * broker closes them), sizes and keys (a segment's id, never reused: one segment may lie under

@@ -52,6 +52,9 @@ int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out);
 int vmm__owned(uint64_t ptr);
 /* The registry the shim publishes in, with this process attached; NULL when the shim is not active. */
 struct vmm__reg *vmm__registry(void);
+/* Segments whose exported fd the broker keeps (above 1023): what exporting ahead of requests
+ * (preexport.c) is bounded by. */
+unsigned long vmm__backing_kept_fds(void);
 /* Device `accessor` gains (or loses) access to device `owner`'s shim memory, existing and future;
  * all or nothing: a driver failure leaves the access as it was and is returned.  *changed (when
  * not NULL): whether the access was not already so. */

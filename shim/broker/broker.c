@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -49,6 +50,8 @@ static int g_conn_fds[BROKER_MAX_CONNS];       /* fd + 1 of each open connection
  * a fork child closes them too (it would keep up to 64 per connection otherwise) */
 static int g_batch_fds[BROKER_MAX_CONNS][VMM_BROKER_MAX_FDS];
 static int g_atexit_done;
+static int g_wake_fd = -1;                     /* eventfd: vmm__broker_wake has the thread run g_idle */
+static vmm__broker_idle_fn g_idle;
 static int g_warned_start;
 
 /* Everything the thread needs, fixed before it starts. */
@@ -765,8 +768,9 @@ static void *broker_thread(void *arg)
     broker_cfg cfg = *(const broker_cfg *)arg;
     broker_conn conns[BROKER_MAX_CONNS];
     for (int i = 0; i < BROKER_MAX_CONNS; i++) conns[i] = (broker_conn){.fd = -1, .slot = i};
-    struct pollfd pf[1 + BROKER_MAX_CONNS];
+    struct pollfd pf[2 + BROKER_MAX_CONNS]; /* the last one after the connections: the wake fd */
     int at[1 + BROKER_MAX_CONNS]; /* pf[k] watches conns[at[k]] */
+    int idle_ms = -1;             /* what the idle function asked for last */
     for (;;) {
         int n = 0;
         bool stalled = false;
@@ -780,7 +784,11 @@ static void *broker_thread(void *arg)
                 at[n] = i;
                 pf[n++] = (struct pollfd){.fd = conns[i].fd, .events = ev};
             }
-        int pr = poll(pf, (nfds_t)n, stalled ? BROKER_STALL_MS : BROKER_IDLE_MS / 4);
+        int timeout = stalled ? BROKER_STALL_MS : BROKER_IDLE_MS / 4;
+        if (idle_ms >= 0 && idle_ms < timeout) timeout = idle_ms;
+        int wake = __atomic_load_n(&g_wake_fd, __ATOMIC_ACQUIRE);
+        if (wake >= 0) pf[n] = (struct pollfd){.fd = wake, .events = POLLIN};
+        int pr = poll(pf, (nfds_t)n + (wake >= 0), timeout);
         if (pr < 0 && errno != EINTR) return NULL;
         struct timespec now;
         clock_gettime(CLOCK_MONOTONIC, &now);
@@ -805,6 +813,12 @@ static void *broker_thread(void *arg)
         for (int i = 0; i < BROKER_MAX_CONNS; i++)
             if (conns[i].fd >= 0 && ms_since(&conns[i].last, &now) > BROKER_IDLE_MS) conn_close(&conns[i], i);
         if (pr > 0 && (pf[0].revents & POLLIN)) conn_accept(&cfg, conns, &now);
+        if (pr > 0 && wake >= 0 && (pf[n].revents & POLLIN)) {
+            uint64_t v;
+            (void)!read(wake, &v, sizeof v);
+        }
+        vmm__broker_idle_fn idle = __atomic_load_n(&g_idle, __ATOMIC_ACQUIRE);
+        idle_ms = idle ? idle(cfg.export_fn) : -1;
     }
 }
 
@@ -870,6 +884,8 @@ static int start_locked(vmm__broker_export_fn export_fn)
 
     /* The thread takes no signals (they belong to the application): block them all while it is
      * created, so it starts with everything blocked, then restore ours. */
+    int wfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK); /* none: background work waits for the next request */
+    __atomic_store_n(&g_wake_fd, wfd, __ATOMIC_RELEASE);
     pthread_attr_t attr;
     sigset_t all, old;
     pthread_t th;
@@ -882,6 +898,8 @@ static int start_locked(vmm__broker_export_fn export_fn)
     pthread_attr_destroy(&attr);
     if (prc != 0) {
         rc = -prc;
+        wfd = __atomic_exchange_n(&g_wake_fd, -1, __ATOMIC_ACQ_REL);
+        if (wfd >= 0) close(wfd);
         goto fail_bound;
     }
     (void)pthread_setname_np(th, "vmmshim-broker");
@@ -936,6 +954,8 @@ void vmm__broker_forget_after_fork(void)
      * and connection (the parent keeps serving through its own), never its socket file. */
     int fd = __atomic_exchange_n(&g_listen_fd, -1, __ATOMIC_ACQ_REL);
     if (fd >= 0) close(fd);
+    fd = __atomic_exchange_n(&g_wake_fd, -1, __ATOMIC_ACQ_REL);
+    if (fd >= 0) close(fd);
     for (int i = 0; i < BROKER_MAX_CONNS; i++) {
         fd = __atomic_exchange_n(&g_conn_fds[i], 0, __ATOMIC_ACQ_REL) - 1;
         if (fd >= 0) close(fd);
@@ -948,4 +968,13 @@ void vmm__broker_forget_after_fork(void)
     g_owner_pid = 0;
     __atomic_store_n(&g_warned_start, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&g_state, ST_IDLE, __ATOMIC_RELEASE);
+}
+
+void vmm__broker_set_idle(vmm__broker_idle_fn fn) { __atomic_store_n(&g_idle, fn, __ATOMIC_RELEASE); }
+
+void vmm__broker_wake(void)
+{
+    int fd = __atomic_load_n(&g_wake_fd, __ATOMIC_ACQUIRE);
+    uint64_t one = 1;
+    if (fd >= 0) (void)!write(fd, &one, sizeof one);
 }

@@ -23,4 +23,14 @@ typedef int (*vmm__broker_export_fn)(uint64_t slot, uint64_t generation, const u
 int vmm__broker_start(vmm__broker_export_fn export_fn, char *path, unsigned long path_len);
 /* After fork(): the child has no broker thread and must not serve its parent's memory. */
 void vmm__broker_forget_after_fork(void);
+
+/* Background work on the broker thread between requests (the shim's pre-export,
+ * shim/backing/preexport.c): called after every round of polling with the export function; it
+ * does at most one slow step and returns the milliseconds until it wants to run again (0: at
+ * once, after the sockets were polled; -1: not before vmm__broker_wake()).  Set before the broker
+ * starts or at any time (atomic). */
+typedef int (*vmm__broker_idle_fn)(vmm__broker_export_fn export_fn);
+void vmm__broker_set_idle(vmm__broker_idle_fn fn);
+/* Has the broker thread call its idle function soon (an eventfd write; nothing while no broker runs). */
+void vmm__broker_wake(void);
 #endif

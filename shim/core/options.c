@@ -95,6 +95,13 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
     OPT(EXPORT, T_ENUM, "broker", 0, 0, export_modes, NULL,
         "How companions get an allocation's fd: `broker`, or `pidfd` (every fd pre-exported "
         "above 1023 for pidfd_getfd)."),
+    OPT(PREEXPORT_MS, T_INT, "100", -1, 60000, NULL, NULL,
+        "Milliseconds after the program names tensors (`vmm_publish`, `publish_many`) before the broker thread "
+        "exports the segments still under them, so a companion's first take pays no export; -1: never (each "
+        "segment is exported at its first request). Nothing is exported for a process that names nothing."),
+    OPT(PREEXPORT_FDS, T_INT, "4096", 0, 1048576, NULL, NULL,
+        "Most exported fds the broker keeps (above 1023, one per segment) before it stops exporting ahead of "
+        "requests; never more than `RLIMIT_NOFILE` leaves room for above 1024."),
     OPT(BROKER_DIR, T_STRING, "", 0, 0, NULL, check_abs_path,
         "Directory (created 0700) for the broker sockets; empty means "
         "`$XDG_RUNTIME_DIR/vmmshim` or `/tmp/vmmshim-<uid>`."),

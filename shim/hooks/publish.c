@@ -11,6 +11,7 @@
 
 #include "vmmshim.h"
 #include "backing/backing.h"
+#include "backing/preexport.h"
 #include "registry/names.h"
 
 #define VMM_HOOK __attribute__((visibility("default")))
@@ -53,6 +54,29 @@ static vmm__reg *registry_or_fail(const char *fn)
     return r;
 }
 
+/* The owner wants these taken: the broker exports the segments under them in the background
+ * (shim/backing/preexport.c), so a companion's first take pays no export.  They were checked. */
+static void want_exported(const vmm_tensor_desc *t, size_t n)
+{
+    uint64_t one_addr, one_len, *addr = n == 1 ? &one_addr : malloc(n * sizeof *addr),
+                                *len = n == 1 ? &one_len : malloc(n * sizeof *len);
+    if (addr && len) {
+        for (size_t i = 0; i < n; i++) {
+            uint32_t item = (uint32_t)t[i].dtype.bits * t[i].dtype.lanes / 8;
+            int64_t contiguous[VMM_MAX_DIMS], step = 1;
+            for (uint32_t k = t[i].ndim; k-- > 0;) {
+                contiguous[k] = step;
+                step *= t[i].shape[k] ? t[i].shape[k] : 1;
+            }
+            addr[i] = t[i].address;
+            len[i] = vmm__names_span(item, t[i].ndim, t[i].shape, t[i].strides ? t[i].strides : contiguous);
+        }
+        vmm__preexport_want(addr, len, n);
+    }
+    if (addr != &one_addr) free(addr);
+    if (len != &one_len) free(len);
+}
+
 static vmm_status publish(const char *fn, const vmm_tensor_desc *t, size_t n)
 {
     if (n && !t) return fail(VMM_ERR_INVALID, fn, "tensors is NULL");
@@ -67,7 +91,9 @@ static vmm_status publish(const char *fn, const vmm_tensor_desc *t, size_t n)
     char why[400];
     int rc = vmm__names_publish(r, d, n, why, sizeof why);
     if (d != &one) free(d);
-    return rc ? fail(status_of(rc), fn, why) : VMM_OK;
+    if (rc) return fail(status_of(rc), fn, why);
+    want_exported(t, n);
+    return VMM_OK;
 }
 
 VMM_HOOK vmm_status vmm_publish(const char *name, uint64_t address, vmm_dtype dtype, uint32_t ndim, const int64_t *shape,

@@ -1782,7 +1782,8 @@ static vmm_status range_walk(vmm_registry *reg, range_plan *p)
 {
     for (uint64_t at = p->address; at < p->end;) {
         vmm_alloc_info a;
-        vmm_status st = p->live ? vmm__find_cached(reg, p->pid, at, &a, p->live) : vmm__find(reg, p->pid, at, &a);
+        vmm_status st = p->live ? vmm__find_cached_near(reg, p->pid, at, p->end - at, &a, p->live)
+                                : vmm__find(reg, p->pid, at, &a);
         if (st == VMM_ERR_NOT_FOUND) {
             if (at == p->address)
                 return set_err(VMM_ERR_NOT_FOUND, "pid %u has no live allocation at 0x%llx, where the range starts",

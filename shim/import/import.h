@@ -73,6 +73,10 @@ typedef struct vmm__liveness_cache {
 } vmm__liveness_cache;
 vmm_status vmm__find_cached(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_alloc_info *out,
                             vmm__liveness_cache *cache);
+/* The same for a range [address, address + size_hint) that most likely lies in one allocation:
+ * the index levels it can be at are searched first (vmm__reg_find_near). */
+vmm_status vmm__find_cached_near(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t size_hint,
+                                 vmm_alloc_info *out, vmm__liveness_cache *cache);
 /* The record at `slot` as it is now, converted as vmm_find does, except that owner_alive is
  * VMM_OWNER_UNKNOWN (judging it reads /proc; the caller may know better).  VMM_ERR_STALE when the
  * slot holds no live allocation, VMM_ERR_BUSY when it stayed mid-write.  import.c uses it to check

@@ -457,9 +457,10 @@ vmm_status vmm__find_proc(vmm_registry *reg, uint32_t pid, vmm_proc_info *out)
 }
 
 /* The live record of pid holding address, or the error a caller reports. */
-static vmm_status find_record(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_reg_alloc *rec, uint64_t *slot)
+static vmm_status find_record(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t size_hint, vmm_reg_alloc *rec,
+                              uint64_t *slot)
 {
-    int rc = vmm__reg_find(&reg->r, pid, address, rec, slot);
+    int rc = vmm__reg_find_near(&reg->r, pid, address, size_hint, rec, slot);
     if (rc == -ENOENT)
         return set_error(VMM_ERR_NOT_FOUND, "registry %s: no live allocation of pid %u contains 0x%llx", reg->r.name,
                          pid, (unsigned long long)address);
@@ -473,7 +474,7 @@ vmm_status vmm__find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_allo
 {
     vmm_reg_alloc rec;
     uint64_t slot = 0;
-    vmm_status st = find_record(reg, pid, address, &rec, &slot);
+    vmm_status st = find_record(reg, pid, address, 0, &rec, &slot);
     if (st == VMM_OK) alloc_info_from(out, slot, &rec, record_owner(&reg->r, &rec));
     return st;
 }
@@ -481,9 +482,15 @@ vmm_status vmm__find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_allo
 vmm_status vmm__find_cached(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_alloc_info *out,
                             vmm__liveness_cache *cache)
 {
+    return vmm__find_cached_near(reg, pid, address, 0, out, cache);
+}
+
+vmm_status vmm__find_cached_near(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t size_hint,
+                                 vmm_alloc_info *out, vmm__liveness_cache *cache)
+{
     vmm_reg_alloc rec;
     uint64_t slot = 0;
-    vmm_status st = find_record(reg, pid, address, &rec, &slot);
+    vmm_status st = find_record(reg, pid, address, size_hint, &rec, &slot);
     if (st != VMM_OK) return st;
     if (!cache->valid || cache->pid != rec.pid || cache->start_time != rec.start_time || cache->pidns != rec.pidns) {
         cache->alive = vmm__reg_liveness(rec.pid, rec.start_time, rec.pidns);

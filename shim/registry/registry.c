@@ -925,8 +925,30 @@ static int index_search(const vmm__reg *r, uint32_t pid, uint64_t key, uint64_t 
     return 0;
 }
 
+/* One level's two index searches for the record of pid holding address (it starts in address's
+ * block of 2^g bytes or the one before). */
+static bool level_search(const vmm__reg *r, uint32_t pid, unsigned g, uint64_t address, vmm_reg_alloc *out, uint64_t *slot,
+                         vmm__reg_wait *w)
+{
+    uint64_t block = address & ~((1ull << g) - 1);
+    return index_search(r, pid, block | g, address, out, slot, w) ||
+           (block >= (1ull << g) && index_search(r, pid, (block - (1ull << g)) | g, address, out, slot, w));
+}
+
 int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_alloc *out, uint64_t *slot)
 {
+    return vmm__reg_find_near(r, pid, address, 0, out, slot);
+}
+
+int vmm__reg_find_near(const vmm__reg *r, uint32_t pid, uint64_t address, uint64_t size, vmm_reg_alloc *out,
+                       uint64_t *slot)
+{
+    /* a record holding [address, address + size) is at least size bytes: its level is size's or
+     * above, so those levels are searched first (an importer's range inside one allocation is
+     * found in a few searches, not two a level from the lowest); then the levels below, for a
+     * range across records, whose first may be smaller */
+    unsigned g0 = size ? vmm_reg_level(size) : VMM_REG_MIN_LEVEL;
+    if (g0 > VMM_REG_MAX_LEVEL) g0 = VMM_REG_MAX_LEVEL;
     uint64_t dummy;
     double give_up = 0;
     vmm__reg_wait w = {0}; /* an index may lead to one busy record many times */
@@ -936,11 +958,10 @@ int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_all
         /* Search even while gc rebuilds the index: what a search finds is checked against the
          * record itself; only "not found" needs a quiet index. */
         if ((s1 & 1u) && attempt > 64) sched_yield();
-        for (unsigned g = VMM_REG_MIN_LEVEL; g <= VMM_REG_MAX_LEVEL; g++) {
-            uint64_t block = address & ~((1ull << g) - 1);
-            if (index_search(r, pid, block | g, address, out, slot, &w)) return 0;
-            if (block >= (1ull << g) && index_search(r, pid, (block - (1ull << g)) | g, address, out, slot, &w)) return 0;
-        }
+        for (unsigned g = g0; g <= VMM_REG_MAX_LEVEL; g++)
+            if (level_search(r, pid, g, address, out, slot, &w)) return 0;
+        for (unsigned g = g0; g-- > VMM_REG_MIN_LEVEL;)
+            if (level_search(r, pid, g, address, out, slot, &w)) return 0;
         SEQ_FENCE(__ATOMIC_ACQUIRE);
         if (!(s1 & 1u) && __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) == s1) return -ENOENT;
         /* Retrying waits out a rebuild, which takes milliseconds.  An index that stays odd (gc

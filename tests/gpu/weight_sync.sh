@@ -9,7 +9,12 @@
 #         again), each tensor opened alone (0 may fail), VMMSHIM_IMPORT_THREADS 1,2,4,8;
 #   7b    a 7B-class layout (291 bf16 tensors, 13.5 GB): time, and the share of each step;
 #   load  8 companions take the model after every trainer step: none may fail, the step time with
-#         them against without (<= 1.02), the broker's latency under that load.
+#         them against without (<= 1.02), the broker's latency under that load;
+#   first a Llama-shaped 1B-class layout (18 layers, width 2048, GQA, 165 bf16 tensors, 1.76 GiB),
+#         fresh trainers every round: the first take from a freshly started owner and a later
+#         cold companion's take (steady), each against reduce_tensor's in the same rounds (<= 1.0x),
+#         and the first take with VMMSHIM_PREEXPORT_MS=-1 (reported).  It does not fit the 570 s
+#         with the others: run it alone, WS_PARTS=first (about 2 minutes, WS_FIRST_S 240).
 # About 4-6 minutes on an H100, each part capped (WS_GPT2_S 240, WS_7B_S 150, WS_LOAD_S 180 s) and
 # skipped when it would not fit what is left of WS_BUDGET (570 s): one 10-minute command.  Prints
 # each part's PASS/FAIL lines and tables, then "weight-sync: N passed, N failed".  Raw results and
@@ -24,7 +29,7 @@ case $B in /*) ;; *) B=$PWD/$B ;; esac
 W=${OUT:-/tmp}/vmmshim-weightsync
 DRY=${BENCH_DRY:-0}
 [ "${1:-}" = --dry ] && DRY=1
-PARTS=${WS_PARTS:-gpt2,7b,load}
+PARTS=${WS_PARTS:-gpt2,7b,load,first}
 BUDGET=${WS_BUDGET:-570}
 ROUNDS=${ROUNDS:-5}
 START=$SECONDS
@@ -95,11 +100,13 @@ if [ "$DRY" = 1 ]; then
   part gpt2 120 --scale 8 --rounds 2 --threads 1,2
   part 7b 120 --scale 16 --rounds 2 --threads 1,2
   part load 120 --scale 8 --steps 12 --load-alone 3 --load-blocks 1
+  part first 120 --scale 16 --rounds 2
   rm -rf "$VMMSHIM_BROKER_DIR"
 else
   part gpt2 "${WS_GPT2_S:-240}"
   part 7b "${WS_7B_S:-150}"
   part load "${WS_LOAD_S:-180}"
+  part first "${WS_FIRST_S:-240}"
 fi
 echo
 echo "weight-sync: $pass passed, $fail failed$([ "$DRY" = 1 ] && echo ' (--dry: the emulated driver)') in $((SECONDS - START)) s"

@@ -13,11 +13,16 @@
  *                    stream-ordered pool keeps empty goes back; answers "ok"
  *   "e <us>"         the emulated driver's exports take that long (fakecuda_set_export_delay_us;
  *                    "error" on a real GPU); answers "ok"
+ *   "p <index> <name>" names the buffer (vmm_publish, the shim's: uint8, one dimension); answers "ok"
+ *   "c"              answers "ok <exports>": the emulated driver's successful exports so far
+ *   "t <ms>"         cudaMalloc and cudaFree 1 MiB, again and again for that long; answers
+ *                    "ok <slowest call in us> <pairs>"
  *   "x <code>"       exit(code), answering nothing (tests/unit/test_keep.c: how an owner ended)
  *   "s"              raises SIGSEGV, as a crash would (no handler of its own)
  *   "q"              exits
  * A failure answers "error <what>". */
 #include <cuda_runtime_api.h>
+#include <time.h>
 #include <dlfcn.h>
 #include <signal.h>
 #include <stdint.h>
@@ -25,7 +30,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vmmshim.h"
+#include "../fakecuda/fakecuda.h"
+
 #define MAX_BUFS 256
+
+static void *sym_of(const char *name) { return dlsym(RTLD_DEFAULT, name); }
+
+static double now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
 
 int main(void)
 {
@@ -87,6 +104,41 @@ int main(void)
             } else {
                 printf("error no emulated driver\n");
             }
+        } else if (line[0] == 'p' && sscanf(line + 1, "%llu", &a) == 1 && a < (unsigned long long)n) {
+            char name[64];
+            void *sym = sym_of("vmm_publish");
+            vmm_status (*publish)(const char *, uint64_t, vmm_dtype, uint32_t, const int64_t *, const int64_t *) = NULL;
+            memcpy(&publish, &sym, sizeof publish);
+            int64_t shape[1] = {(int64_t)size[a]};
+            vmm_status st = VMM_ERR_NO_SHIM;
+            if (sscanf(line + 1, "%*u %63s", name) == 1 && publish)
+                st = publish(name, (uint64_t)(uintptr_t)buf[a], (vmm_dtype){VMM_DTYPE_UINT, 8, 1}, 1, shape, NULL);
+            if (st == VMM_OK) printf("ok\n");
+            else printf("error vmm_publish %d\n", (int)st);
+        } else if (line[0] == 'c') {
+            void *sym = sym_of("fakecuda_counters");
+            fakecuda_counters_fn counters = NULL;
+            memcpy(&counters, &sym, sizeof counters);
+            struct fakecuda_counters c = {0};
+            if (counters) {
+                counters(&c);
+                printf("ok %llu\n", c.exports);
+            } else {
+                printf("error no emulated driver\n");
+            }
+        } else if (line[0] == 't' && sscanf(line + 1, "%llu", &a) == 1) {
+            double until = now_us() + (double)a * 1000, slowest = 0;
+            unsigned long long pairs = 0;
+            void *p = NULL;
+            while (e == cudaSuccess && now_us() < until) {
+                double t0 = now_us();
+                e = cudaMalloc(&p, 1 << 20);
+                if (e == cudaSuccess) e = cudaFree(p);
+                double dt = now_us() - t0;
+                if (dt > slowest) slowest = dt;
+                pairs++;
+            }
+            if (e == cudaSuccess) printf("ok %.0f %llu\n", slowest, pairs);
         } else if (line[0] == 'd' && sscanf(line + 1, "%llu", &a) == 1) {
             e = cudaSetDevice((int)a);
             if (e == cudaSuccess) printf("ok\n");

@@ -1,6 +1,6 @@
 """tests/gpu/weight_sync.sh --dry over the emulated driver: the GPU benchmark of issue 16 (a companion
 taking every parameter of a trainer by open_many and open_tensors, the 7B-class layout, eight
-companions after every step) runs its whole orchestration with stand-in trainers under the shim,
+companions after every step, the first take from a freshly started owner) runs its whole orchestration with stand-in trainers under the shim,
 so the script that the next GPU session runs in one command is known to work up to torch itself.
 Checks each part's summary and the closing line; ends with "N passed, N failed"."""
 import os
@@ -49,12 +49,15 @@ def main():
         r = subprocess.run([str(harness.ROOT / "tests" / "gpu" / "weight_sync.sh"), "--dry"], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280)
         text = r.stdout
-        for part, least in (("gpt2", 12), ("7b", 4), ("load", 1)):
+        for part, least in (("gpt2", 12), ("7b", 4), ("load", 1), ("first", 6)):
             m = re.search(rf"^weight-sync {part}: (\d+) passed, (\d+) failed", text, re.M)
             T.check(m is not None and int(m.group(1)) >= least and m.group(2) == "0",
                     f"part {part}: {m.group(0) if m else 'no summary'}")
         T.check(re.search(r"\| open_many \| [\d.]+ ms \| [\d.]+ ms \|", text) is not None, "the takes' table")
         T.check("1 req, " in text and "1 SetAccess" in text, "one request and one SetAccess a take")
+        T.check(re.search(r"^\| first take, fresh owner \| [\d.]+ ms \|", text, re.M) is not None and
+                re.search(r"^\| steady \(a later cold companion\) \| [\d.]+ ms \|", text, re.M) is not None,
+                "the first-take part's rows")
         m = re.search(r"^load: each step with companions against the nearest steps without on either side: with "
                       r"median [\d.]+ \(quartiles [\d.na-]+, (\d+) steps\); fresh median [\d.]+ \(quartiles [\d.na-]+, "
                       r"(\d+) steps\)", text, re.M)

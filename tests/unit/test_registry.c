@@ -399,6 +399,52 @@ static void test_add_remove(void)
     shm_unlink(name);
 }
 
+/* vmm__reg_find_near: the size hint orders the index levels searched, never the answer.  Records
+ * of many sizes back to back; each found at its base, inside and at its end with hints smaller
+ * than it, as large as it, and larger (a range across it and the next: the levels below searched
+ * after), the same record as vmm__reg_find; a hole is not found whatever the hint. */
+static void test_find_near(void)
+{
+    const char *name = new_name();
+    vmm__reg r;
+    if (open_reg(&r, name, VMM__REG_CREATE, 1024)) return;
+    CHECK_EQ(vmm__reg_attach(&r, NULL), 0);
+    const uint32_t me = (uint32_t)getpid();
+    static const uint64_t sizes[] = {512, 4096, 3 * 4096, 1ull << 20, TWO_MIB, 20ull << 20, 4096, 256};
+    uint64_t at = BASE_ADDR, base[8];
+    uint32_t slot[8];
+    for (int i = 0; i < 8; i++) {
+        vmm_reg_alloc d;
+        desc(&d, sizes[i], "near", 0, VMM_API_CUDA_MALLOC);
+        base[i] = at;
+        CHECK_EQ(vmm__reg_add(&r, at, sizes[i], &d, &slot[i], NULL), 0);
+        at += sizes[i];
+    }
+    uint64_t hole = at + 8192;
+    int same = 0, total = 0;
+    for (int i = 0; i < 8; i++) {
+        uint64_t where[3] = {base[i], base[i] + sizes[i] / 2, base[i] + sizes[i] - 1};
+        uint64_t hints[6] = {0, 1, sizes[i] / 3 + 1, sizes[i], 4 * sizes[i] + 4096, 1ull << 40};
+        for (int w = 0; w < 3; w++)
+            for (int h = 0; h < 6; h++) {
+                vmm_reg_alloc a, b;
+                uint64_t sa = 0, sb = 0;
+                int ra = vmm__reg_find(&r, me, where[w], &a, &sa);
+                int rb = vmm__reg_find_near(&r, me, where[w], hints[h], &b, &sb);
+                total++;
+                same += ra == 0 && rb == 0 && sa == slot[i] && sb == slot[i] && b.address == base[i];
+            }
+    }
+    CHECK(same == total, "vmm__reg_find_near found the record vmm__reg_find finds %d times of %d", same, total);
+    vmm_reg_alloc out;
+    uint64_t fs;
+    CHECK(vmm__reg_find_near(&r, me, hole, 0, &out, &fs) == -ENOENT && vmm__reg_find_near(&r, me, hole, 4096, &out, &fs) == -ENOENT &&
+              vmm__reg_find_near(&r, me, hole, 1ull << 40, &out, &fs) == -ENOENT,
+          "a hole is not found, whatever the hint");
+    vmm__reg_close(&r);
+    shm_unlink(name);
+}
+
 /* The coverage counters: the peak of bytes_requested follows adds and stays past removes; the
  * writer's own counters through vmm__reg_self; a new owner of the slot starts from zero with
  * its own stats_generation, and an owner that did not write one (a layout-2 writer) is told. */
@@ -1925,6 +1971,7 @@ int main(void)
         {"layout", test_layout},
         {"publish", test_publish},
         {"add_remove", test_add_remove},
+        {"find_near", test_find_near},
         {"coverage", test_coverage},
         {"bind_huge_size", test_bind_huge_size},
         {"million", test_million},
