@@ -3,7 +3,7 @@
 # whose single commands may run 10 minutes while the whole session runs longer.
 #   tests/gpu/campaign.sh start PART...   starts them (setsid) and returns at once
 #   tests/gpu/campaign.sh wait SECONDS    waits up to SECONDS for the end, then prints the tables
-# PARTs: mem, speed, jaxstep, weightsync, testgpu, matrix, or any BENCH_ONLY list (e.g. gpt,giveback).
+# PARTs: mem, speed, jaxstep, weightsync, wsfirst (its first-take part), testgpu, matrix, or any BENCH_ONLY list (e.g. gpt,giveback).
 set -u
 OUT=${OUT:-/tmp}
 D=/tmp/vmmshim-campaign
@@ -18,6 +18,7 @@ case ${1:-} in
         case $part in
           testgpu) make -s test-gpu >'"$D"'/$part.log 2>&1 ;;
           matrix) make -s test-matrix >'"$D"'/$part.log 2>&1 ;;
+          wsfirst) WS_PARTS=first ROUNDS=5 BUILD=build tests/gpu/weight_sync.sh >'"$D"'/$part.log 2>&1 ;;
           weightsync) BUILD=build tests/gpu/weight_sync.sh >'"$D"'/$part.log 2>&1 ;;
           *) BENCH_ONLY=$part BUILD=build tests/gpu/bench.sh >'"$D"'/$part.log 2>&1 ;;
         esac
