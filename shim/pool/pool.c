@@ -319,15 +319,14 @@ static int seg_idle(vmm__pool *p, vmm__seg *s)
     return 1;
 }
 
-/* The free blocks in [lo, hi) (page-aligned, all free, none waiting on an event) change from
- * mapped to unmapped or back: cut at lo and hi, joined into one, and merged with its like
- * neighbours.  -ENOMEM (nothing changed that matters) when no block struct can be had. */
-static int set_backed(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi, int backed)
+/* The free blocks in [lo, hi) (page-aligned, all free), cut at lo and hi and joined into one,
+ * out of every bin; NULL (nothing changed that matters) when no block struct can be had. */
+static vmm__block *gather(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi)
 {
     vmm__block *b = vmm__pool_block_at(a, p->granule, lo), *l, *r;
     bin_remove(p, b);
     if (b->addr < lo) {
-        if (split(p, b, lo, &l, &r)) return bin_insert(p, b), -ENOMEM;
+        if (split(p, b, lo, &l, &r)) return bin_insert(p, b), NULL;
         bin_insert(p, l);
         b = r;
     }
@@ -337,16 +336,25 @@ static int set_backed(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi, int
             if (split(p, b, hi, &l, &r)) {
                 bin_insert(p, b);
                 if (inner) bin_insert(p, inner);
-                return -ENOMEM;
+                return NULL;
             }
             bin_insert(p, r);
             b = l;
         }
         inner = inner ? join(p, inner, b, NULL, 0) : b;
-        if (end_of(inner) >= hi) break;
+        if (end_of(inner) >= hi) return inner;
         b = inner->next;
         bin_remove(p, b);
     }
+}
+
+/* The free blocks in [lo, hi) (page-aligned, all free, none waiting on an event) change from
+ * mapped to unmapped or back, merged with their like neighbours.  -ENOMEM (nothing changed that
+ * matters) when no block struct can be had. */
+static int set_backed(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi, int backed)
+{
+    vmm__block *inner = gather(p, a, lo, hi);
+    if (!inner) return -ENOMEM;
     inner->backed = backed;
     coalesce(p, inner);
     return 0;
@@ -391,6 +399,15 @@ static void seg_release(vmm__pool *p, vmm__seg *s)
     if (--a->n_segs == 0 && !a->n_retired) arena_drop(p, a);
 }
 
+/* Empty segment s goes back unless a free in flight still touches it: the bytes given back. */
+static uint64_t release_idle(vmm__pool *p, vmm__seg *s)
+{
+    if (!seg_idle(p, s)) return 0;
+    uint64_t size = s->size, before = p->reserved;
+    seg_release(p, s);
+    return p->reserved < before ? size : 0;
+}
+
 uint64_t vmm__pool_release(vmm__pool *p, uint64_t keep_reserved, uint64_t keep_empty, uint64_t until)
 {
     uint64_t given = 0;
@@ -398,10 +415,7 @@ uint64_t vmm__pool_release(vmm__pool *p, uint64_t keep_reserved, uint64_t keep_e
     for (vmm__seg *s = p->empty_head, *next; s && p->reserved > keep_reserved && p->empty_bytes > keep_empty; s = next) {
         next = s->enext;
         if (s->empty_since > until) break; /* oldest first: the rest are younger still */
-        if (!seg_idle(p, s)) continue;
-        uint64_t size = s->size, before = p->reserved;
-        seg_release(p, s);
-        if (p->reserved < before) given += size;
+        given += release_idle(p, s);
     }
     return given;
 }
@@ -411,10 +425,7 @@ uint64_t vmm__pool_release_newest(vmm__pool *p, uint64_t keep_empty)
     uint64_t given = 0;
     for (vmm__seg *s = p->empty_tail, *prev; s && p->empty_bytes > keep_empty; s = prev) {
         prev = s->eprev;
-        if (!seg_idle(p, s)) continue;
-        uint64_t size = s->size, before = p->reserved;
-        seg_release(p, s);
-        if (p->reserved < before) given += size;
+        given += release_idle(p, s);
     }
     return given;
 }
@@ -541,24 +552,7 @@ static int seg_move(vmm__pool *p, vmm__seg *s, uint64_t lo, vmm__block *pending)
         return -EIO;
     }
     /* the old place: its free blocks become one retired block, out of every bin */
-    vmm__block *b = vmm__pool_block_at(a, p->granule, old), *l, *r, *inner = NULL;
-    bin_remove(p, b);
-    if (b->addr < old) {
-        split(p, b, old, &l, &r);
-        bin_insert(p, l);
-        b = r;
-    }
-    for (;;) {
-        if (end_of(b) > old + size) {
-            split(p, b, old + size, &l, &r);
-            bin_insert(p, r);
-            b = l;
-        }
-        inner = inner ? join(p, inner, b, NULL, 0) : b;
-        if (end_of(inner) >= old + size) break;
-        b = inner->next;
-        bin_remove(p, b);
-    }
+    vmm__block *inner = gather(p, a, old, old + size); /* cannot fail: spares */
     ev_put(p, inner->event);
     inner->event = ev;
     inner->stream = ev ? stream : 0;
