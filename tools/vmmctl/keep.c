@@ -19,6 +19,7 @@
 #include "registry/keep.h"
 #include "registry/registry.h"
 
+#include "format.h"
 #include "vmmctl.h"
 
 #include <errno.h>
@@ -498,35 +499,6 @@ static void how_ended(owner *o, uint32_t *kind, int32_t *value)
         *kind = VMM_KEEP_END_EXIT;
         *value = WEXITSTATUS(w);
     }
-}
-
-const char *vmm__ctl_end_text(int kind, int value, char *buf, size_t len)
-{
-    if (kind == VMM_END_EXIT) snprintf(buf, len, "exited with code %d", value);
-    else if (kind == VMM_END_SIGNAL) {
-        const char *abbrev = sigabbrev_np(value);
-        snprintf(buf, len, "killed by signal %d%s%s%s", value, abbrev ? " (SIG" : "", abbrev ? abbrev : "",
-                 abbrev ? ")" : "");
-    } else if (kind == VMM_END_UNKNOWN)
-        snprintf(buf, len, "unknown: vanished");
-    else
-        snprintf(buf, len, "still running");
-    return buf;
-}
-
-void vmm__ctl_keeper_line(vmm_registry *reg, uint32_t pid)
-{
-    vmm_keeper_info k;
-    if (vmm_keeper_of(reg, pid, &k) != VMM_OK) return;
-    char since[32], how[80];
-    time_t t = (time_t)(k.since_ns / 1000000000u);
-    struct tm tm;
-    localtime_r(&t, &tm);
-    strftime(since, sizeof since, "%Y-%m-%d %H:%M:%S", &tm);
-    hbuf h;
-    printf("pid %u: kept by keeper pid %u since %s (%llu allocation%s, %s held); it %s\n", pid, k.keeper_pid, since,
-           (unsigned long long)k.held_allocs, k.held_allocs == 1 ? "" : "s", vmm__ctl_human(k.held_bytes, &h),
-           vmm__ctl_end_text(k.end_kind, k.end_value, how, sizeof how));
 }
 
 /* --on-exit dump DIR: `vmmctl dump PID -o DIR/PID` as a process of its own, whose CUDA context
