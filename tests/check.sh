@@ -20,6 +20,11 @@ for san in "" asan ubsan tsan; do
   out=$(make -s test SAN="$san" 2>&1); echo "$out"
   count "$out"
 done
+# No circle of files (tests/scripts/circles.py, over the plain build's objects; known ones are
+# listed in tests/scripts/circles.allow).
+echo "== circles"
+out=$(python3 tests/scripts/circles.py --build build 2>&1); echo "$out"
+count "$out"
 echo "== fuzz"
 out=$(make -s -j"$jobs" fuzz FUZZ_SECONDS=20 2>&1); echo "$out"
 count "$out"

@@ -7,7 +7,8 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-typedef enum { VMM__LOG_ERROR, VMM__LOG_WARNING, VMM__LOG_INFO, VMM__LOG_DEBUG } vmm__log_level;
+/* the levels, vmm__strerror and vmm__log_set_fd_for_test */
+#include "core/line.h"
 
 /* Filtered by VMMSHIM_LOG_LEVEL and capped at 50 lines per second per level. */
 void vmm__log(vmm__log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -23,12 +24,5 @@ void vmm__log_report(const char *fmt, ...) __attribute__((format(printf, 1, 2)))
 #define vmm__debug(...) vmm__log(VMM__LOG_DEBUG, __VA_ARGS__)
 
 bool vmm__log_enabled(vmm__log_level level);
-
-/* fd >= 0: every line goes to fd.  fd < 0: back to normal; VMMSHIM_LOG_FILE is opened again
- * (as the options hold it now) on the next line.  Tests only. */
-void vmm__log_set_fd_for_test(int fd);
-
-/* strerror without its static buffer or allocation; returns buf or a constant string. */
-const char *vmm__strerror(int err, char *buf, size_t len);
 
 #endif

@@ -4,11 +4,12 @@
  *
  * The values are read lazily from inside CUDA hooks and constructors, so this file never
  * allocates: the config file is read into a static buffer and string values are copied into
- * static storage.  Loading happens once under pthread_once; the log code asks
- * vmm__opt_usable() before reading the log options, which is what lets the loader itself
- * log bad values without waiting on its own pthread_once. */
+ * static storage.  Loading happens once under pthread_once.  The loader's own warnings go
+ * to the line writer below the log (core/line.c), at the log's defaults, never through the log,
+ * which reads these options: so the two never call each other, and a warning never waits on
+ * the pthread_once it is written from. */
 #include "core/options.h"
-#include "core/log.h"
+#include "core/line.h"
 #include "core/version.h"
 
 #include <errno.h>
@@ -133,8 +134,9 @@ static pthread_once_t opt_once = PTHREAD_ONCE_INIT;
 static atomic_int opt_ready;
 static int opt_result;
 
-/* Set while this thread loads the options: the loader's own warnings go through vmm__log,
- * which must then use the log defaults rather than call back into vmm__opt_init.
+/* Set while this thread loads the options: anything the loader reaches that reads an option
+ * (a log line, through vmm__opt_usable) must use the defaults rather than call back into
+ * vmm__opt_init.
  * initial-exec because the shim is preloaded and __tls_get_addr may allocate. */
 static _Thread_local int opt_loading __attribute__((tls_model("initial-exec")));
 
@@ -353,9 +355,9 @@ static void complain(const char *fallback, const char *fmt, ...)
     va_end(ap);
     if (load_strict) {
         load_status = -1;
-        vmm__log(VMM__LOG_ERROR, "%s; refused (" OPT_PREFIX "STRICT=1)", msg);
+        vmm__line_early(VMM__LOG_ERROR, "%s; refused (" OPT_PREFIX "STRICT=1)", msg);
     } else {
-        vmm__log(VMM__LOG_WARNING, "%s; %s", msg, fallback);
+        vmm__line_early(VMM__LOG_WARNING, "%s; %s", msg, fallback);
     }
 }
 
@@ -611,12 +613,13 @@ static void print_verbose(void)
     if (opt_strings[VMM__OPT_CONFIG][0])
         snprintf(conf_part, sizeof conf_part, ", %d from %.300s", count[VMM__SRC_FILE],
                  opt_strings[VMM__OPT_CONFIG]);
-    vmm__log_print(VMM__LOG_INFO, "vmmshim %s (options: %d from the environment%s, %d defaults)",
+    int fd = vmm__line_fd(opt_strings[VMM__OPT_LOG_FILE]);
+    vmm__line_print(fd, VMM__LOG_INFO, "vmmshim %s (options: %d from the environment%s, %d defaults)",
                    VMM_VERSION_STRING, count[VMM__SRC_ENV], conf_part, count[VMM__SRC_DEFAULT]);
     for (int id = 0; id < VMM__OPT_COUNT; id++) {
         char val[512];
         format_value((vmm__opt_id)id, val, sizeof val);
-        vmm__log_print(VMM__LOG_INFO, "  %s = %s (%s)", opt_table[id].name, display(val),
+        vmm__line_print(fd, VMM__LOG_INFO, "  %s = %s (%s)", opt_table[id].name, display(val),
                        vmm__opt_source_name(opt_values[id].src));
     }
 }
@@ -745,16 +748,6 @@ int vmm__opt_reload_for_test(void)
 /* ------------------------------------------------------------------------------------- */
 /* Tables for people                                                                      */
 
-static void write_all(int fd, const char *s, size_t n)
-{
-    while (n) {
-        ssize_t w = write(fd, s, n);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return;
-        s += w, n -= (size_t)w;
-    }
-}
-
 __attribute__((format(printf, 2, 3)))
 static void out(int fd, const char *fmt, ...)
 {
@@ -764,7 +757,7 @@ static void out(int fd, const char *fmt, ...)
     int n = vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
     if (n < 0) return;
-    write_all(fd, line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
+    vmm__line_write_all(fd, line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
 }
 
 /* "size 0..1T", "enum: error, warning, info, debug": the Type column and the conf header. */

@@ -1,4 +1,8 @@
-/* One resolver for every real symbol; see real.h. */
+/* Every real function underneath the shim is found here, so that no hook can resolve to the shim
+ * itself by accident: the shim exports dlsym and the CUDA names, so any lookup that does not start
+ * from glibc's own dlsym may come back to us.  This file is the floor the hooks, resolve.c's
+ * dlsym and the backing stand on; it calls nothing of theirs.  The thread-local guard lives here
+ * too, because it is what lets the shim's own CUDA calls pass straight through to what is found. */
 #include "hooks/real.h"
 
 #include <dlfcn.h>
@@ -8,6 +12,34 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+/* dlsym is called by sanitizer runtimes while they start, before their shadow memory exists:
+ * what runs on that path must not be instrumented in the sanitizer builds. */
+#define VMM_EARLY __attribute__((no_sanitize_address, no_sanitize_thread))
+
+/* glibc's dlsym, bootstrapped without going through the shim's own (resolve.c). */
+typedef void *(*dlsym_fn)(void *, const char *);
+static void *real_dlsym_obj;
+
+VMM_EARLY void *vmm__real_dlsym(void *handle, const char *name)
+{
+    /* No pthread_once: ThreadSanitizer's interceptor of it is not ready this early.  Two threads
+     * looking it up at once find the same pointer. */
+    void *p = __atomic_load_n(&real_dlsym_obj, __ATOMIC_ACQUIRE);
+    if (!p) {
+        p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+        if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+        __atomic_store_n(&real_dlsym_obj, p, __ATOMIC_RELEASE);
+    }
+    if (!p) {
+        static const char msg[] = "vmmshim: error: cannot find the real dlsym; aborting\n";
+        (void)!write(2, msg, sizeof msg - 1);
+        abort();
+    }
+    dlsym_fn real;
+    memcpy(&real, &p, sizeof p);
+    return real(handle, name);
+}
 
 static __thread int tls_depth;
 bool vmm__in_shim(void) { return tls_depth > 0; }

@@ -5,10 +5,9 @@
 #include <stdbool.h>
 #include <string.h>
 
-/* glibc's dlsym (the shim exports its own: resolve.c). */
+/* glibc's dlsym (the shim exports its own: resolve.c).  Safe before the sanitizers' runtimes
+ * are ready. */
 void *vmm__real_dlsym(void *handle, const char *name);
-/* The shim's wrapper for a real driver function pointer it wraps, else fn itself. */
-void *vmm__wrap_driver_fn(void *fn);
 
 /* A runtime function by name: the next definition after the shim, else the one in whichever
  * libcudart the process loaded privately (Python extensions load it RTLD_LOCAL).  Aborts with a

@@ -22,31 +22,6 @@
  * what runs on that path must not be instrumented in the sanitizer builds. */
 #define VMM_EARLY __attribute__((no_sanitize_address, no_sanitize_thread))
 
-/* ---- the real dlsym, bootstrapped without going through our own ---- */
-
-typedef void *(*dlsym_fn)(void *, const char *);
-static void *real_dlsym_obj;
-
-VMM_EARLY void *vmm__real_dlsym(void *handle, const char *name)
-{
-    /* No pthread_once: ThreadSanitizer's interceptor of it is not ready this early.  Two threads
-     * looking it up at once find the same pointer. */
-    void *p = __atomic_load_n(&real_dlsym_obj, __ATOMIC_ACQUIRE);
-    if (!p) {
-        p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-        if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
-        __atomic_store_n(&real_dlsym_obj, p, __ATOMIC_RELEASE);
-    }
-    if (!p) {
-        static const char msg[] = "vmmshim: error: cannot find the real dlsym; aborting\n";
-        (void)!write(2, msg, sizeof msg - 1);
-        abort();
-    }
-    dlsym_fn real;
-    memcpy(&real, &p, sizeof p);
-    return real(handle, name);
-}
-
 /* ---- which driver functions are wrapped: exact ABI names, matched by pointer identity ---- */
 
 #define WRAPPED(X)                                                                                    \
@@ -92,7 +67,7 @@ static void build_table(void)
 }
 
 /* The wrapper for a real driver function pointer, or the pointer itself. */
-VMM_EARLY void *vmm__wrap_driver_fn(void *fn)
+VMM_EARLY static void *wrap_driver_fn(void *fn)
 {
     if (!fn) return fn;
     if (!__atomic_load_n(&table_ready, __ATOMIC_ACQUIRE)) {
@@ -137,7 +112,7 @@ VMM_HOOK VMM_EARLY void *dlsym(void *handle, const char *name)
 {
     void *p = handle == RTLD_NEXT ? next_after(__builtin_return_address(0), name) : vmm__real_dlsym(handle, name);
     /* cheap filter first: every wrapped name starts with "cu" */
-    if (p && name[0] == 'c' && name[1] == 'u') p = vmm__wrap_driver_fn(p);
+    if (p && name[0] == 'c' && name[1] == 'u') p = wrap_driver_fn(p);
     return p;
 }
 
@@ -148,7 +123,7 @@ VMM_HOOK CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_vers
 {
     VMM_REAL_DRIVER(cuGetProcAddress, CUDA_ERROR_NOT_INITIALIZED);
     CUresult rc = real_(symbol, pfn, cuda_version, flags);
-    if (rc == CUDA_SUCCESS && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    if (rc == CUDA_SUCCESS && pfn) *pfn = wrap_driver_fn(*pfn);
     return rc;
 }
 
@@ -157,7 +132,7 @@ VMM_HOOK CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_v
 {
     VMM_REAL_DRIVER(cuGetProcAddress_v2, CUDA_ERROR_NOT_INITIALIZED);
     CUresult rc = real_(symbol, pfn, cuda_version, flags, status);
-    if (rc == CUDA_SUCCESS && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    if (rc == CUDA_SUCCESS && pfn) *pfn = wrap_driver_fn(*pfn);
     return rc;
 }
 
@@ -175,7 +150,7 @@ VMM_HOOK cudaError_t cudaGetDriverEntryPoint(const char *symbol, void **pfn, uns
 {
     VMM_REAL_RUNTIME(cudaGetDriverEntryPoint, cudaErrorInitializationError);
     cudaError_t rc = real_(symbol, pfn, flags, status);
-    if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    if (rc == cudaSuccess && pfn) *pfn = wrap_driver_fn(*pfn);
     return rc;
 }
 
@@ -184,7 +159,7 @@ VMM_HOOK cudaError_t cudaGetDriverEntryPoint_ptsz(const char *symbol, void **pfn
 {
     VMM_REAL_RUNTIME(cudaGetDriverEntryPoint_ptsz, cudaErrorInitializationError);
     cudaError_t rc = real_(symbol, pfn, flags, status);
-    if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    if (rc == cudaSuccess && pfn) *pfn = wrap_driver_fn(*pfn);
     return rc;
 }
 
@@ -193,7 +168,7 @@ VMM_HOOK cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void *
 {
     VMM_REAL_RUNTIME(cudaGetDriverEntryPointByVersion, cudaErrorInitializationError);
     cudaError_t rc = real_(symbol, pfn, version, flags, status);
-    if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    if (rc == cudaSuccess && pfn) *pfn = wrap_driver_fn(*pfn);
     return rc;
 }
 
@@ -203,6 +178,6 @@ VMM_HOOK cudaError_t cudaGetDriverEntryPointByVersion_ptsz(const char *symbol, v
 {
     VMM_REAL_RUNTIME(cudaGetDriverEntryPointByVersion_ptsz, cudaErrorInitializationError);
     cudaError_t rc = real_(symbol, pfn, version, flags, status);
-    if (rc == cudaSuccess && pfn) *pfn = vmm__wrap_driver_fn(*pfn);
+    if (rc == cudaSuccess && pfn) *pfn = wrap_driver_fn(*pfn);
     return rc;
 }

@@ -2,6 +2,7 @@
  * (bell, done) plus what readers need to know about the keeper; the lock on its byte 0 is the
  * keeper's liveness, since the kernel drops it when the keeper dies, however it dies. */
 #include "registry/keep.h"
+#include "registry/internal.h"
 
 #include "registry/seq.h"
 
@@ -223,15 +224,10 @@ int vmm__keep_ask_release(const vmm__reg *r, uint32_t pid, uint64_t start_time, 
 /* ------------------------------------------------------------------------------------------ */
 /* Keeper side                                                                                  */
 
-static vmm_reg_proc *proc_slot(vmm__reg *r, uint32_t i)
-{
-    return (vmm_reg_proc *)(r->base + r->hdr->proc_off) + i;
-}
-
 /* The slot still holds the owner k keeps. */
 static bool still_owner(vmm__reg *r, const vmm__keep *k)
 {
-    vmm_reg_proc *p = proc_slot(r, k->proc_index);
+    vmm_reg_proc *p = proc_at(r, k->proc_index);
     uint64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
     return (uint32_t)c == k->owner_pid && (uint32_t)(c >> 32) == k->proc_gen &&
            __atomic_load_n(&p->start_time, __ATOMIC_RELAXED) == k->owner_start_time;
@@ -322,7 +318,7 @@ int vmm__keep_claim(vmm__reg *r, uint32_t index, const vmm_reg_proc *p, const ch
     __atomic_store_n(&f->heartbeat_ns, clock_ns(CLOCK_MONOTONIC), __ATOMIC_RELEASE);
     __atomic_store_n(&f->ready, 1, __ATOMIC_RELEASE);
     /* the owner tells with one load that it is kept; then make sure it was that owner */
-    __atomic_store_n(&proc_slot(r, index)->keeper_pid, f->keeper_pid, __ATOMIC_RELEASE);
+    __atomic_store_n(&proc_at(r, index)->keeper_pid, f->keeper_pid, __ATOMIC_RELEASE);
     if (!still_owner(r, k)) {
         snprintf(err, errlen, "pid %u left the registry meanwhile", p->pid);
         vmm__keep_end(r, k);
@@ -372,7 +368,7 @@ int vmm__keep_mark(vmm__reg *r, const vmm__keep *k, uint64_t slot, uint64_t gene
 int vmm__keep_take_broker(vmm__reg *r, const vmm__keep *k, const char *socket)
 {
     if (!still_owner(r, k)) return -ESRCH;
-    vmm_reg_proc *p = proc_slot(r, k->proc_index);
+    vmm_reg_proc *p = proc_at(r, k->proc_index);
     char buf[sizeof p->broker_path];
     memset(buf, 0, sizeof buf);
     snprintf(buf, sizeof buf, "%s", socket);
@@ -386,7 +382,7 @@ void vmm__keep_end(vmm__reg *r, vmm__keep *k)
 {
     if (k->fd < 0) return;
     uint32_t me = (uint32_t)getpid();
-    if (still_owner(r, k)) __atomic_compare_exchange_n(&proc_slot(r, k->proc_index)->keeper_pid, &me, 0, false,
+    if (still_owner(r, k)) __atomic_compare_exchange_n(&proc_at(r, k->proc_index)->keeper_pid, &me, 0, false,
                                                        __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
     if (k->f) {
         __atomic_store_n(&k->f->state, VMM_KEEP_RELEASED, __ATOMIC_RELEASE);

@@ -15,6 +15,7 @@
  * checks a file), hashed by a second thread while the first writes the same piece: a byte-serial
  * hash such as FNV-1a runs at ~0.65 GB/s, a fifth of what a disk's page cache takes, and would
  * set the dump's pace. */
+#include "format.h"
 #include "vmmctl.h"
 
 #include <dirent.h>

@@ -1,6 +1,7 @@
 /* vmmctl list --names: the tensors living processes publish by name (vmmshim.h, named tensors),
  * one row each, sorted by name within a process.  Processes that publish none have no row; a
  * dead owner's names are never shown (they went with it). */
+#include "format.h"
 #include "vmmctl.h"
 
 #include <errno.h>

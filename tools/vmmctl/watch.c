@@ -4,6 +4,7 @@
  * process: its allocations and bytes and how much each moved since the tick before.  Anywhere
  * else each tick is one JSON line, for a log or a pipe.  SIGINT and SIGTERM end it at once,
  * with status 0. */
+#include "format.h"
 #include "vmmctl.h"
 
 #include <errno.h>
