@@ -28,6 +28,19 @@ static char reg_name[64];
 
 static bool one_line(const char *s) { return s && *s && !strchr(s, '\n'); }
 
+/* The fd table's size (FDSize in /proc/self/status), or -1. */
+static long fd_table_size(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    char line[256];
+    long n = -1;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "FDSize: %ld", &n) == 1) break;
+    fclose(f);
+    return n;
+}
+
 /* ---- the child: re-executed with arguments so its cmdline has several words ---- */
 
 static int child_main(const char *name, int ready_fd)
@@ -200,9 +213,21 @@ int main(int argc, char **argv)
 
     /* ---- the public API ---- */
     vmm_registry *reg = NULL;
+    long table_before = fd_table_size();
     vmm_status st = vmm_open(reg_name, &reg);
     CHECK(st == VMM_OK && reg, "vmm_open: %d %s", st, vmm_last_error());
     if (!reg) CHECK_DONE();
+    /* a companion's fd table grows at open, in a thread of the library's, so that no take waits
+     * for the kernel to grow it under a reply's handles (shim/import/fdroom.c) */
+    {
+        long table = fd_table_size();
+        for (int i = 0; i < 200 && table < table_before + 3 * 64; i++) {
+            usleep(10000);
+            table = fd_table_size();
+        }
+        CHECK(table_before > 0 && table >= table_before + 3 * 64,
+              "vmm_open grows the fd table by a reply's handles and more: FDSize %ld -> %ld", table_before, table);
+    }
     vmm_registry_info info;
     CHECK_EQ(vmm_registry_describe(reg, &info), VMM_OK);
     uint64_t touched_before = info.touched_bytes;

@@ -14,6 +14,7 @@
  * allocate it): the sparse process table is scanned with pread, not through the mapping. */
 #include "vmmshim.h"
 #include "import/import.h"
+#include "import/fdroom.h"
 
 #include "registry/keep.h"
 #include "registry/registry.h"
@@ -48,7 +49,12 @@ VMM_PUBLIC const char *vmm_last_error(void) { return vmm__error_text(); }
 /* ------------------------------------------------------------------------------------------ */
 /* Open, close, describe                                                                       */
 
-VMM_PUBLIC vmm_status vmm_open(const char *name, vmm_registry **out) { return vmm__open(name, VMM__REG_READ, out); }
+VMM_PUBLIC vmm_status vmm_open(const char *name, vmm_registry **out)
+{
+    vmm_status st = vmm__open(name, VMM__REG_READ, out);
+    if (st == VMM_OK) vmm__fd_room_grow(); /* a companion: takes will follow */
+    return st;
+}
 
 VMM_PUBLIC vmm_status vmm_open_writable(const char *name, vmm_registry **out)
 {
