@@ -284,6 +284,41 @@ static void test_exact(void)
     vmm__pool_destroy(&p);
 }
 
+/* A large allocation above the arena size gets an arena of its own; freed and given back, its
+ * address space is kept for the next request of that size (no reserve, the same address), and
+ * goes once a give-back reaches its time, or at destroy. */
+static void test_va_kept(void)
+{
+    vmm__pool p;
+    setup(&p, 64 * GiB, 0, 0);
+    p.exact = 1;
+    vmm__block *a = take(&p, 20 * GiB, 0, 0);
+    uint64_t at = a ? a->addr : 0;
+    unsigned reserves = dev.reserves;
+    vmm__pool_free(&p, a, 0, NULL);
+    vmm__pool_release_newest(&p, 0);
+    CHECK(p.reserved == 0 && dev.in_use == 0 && dev.unreserves == 0, "the memory goes back, its address space stays "
+          "(%" PRIu64 " reserved, %u unreserves)", p.reserved, dev.unreserves);
+    vmm__block *b = take(&p, 20 * GiB, 0, 0);
+    CHECK(b && b->addr == at && dev.reserves == reserves, "the same size again: the same address, no reserve "
+          "(%u reserves, want %u)", dev.reserves, reserves);
+    vmm__pool_free(&p, b, 0, NULL);
+    vmm__pool_release_newest(&p, 0);
+    vmm__block *c = take(&p, 30 * GiB, 0, 0);
+    CHECK(c && dev.reserves == reserves + 1 && dev.unreserves == 0, "another size reserves anew; the kept one stays "
+          "until another is dropped (%u unreserves)", dev.unreserves);
+    vmm__pool_free(&p, c, 0, NULL);
+    vmm__pool_release_newest(&p, 0);
+    CHECK(dev.unreserves == 1, "dropping the 30 GiB arena gives the 20 GiB one back (%u)", dev.unreserves);
+    dev.now += 10;
+    CHECK(vmm__pool_release(&p, 0, 0, dev.now - 20) == 0 && dev.unreserves == 1, "a give-back before its time keeps it");
+    vmm__pool_release(&p, 0, 0, dev.now);
+    CHECK(dev.unreserves == 2 && dev.unreserves == dev.reserves, "a give-back at its time frees it (%u of %u)",
+          dev.unreserves, dev.reserves);
+    vmm__pool_destroy(&p);
+    CHECK(dev.unreserves == dev.reserves, "destroy leaves nothing reserved");
+}
+
 static void test_streams(void)
 {
     vmm__pool p;
@@ -555,6 +590,7 @@ int main(void)
     test_merge_across_segments();
     test_give_back();
     test_exact();
+    test_va_kept();
     test_streams();
     test_unrecorded();
     test_rest_keeps_waiting();
