@@ -934,6 +934,7 @@ def part_first(run):
     ways = ["open_torch"] if args.standin else ["reduce-native", "open_torch"]
     res = {(k, w): [] for k in ("first", "steady") for w in ways}
     off_first, exports, gaps = [], {"first": [], "steady": [], "off": []}, []
+    timings = {"first": [], "steady": [], "off": []}
     print(f"== first: the {kind} layout ({'stand-in' if args.standin else 'GPU'}), {rounds} rounds, fresh owners each",
           flush=True)
     try:
@@ -980,6 +981,7 @@ def part_first(run):
                                       f"trainer's")
                     if "timing" in a:
                         exports["off" if w == "off" else k].append(a["timing"].get("export_ns", 0) / 1e6)
+                        timings["off" if w == "off" else k].append(dict(a["timing"], take_ms=a["ms"]))
                     if w == "off":
                         off_first.append(a["ms"])
                     else:
@@ -1001,6 +1003,14 @@ def part_first(run):
                   f"{f'{median(ratios):.2f}x' if ratios else 'n/a'} | {spread(ratios) if ratios else 'n/a'} |")
         print(f"| first take, VMMSHIM_PREEXPORT_MS=-1 (reported) | {fmt(median(off_first))} | {spread(off_first)} | "
               f"{fmt(median(exports['off']))} | | | |")
+        fractions_table("first: where open_torch's time went (median shares of its own total; python = outside the C "
+                        "library, names = reading the published names)",
+                        {"first take": timings["first"], "steady": timings["steady"],
+                         "first, VMMSHIM_PREEXPORT_MS=-1": timings["off"]})
+        for k, ts in timings.items():
+            if ts:
+                print(f"report: first: {k}: the harness's take {median([t['take_ms'] for t in ts]):.2f} ms, open_torch's own "
+                      f"total {median([t['total_ns'] for t in ts]) / 1e6:.2f} ms, names {median([t.get('names_ns', 0) for t in ts]) / 1e6:.2f} ms")
         if exports["first"] and exports["off"]:
             run.check(median(exports["first"]) <= 0.25 * median(exports["off"]),
                       f"first: the owner's exports in a first take {median(exports['first']):.2f} ms (median) with "
