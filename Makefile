@@ -70,7 +70,7 @@ $(CORE_A): $(call obj,$(CORE_SRC))
 	@rm -f $@; ar rcs $@ $^
 
 # The shim.  libcuda/libcudart are never linked (found at run time).  Debian's libunwind.a is not
-# PIC, so libunwind.so.8 ships beside the shim and is dlopen'ed privately (backing.c says why).
+# PIC, so libunwind.so.8 ships beside the shim and is dlopen'ed privately (frames.c says why).
 # The import mechanism goes in too: emulated legacy IPC imports through it (its symbols stay local).
 $(SHIM_SO): $(call obj,$(SHIM_SRC)) $(IMPORT_A) $(CORE_A) shim/vmmshim.map
 	$(CC) -shared $(LDFLAGS) -Wl,--version-script=shim/vmmshim.map -Wl,-z,defs -o $@ \

@@ -26,7 +26,7 @@ typedef struct handle_entry {
     int dev, exportable, released;
     unsigned asked_types; /* the handle types the program asked for */
     unsigned n_maps;
-    int broker_fd; /* exported at the first broker request, dup'ed for each after (backing.c: broker_fd) */
+    int broker_fd; /* exported at the first broker request, dup'ed for each after (as a segment's, export.c) */
     UT_hash_handle hh;
 } handle_entry;
 
@@ -60,6 +60,9 @@ static int adopting(void)
     return v;
 }
 
+static int export_range(uint64_t slot, uint64_t generation, const uint8_t id[16], int *fd, uint64_t *mapped,
+                        uint32_t *device);
+
 static void resolve_driver(void)
 {
     void *r = vmm__real_driver("cuMemRetainAllocationHandle"), *e = vmm__real_driver("cuMemExportToShareableHandle"),
@@ -68,6 +71,7 @@ static void resolve_driver(void)
     memcpy(&A.RetainAllocationHandle, &r, sizeof r);
     memcpy(&A.ExportToShareableHandle, &e, sizeof e);
     memcpy(&A.Release, &l, sizeof l);
+    vmm__export_adopted_by(export_range); /* before any range is published */
 }
 
 static int load_driver(void)
@@ -77,13 +81,11 @@ static int load_driver(void)
     return A.Release != NULL;
 }
 
-static unsigned long A_kept; /* handles whose broker_fd is open */
-
 static void entry_free(handle_entry *e)
 {
     if (e->broker_fd >= 0) {
         close(e->broker_fd);
-        __atomic_sub_fetch(&A_kept, 1, __ATOMIC_RELAXED);
+        vmm__backing_kept_adopted(-1);
     }
     free(e);
 }
@@ -260,8 +262,10 @@ static int find_published(uint64_t slot, uint64_t generation, const uint8_t id[1
     return r->h->exportable ? 0 : -ENOENT;
 }
 
-int vmm__adopt_export(uint64_t slot, uint64_t generation, const uint8_t id[16], int *fd, uint64_t *mapped,
-                      uint32_t *device)
+/* The broker's export for a published range (vmm__adopted_export_fn, handed to export.c): 0 and a
+ * fresh fd of the handle mapped there. */
+static int export_range(uint64_t slot, uint64_t generation, const uint8_t id[16], int *fd, uint64_t *mapped,
+                        uint32_t *device)
 {
     pthread_mutex_lock(&A.lock);
     range *r;
@@ -291,7 +295,7 @@ int vmm__adopt_export(uint64_t slot, uint64_t generation, const uint8_t id[16], 
     if (rc == 0 && (rc = find_published(slot, generation, id, &r)) == 0) {
         if (r->h->broker_fd < 0) {
             r->h->broker_fd = fcntl(*fd, F_DUPFD_CLOEXEC, 1024);
-            if (r->h->broker_fd >= 0) __atomic_add_fetch(&A_kept, 1, __ATOMIC_RELAXED);
+            if (r->h->broker_fd >= 0) vmm__backing_kept_adopted(1);
         }
         *mapped = r->h->size;
         *device = (uint32_t)r->h->dev;
@@ -303,5 +307,3 @@ int vmm__adopt_export(uint64_t slot, uint64_t generation, const uint8_t id[16], 
     }
     return rc;
 }
-
-unsigned long vmm__adopt_kept_fds(void) { return __atomic_load_n(&A_kept, __ATOMIC_RELAXED); }

@@ -23,9 +23,4 @@ void vmm__adopt_unmapping(CUdeviceptr ptr, size_t size);
 void vmm__adopt_unmapped(CUdeviceptr ptr, size_t size, int ok);
 /* After a successful cuMemRelease. */
 void vmm__adopt_released(CUmemGenericAllocationHandle handle);
-/* The broker's export for a published range: 0 and a fresh fd of the handle mapped there. */
-int vmm__adopt_export(uint64_t slot, uint64_t generation, const uint8_t id[16], int *fd, uint64_t *mapped,
-                      uint32_t *device);
-/* Handles whose exported fd the broker keeps (backing's vmm__backing_kept_fds counts them in). */
-unsigned long vmm__adopt_kept_fds(void);
 #endif

@@ -52,39 +52,27 @@ int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out);
 int vmm__owned(uint64_t ptr);
 /* The registry the shim publishes in, with this process attached; NULL when the shim is not active. */
 struct vmm__reg *vmm__registry(void);
-/* Segments whose exported fd the broker keeps (above 1023): what exporting ahead of requests
- * (preexport.c) is bounded by. */
+/* Exported fds the broker keeps (above 1023), of segments and of adopted handles: what exporting
+ * ahead of requests (preexport.c) is bounded by. */
 unsigned long vmm__backing_kept_fds(void);
 /* Device `accessor` gains (or loses) access to device `owner`'s shim memory, existing and future;
  * all or nothing: a driver failure leaves the access as it was and is returned.  *changed (when
  * not NULL): whether the access was not already so. */
 CUresult vmm__peer_access(int accessor, int owner, int enable, int *changed);
-/* ---- the device's default memory pool as the program sees it (the cudaMemPool* hooks) ----
- * cudaMallocAsync draws from the device's current pool; under the shim the memory comes from the
- * shim's pool instead, so the calls that configure and read the default pool must reach it too. */
-typedef struct vmm__pool_usage {
-    uint64_t reserved, reserved_high; /* bytes of the stream-ordered pool's segments on the device */
-    uint64_t used, used_high;         /* its live allocations, each rounded to 512 bytes */
-} vmm__pool_usage;
-/* 1 and *out filled when the shim backs allocations on dev; 0 when it does not. */
-int vmm__pool_usage_get(int dev, vmm__pool_usage *out);
-/* Reset a high-water mark to its current value (cudaMemPoolAttrReservedMemHigh / UsedMemHigh). */
-enum { VMM__HIGH_RESERVED = 0, VMM__HIGH_USED = 1 };
-void vmm__pool_usage_reset_high(int dev, int which);
-/* Release empty stream-ordered segments of dev until at most `keep` bytes are reserved, or none is left to release
- * (cudaMemPoolTrimTo). */
-void vmm__pool_trim(int dev, uint64_t keep);
-/* cudaMemPoolAttrReleaseThreshold of dev's default pool: its empty segments stay while it reserves
- * no more than this; beyond it they go back at a synchronization or after the give-back delay. */
-void vmm__pool_set_release_threshold(int dev, uint64_t bytes);
-/* The program made another pool current on dev (cudaDeviceSetMemPool): while is_default is 0,
- * stream-ordered allocations on dev pass through to that pool untouched. */
-void vmm__pool_current_is_default(int dev, int is_default);
 /* ---- for adopt.c: ranges the program maps itself ---- */
-/* ensure_init, and dev's memory can be exported as a POSIX fd (VMM and export supported). */
+/* The shim started, and dev's memory can be exported as a POSIX fd (VMM and export supported). */
 int vmm__device_exportable(int dev);
 /* An id for a chunk, unique in this process and never reused (the pool's chunks use the same). */
 uint64_t vmm__new_chunk_id(void);
+/* adopt.c kept an exported fd of a handle (delta 1) or closed it (-1): vmm__backing_kept_fds counts it. */
+void vmm__backing_kept_adopted(int delta);
+/* The broker's export of a range the program mapped (adopt.c's): 0 and a fresh fd of the handle
+ * mapped at registry slot `slot`, else -ENOENT or -ESTALE. */
+typedef int (*vmm__adopted_export_fn)(uint64_t slot, uint64_t generation, const uint8_t id[16], int *fd,
+                                      uint64_t *mapped, uint32_t *device);
+/* adopt.c hands its export in before it publishes its first range; the broker's requests for a
+ * slot that is no allocation of the pool's go to it. */
+void vmm__export_adopted_by(vmm__adopted_export_fn fn);
 struct vmm__frames;
 typedef struct vmm__published {
     uint32_t slot; /* UINT32_MAX: not published (no registry, or it is full) */
@@ -107,9 +95,9 @@ void vmm__capture_begun(void);
 void vmm__capture_ended(void);
 /* What a synchronization may have to do: empty segments of the default pool waiting for one
  * (sync_due), stream-ordered frees whose event is not recorded yet (unrecorded_due).  Written by
- * backing.c; the synchronize hooks read them before anything else, so that with both 0 (the
- * common case: nothing waiting) a synchronization costs the shim these two loads and nothing
- * more (no call, no thread-local guard, no lock, no driver call). */
+ * giveback.c, backing.c and mempool.c; the synchronize hooks read them before anything else, so
+ * that with both 0 (the common case: nothing waiting) a synchronization costs the shim these two
+ * loads and nothing more (no call, no thread-local guard, no lock, no driver call). */
 typedef struct vmm__sync_flags {
     int sync_due, unrecorded_due;
 } vmm__sync_flags;

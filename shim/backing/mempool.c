@@ -1,24 +1,25 @@
 /* The device's default memory pool as the program sees it; see mempool.h.  Which pool is a
  * device's default is asked of the real driver once per device and remembered: a device's
- * default pool never changes in a process's life. */
+ * default pool never changes in a process's life.  What a call on it means for the shim's
+ * memory (the stream-ordered pool's figures, its release threshold, a trim, which pool is
+ * current) is done here too, on the backing's state (internal.h), since no other file asks. */
 #include "backing/mempool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <string.h>
 
-#include "backing/backing.h"
+#include "backing/internal.h"
 #include "core/log.h"
 #include "hooks/real.h"
-
-#define MAX_POOL_DEVICES 64 /* as many as the backing tracks */
 
 static struct {
     CUresult (*DeviceGetCount)(int *);
     CUresult (*DeviceGetDefaultMemPool)(CUmemoryPool *, CUdevice);
 } cu;
 static pthread_once_t load_once = PTHREAD_ONCE_INIT;
-static int n_devices;                                 /* 0 until the driver has answered */
-static CUmemoryPool default_pool[MAX_POOL_DEVICES]; /* NULL until asked */
+static int n_devices;                          /* 0 until the driver has answered */
+static CUmemoryPool default_pool[MAX_DEVICES]; /* NULL until asked */
 
 static void load_driver(void)
 {
@@ -27,7 +28,7 @@ static void load_driver(void)
     memcpy(&cu.DeviceGetDefaultMemPool, &pool, sizeof pool);
 }
 
-/* The number of devices into *n (at most MAX_POOL_DEVICES).  Inside the guard. */
+/* The number of devices into *n (at most MAX_DEVICES).  Inside the guard. */
 static CUresult device_count(int *n)
 {
     *n = __atomic_load_n(&n_devices, __ATOMIC_ACQUIRE);
@@ -35,7 +36,7 @@ static CUresult device_count(int *n)
     if (!cu.DeviceGetCount) return CUDA_ERROR_NOT_INITIALIZED;
     CUresult rc = cu.DeviceGetCount(n);
     if (rc != CUDA_SUCCESS) return rc;
-    if (*n > MAX_POOL_DEVICES) *n = MAX_POOL_DEVICES;
+    if (*n > MAX_DEVICES) *n = MAX_DEVICES;
     if (*n > 0) __atomic_store_n(&n_devices, *n, __ATOMIC_RELEASE);
     return CUDA_SUCCESS;
 }
@@ -107,6 +108,99 @@ CUresult vmm__mempool_set_access(vmm__pool_set_access_fn real, CUmemoryPool pool
     return rc;
 }
 
+/* ---- the shim's memory under the default pool: its figures and the work ---- */
+
+/* What cudaMallocAsync draws from the default pool is the shim's memory, so the calls that read
+ * and configure the default pool reach it here. */
+typedef struct usage {
+    uint64_t reserved, reserved_high; /* bytes of the stream-ordered pool's segments on the device */
+    uint64_t used, used_high;         /* its live allocations, each rounded to 512 bytes */
+} usage;
+
+static device_state *dev_at(int dev) { return vmm__S.ready && dev >= 0 && dev < MAX_DEVICES ? &vmm__S.dev[dev] : NULL; }
+
+/* 1 and *out filled when the shim backs allocations on dev; 0 when it does not. */
+static int usage_get(int dev, usage *out)
+{
+    memset(out, 0, sizeof *out);
+    device_state *d = dev_at(dev);
+    if (!d) return 0;
+    pthread_mutex_lock(&vmm__S.lock);
+    if (d->pool_ready) { /* the default pool's figures: stream-ordered memory only, as natively */
+        out->reserved = d->pool[1].reserved;
+        out->reserved_high = d->pool[1].reserved_high;
+        out->used = d->pool[1].used;
+        out->used_high = d->pool[1].used_high;
+    }
+    pthread_mutex_unlock(&vmm__S.lock);
+    return 1;
+}
+
+/* Reset a high-water mark to its current value (cudaMemPoolAttrReservedMemHigh / UsedMemHigh). */
+enum { HIGH_RESERVED = 0, HIGH_USED = 1 };
+static void reset_high(int dev, int which)
+{
+    device_state *d = dev_at(dev);
+    if (!d) return;
+    pthread_mutex_lock(&vmm__S.lock);
+    if (which == HIGH_RESERVED) d->pool[1].reserved_high = d->pool[1].reserved;
+    else d->pool[1].used_high = d->pool[1].used;
+    pthread_mutex_unlock(&vmm__S.lock);
+}
+
+/* Release empty stream-ordered segments of dev until at most `keep` bytes are reserved, or none
+ * is left to release (cudaMemPoolTrimTo).  Natively a trim gives back what frees the device has
+ * completed, synchronized or not.  A free whose event the shim has not recorded yet gets it now;
+ * an idle stream reaches it a few microseconds later, so the trim waits that long (outside the
+ * lock, at most TRIM_SETTLE_NS) before it looks again.  A stream still busy then keeps its
+ * memory, as natively. */
+#define TRIM_SETTLE_NS 2000000u
+static void trim(int dev, uint64_t keep)
+{
+    device_state *d = dev_at(dev);
+    if (!d) return;
+    void *ev[64];
+    unsigned n = 0;
+    pthread_mutex_lock(&vmm__S.lock);
+    if (d->pool_ready && d->pool[1].n_unrecorded) n = vmm__pool_pending_events(&d->pool[1], ev, 64);
+    if (d->pool_ready) vmm__pool_release(&d->pool[1], keep, 0, UINT64_MAX);
+    pthread_mutex_unlock(&vmm__S.lock);
+    if (!n) return;
+    uint64_t give_up = vmm__now_ns(NULL) + TRIM_SETTLE_NS;
+    for (unsigned i = 0; i < n; i++) /* one recycled meanwhile is only looked at longer */
+        while (!vmm__event_done(NULL, ev[i]) && vmm__now_ns(NULL) < give_up) sched_yield();
+    pthread_mutex_lock(&vmm__S.lock);
+    if (d->pool_ready) vmm__pool_release(&d->pool[1], keep, 0, UINT64_MAX);
+    pthread_mutex_unlock(&vmm__S.lock);
+}
+
+/* cudaMemPoolAttrReleaseThreshold of dev's default pool: its empty segments stay while it reserves
+ * no more than this; beyond it they go back at a synchronization or after the give-back delay. */
+static void set_release_threshold(int dev, uint64_t bytes)
+{
+    /* PyTorch and CuPy set it before their first allocation, which may be before anything else
+     * started the shim: it must not be lost. */
+    device_state *d = vmm__ensure_init() ? dev_at(dev) : NULL;
+    if (!d) return;
+    pthread_mutex_lock(&vmm__S.lock);
+    d->release_threshold = bytes;
+    if (d->pool_ready) d->pool[1].retain = vmm__retain_of(d, 1);
+    /* a lower threshold may put memory past it: gone at the next synchronization, as natively */
+    __atomic_store_n(&vmm__sync.sync_due, 1, __ATOMIC_RELAXED);
+    vmm__purge_kick_locked();
+    pthread_mutex_unlock(&vmm__S.lock);
+}
+
+/* The program made another pool current on dev (cudaDeviceSetMemPool): while is_default is 0,
+ * stream-ordered allocations on dev pass through to that pool untouched. */
+static void current_is_default(int dev, int is_default)
+{
+    device_state *d = dev_at(dev);
+    if (d) __atomic_store_n(&d->custom_pool, !is_default, __ATOMIC_RELEASE);
+}
+
+/* ---- the pool hooks ---- */
+
 static const char *usage_attribute_name(CUmemPool_attribute attr)
 {
     switch (attr) {
@@ -120,7 +214,7 @@ static const char *usage_attribute_name(CUmemPool_attribute attr)
 
 /* Bit (4 * dev + which figure) once that figure of dev's default pool has been logged: programs
  * read them often (PyTorch on every memory_stats()), so the debug log says it once. */
-static unsigned long long logged_reads[MAX_POOL_DEVICES * 4 / 64];
+static unsigned long long logged_reads[MAX_DEVICES * 4 / 64];
 
 static int first_read(int dev, CUmemPool_attribute attr)
 {
@@ -133,8 +227,8 @@ void vmm__mempool_attribute_got(int dev, CUmemPool_attribute attr, void *value)
 {
     const char *name = usage_attribute_name(attr);
     if (dev < 0 || !name || !value) return; /* every other attribute is the real pool's own */
-    vmm__pool_usage u;
-    int backed = vmm__pool_usage_get(dev, &u);
+    usage u;
+    int backed = usage_get(dev, &u);
     if (backed)
         *(cuuint64_t *)value += attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT ? u.reserved
                                 : attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH  ? u.reserved_high
@@ -155,12 +249,12 @@ void vmm__mempool_attribute_set(int dev, CUmemPool_attribute attr, const void *v
         uint64_t bytes = *(const cuuint64_t *)value;
         vmm__debug("default memory pool of device %d: release threshold %llu bytes set on the shim's memory", dev,
                    (unsigned long long)bytes);
-        vmm__pool_set_release_threshold(dev, bytes);
+        set_release_threshold(dev, bytes);
     } else {
-        int which = attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH ? VMM__HIGH_RESERVED : VMM__HIGH_USED;
+        int which = attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH ? HIGH_RESERVED : HIGH_USED;
         vmm__debug("default memory pool of device %d: %s high-water mark reset on the shim's memory", dev,
-                   which == VMM__HIGH_RESERVED ? "reserved" : "used");
-        vmm__pool_usage_reset_high(dev, which);
+                   which == HIGH_RESERVED ? "reserved" : "used");
+        reset_high(dev, which);
     }
 }
 
@@ -169,7 +263,7 @@ void vmm__mempool_trimmed(int dev, size_t keep)
     if (dev < 0) return;
     vmm__debug("default memory pool of device %d: trimmed to %zu bytes with the shim's memory", dev, keep);
     vmm__enter();
-    vmm__pool_trim(dev, keep);
+    trim(dev, keep);
     vmm__leave();
 }
 
@@ -178,5 +272,5 @@ void vmm__mempool_current_set(int dev, int is_default)
     vmm__debug("device %d: %s", dev,
                is_default ? "the default memory pool is current: the shim backs stream-ordered allocations"
                           : "a memory pool of the program's own is current: stream-ordered allocations pass through");
-    vmm__pool_current_is_default(dev, is_default);
+    current_is_default(dev, is_default);
 }

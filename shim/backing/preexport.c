@@ -4,7 +4,7 @@
  * taken), the hook queues their byte ranges here and wakes the broker thread; once
  * VMMSHIM_PREEXPORT_MS have passed, that thread walks the records still under them and asks the
  * shim's own export function for each of their handles, one a turn between its requests, so the
- * segment's fd is kept (backing.c: broker_fd) before anyone asks.  The allocation path does no
+ * segment's fd is kept (export.c: broker_fd) before anyone asks.  The allocation path does no
  * work for this, a process that names nothing exports nothing, and a range freed before its turn
  * is found gone in the registry and skipped.  At most VMMSHIM_PREEXPORT_FDS kept fds, and only as
  * many as RLIMIT_NOFILE leaves numbers above 1023 for. */
@@ -74,12 +74,20 @@ static void reset_locked(void)
     P.walking = P.have_rec = 0;
 }
 
+static void forget_after_fork(void);
+
+/* A fork child forgets the queue (its ranges name the parent's memory): the handler is registered
+ * with the broker's idle hook, once a process, and a child keeps it registered. */
+static void register_atfork(void) { pthread_atfork(NULL, NULL, forget_after_fork); }
+
 void vmm__preexport_want(const uint64_t *addr, const uint64_t *len, size_t n)
 {
     long long ms = vmm__opt_int(VMM__OPT_PREEXPORT_MS);
     if (ms < 0 || n == 0 || vmm__opt_enum(VMM__OPT_EXPORT) == VMM__EXPORT_PIDFD) return; /* pidfd: all exported */
     pthread_mutex_lock(&P.lock);
     if (!P.registered) {
+        static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+        pthread_once(&atfork_once, register_atfork);
         vmm__broker_set_idle(vmm__preexport_step);
         P.registered = 1;
     }
@@ -216,11 +224,11 @@ int vmm__preexport_step(vmm__broker_export_fn export_fn)
     return 0;
 }
 
-void vmm__preexport_forget_after_fork(void)
+static void forget_after_fork(void)
 {
     /* the parent's ranges name its memory, not the child's; the child's broker registers anew */
     pthread_mutex_init(&P.lock, NULL);
-    P.q = NULL; /* the parent's queue stays the parent's (leaked in the child, as backing's tables) */
+    P.q = NULL; /* the parent's queue stays the parent's (leaked in the child, as the backing's tables) */
     P.done = NULL;
     P.n = P.cap = P.head = 0;
     P.walking = P.have_rec = 0;

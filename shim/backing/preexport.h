@@ -13,6 +13,4 @@
 void vmm__preexport_want(const uint64_t *addr, const uint64_t *len, size_t n);
 /* The broker thread's idle function (vmm__broker_idle_fn): one handle a call. */
 int vmm__preexport_step(vmm__broker_export_fn export_fn);
-/* In a fork child (backing's after_fork_child). */
-void vmm__preexport_forget_after_fork(void);
 #endif

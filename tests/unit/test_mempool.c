@@ -196,8 +196,8 @@ static figures figures_at(const char *out, const char *when)
  * allocations, used their requested sizes, the highs never read below the currents and reset to
  * them, memory kept under the release threshold reads as reserved until trimmed away, and a
  * pool of the program's own made current takes cudaMallocAsync's allocations.  Under the shim
- * these hold only once backing.c answers vmm__pool_usage_get and honours
- * vmm__pool_current_is_default (stubs until the pool lands). */
+ * these hold only once shim/backing/mempool.c answers the usage figures and honours a pool made
+ * current (stubs until the pool lands). */
 static void check_usage_semantics(const char *label, const char *out, const char *native_out)
 {
     const unsigned long long na = 3 * MiB, nb = 5 * MiB + 1;

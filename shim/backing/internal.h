@@ -1,0 +1,168 @@
+/* What the files of shim/backing share and nothing outside the folder sees: the state under one
+ * lock (vmm__S), the driver's entry points (vmm__cu), and the functions one file makes for
+ * another.  The files stand on floors, and each calls only the floors below its own
+ * (tests/scripts/circles.py checks): state.c at the bottom; segment.c; giveback.c and export.c;
+ * records.c; then the entry points, backing.c and mempool.c.  adopt.c and preexport.c use
+ * backing.h only, and nothing here calls them: adopt.c hands its export to export.c, and
+ * preexport.c forgets its queue in a fork child by itself. */
+#ifndef VMM_BACKING_INTERNAL_H
+#define VMM_BACKING_INTERNAL_H
+#include <cuda.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <uthash.h>
+
+#include "backing/backing.h"
+#include "backing/frames.h"
+#include "pool/pool.h"
+#include "registry/registry.h"
+
+#define MAX_DEVICES 64
+#define NO_SLOT UINT32_MAX
+
+/* A segment as the mechanism knows it (the pool's vmm__seg has its place and size). */
+typedef struct vseg {
+    CUmemGenericAllocationHandle handle;
+    int dev, exported_fd, has_fabric;
+    /* The fd the broker hands out duplicates of: exported at the first request for the segment
+     * (an export costs ~0.6 ms on an H100, a dup microseconds), kept above 1023 like exported_fd;
+     * -1 until then, or for good when no such fd number is free (each request exports then). */
+    int broker_fd;
+    /* Broker threads exporting its handle with S.lock let go (an export is ~0.6 ms the owner's
+     * allocator would otherwise wait); a segment destroyed meanwhile is unmapped at once and
+     * `dead`: the last of them releases its handle and frees it. */
+    unsigned exporting;
+    int dead;
+    uint64_t id;
+    uint8_t fabric[64];
+} vseg;
+
+/* An allocation the real allocator made, which the shim only notes in the registry. */
+typedef struct note {
+    uint64_t va;
+    uint32_t slot;
+    int dev;
+    UT_hash_handle hh;
+} note;
+
+typedef struct device_state {
+    int checked, usable, fabric;
+    int index;
+    uint64_t accessors; /* other devices granted access to this device's chunks (peer access) */
+    uint64_t peers;     /* devices that can reach this one: cudaMalloc's segments are theirs to copy from */
+    CUcontext primary;
+    size_t granularity;
+    uint8_t uuid[16];
+    vmm__pool pool[2];          /* [0] synchronous allocations, [1] stream-ordered (the default pool's) */
+    int pool_ready;
+    int custom_pool;            /* the program made another pool current: stream-ordered calls pass */
+    uint64_t release_threshold; /* the default pool's, as the program set it */
+    CUevent *events;            /* pool of timing-free events */
+    size_t n_events, cap_events;
+} device_state;
+
+/* Driver entry points, resolved once (state.c). */
+typedef struct vmm__driver {
+    CUresult (*Init)(unsigned);
+    CUresult (*CtxGetCurrent)(CUcontext *);
+    CUresult (*CtxSetCurrent)(CUcontext);
+    CUresult (*CtxGetDevice)(CUdevice *);
+    CUresult (*CtxSynchronize)(void);
+    CUresult (*CtxPushCurrent)(CUcontext);
+    CUresult (*CtxPopCurrent)(CUcontext *);
+    CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*DeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
+    CUresult (*DeviceGetCount)(int *);
+    CUresult (*DeviceCanAccessPeer)(int *, CUdevice, CUdevice);
+    CUresult (*DeviceGetUuid)(CUuuid *, CUdevice);
+    CUresult (*DeviceTotalMem)(size_t *, CUdevice);
+    CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
+    CUresult (*MemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+    CUresult (*MemRelease)(CUmemGenericAllocationHandle);
+    CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*MemAddressFree)(CUdeviceptr, size_t);
+    CUresult (*MemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+    CUresult (*MemUnmap)(CUdeviceptr, size_t);
+    CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    CUresult (*MemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                                           unsigned long long);
+    CUresult (*MemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
+    CUresult (*EventCreate)(CUevent *, unsigned);
+    CUresult (*EventRecord)(CUevent, CUstream);
+    CUresult (*EventQuery)(CUevent);
+    CUresult (*EventSynchronize)(CUevent);
+    CUresult (*EventDestroy)(CUevent);
+    CUresult (*StreamSynchronize)(CUstream);
+    CUresult (*StreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
+} vmm__driver;
+
+typedef struct vmm__state {
+    pthread_mutex_t lock; /* every table and pool below */
+    int ready;  /* 1: backing active; 0: pass every call through */
+    int failed; /* the start failed (strict mode refuses instead of passing through) */
+    int export_pidfd;
+    int isolate;
+    vmm__reg reg;
+    int registry_ok;
+    char broker_path[112];
+    int broker_started;
+    unsigned long kept_fds;        /* segments' broker_fd kept open (vmm__backing_kept_fds counts them) */
+    vmm__block *by_addr, *by_slot; /* live allocations */
+    vmm__block *deferred;          /* freed while a stream captured, not yet synchronized (via fnext) */
+    note *notes;                   /* by address */
+    uint64_t next_chunk_id;
+    uint64_t cache_limit;          /* bytes of empty synchronous memory kept past the give-back delay */
+    uint64_t hold_limit;           /* bytes of it that may wait out the delay (at least cache_limit) */
+    uint64_t give_back_ns;
+    pthread_cond_t purge_wake;     /* the give-back thread waits on it (CLOCK_MONOTONIC) */
+    int purge_state;               /* 0 not started, 1 waiting for work, 2 waiting for a deadline, -1 could not start */
+    int stopping;                  /* at exit: no more driver calls from the give-back thread */
+    uint64_t free_seq;             /* stream-ordered frees so far: orders them against synchronizations */
+    char tag[32];
+    int captures;                  /* streams being captured right now, process-wide (vmm__capture_begun) */
+    device_state dev[MAX_DEVICES];
+} vmm__state;
+
+extern vmm__driver vmm__cu;
+extern vmm__state vmm__S;
+
+/* ---- state.c: start, exit, fork, the coverage counters, devices ---- */
+/* The one-time start (options, driver, registry): 1 when the shim backs allocations. */
+int vmm__ensure_init(void);
+/* The coverage counters now (in the registry record once attached, else the process's own). */
+vmm_reg_proc *vmm__coverage_now(void);
+static inline void vmm__count(uint64_t *counter) { __atomic_add_fetch(counter, 1, __ATOMIC_RELAXED); }
+/* An allocation passed through because the shim is not active (it has no field in the record). */
+void vmm__count_disabled(void);
+/* The on_exit handler export.c registers once the broker runs (state.c says why then). */
+void vmm__backing_keep_exiting(int status, void *arg);
+/* The current context's device (binding the primary context when bind_primary and the thread
+ * has none), or -1; whether dev can back allocations (checked once). */
+int vmm__current_device(CUcontext *ctx_out, int bind_primary);
+int vmm__device_usable(int dev);
+
+/* ---- segment.c: the segments, arenas and events the pool asks for (under vmm__S.lock) ---- */
+uint64_t vmm__now_ns(void *ctx);
+int vmm__event_done(void *ctx, void *e);
+CUevent vmm__event_get_locked(device_state *d);
+/* The bytes of empty memory pool k of d keeps past the give-back delay. */
+uint64_t vmm__retain_of(const device_state *d, int k);
+void vmm__pools_ready_locked(device_state *d);
+device_state *vmm__dev_of_block(const vmm__block *b);
+/* The segments under block b, in address order: the first, their number and their bytes. */
+vmm__seg *vmm__span_of(const vmm__block *b, uint32_t *n, uint64_t *bytes);
+
+/* ---- giveback.c: giving memory back after the idle delay and at synchronizations ---- */
+/* A free emptied a segment of p. */
+void vmm__emptied_locked(vmm__pool *p, int stream_ordered);
+/* A segment became empty, or a budget shrank: the give-back thread has a deadline to keep. */
+void vmm__purge_kick_locked(void);
+
+/* ---- export.c: the broker and its export callback ---- */
+/* Start the broker once (one atomic load after that). */
+void vmm__start_broker(void);
+
+/* ---- records.c: one registry record per allocation ---- */
+void vmm__publish_locked(vmm__block *b, CUstream stream, const vmm__frames *f);
+void vmm__retract_locked(vmm__block *b);
+#endif

@@ -1,0 +1,144 @@
+/* Registry records: one per allocation of the shim's (MULTI-HANDLE when it spans segments),
+ * published under vmm__S.lock so the broker never sees a half-published block, and retracted
+ * before the memory can be reused; one per range the program maps itself (adopt.c's); and one,
+ * flagged not exportable, per allocation the real allocator made that the shim notes.  The
+ * coverage counters say which of these became of each allocation (state.c keeps them). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "backing/internal.h"
+#include "broker/protocol.h"
+#include "core/log.h"
+
+static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream, uint64_t requested,
+                        const vmm__frames *f)
+{
+    memset(d, 0, sizeof *d);
+    d->device = (uint32_t)dev;
+    d->api = api;
+    memcpy(d->device_uuid, vmm__S.dev[dev].uuid, 16);
+    d->requested_size = requested;
+    d->stream = (uint64_t)(uintptr_t)stream;
+    d->exported_fd = -1;
+    memcpy(d->tag, vmm__S.tag, sizeof d->tag);
+    d->n_frames = f->n;
+    memcpy(d->frames, f->pc, f->n * sizeof f->pc[0]); /* the rest stays zero: no stack bytes in shared memory */
+}
+
+/* One record per allocation: bound (and indexed) at its address and extent, published with the
+ * segments it spans.  Under vmm__S.lock, so the broker never sees a half-published block. */
+void vmm__publish_locked(vmm__block *b, CUstream stream, const vmm__frames *f)
+{
+    b->slot = NO_SLOT;
+    if (!vmm__S.registry_ok) return;
+    uint32_t n;
+    uint64_t bytes;
+    vmm__seg *first = vmm__span_of(b, &n, &bytes);
+    vseg *c = first->mech;
+    vmm_reg_alloc d;
+    fill_common(&d, c->dev, b->api, stream, b->requested, f);
+    d.mapped_size = bytes;
+    d.chunk_id = c->id;
+    d.chunk_offset = b->addr - first->base;
+    d.flags = b->size < bytes ? VMM_REG_F_SHARED_CHUNK : 0;
+    d.handle_kinds = __atomic_load_n(&vmm__S.broker_started, __ATOMIC_ACQUIRE) > 0 ? VMM_HANDLE_BROKER : 0;
+    if (n > 1) { /* pidfd and fabric name one handle */
+        d.flags |= VMM_REG_F_MULTI_HANDLE;
+        d.n_handles = n;
+    } else {
+        d.n_handles = 1;
+        if (c->exported_fd >= 0) {
+            d.handle_kinds |= VMM_HANDLE_PIDFD;
+            d.exported_fd = c->exported_fd;
+        }
+        if (c->has_fabric) {
+            d.handle_kinds |= VMM_HANDLE_FABRIC;
+            memcpy(d.fabric, c->fabric, sizeof d.fabric);
+        }
+    }
+    vmm_reg_alloc out;
+    if (vmm__reg_add(&vmm__S.reg, b->addr, b->size, &d, &b->slot, &out) != 0) {
+        b->slot = NO_SLOT;
+        vmm__log(VMM__LOG_WARNING, "the registry is full: allocations go unpublished (raise VMMSHIM_REGISTRY_CAPACITY)");
+        return;
+    }
+    b->generation = out.generation;
+    memcpy(b->alloc_id, out.alloc_id, 16);
+    HASH_ADD(hs, vmm__S.by_slot, slot, sizeof(uint32_t), b);
+}
+
+void vmm__retract_locked(vmm__block *b)
+{
+    if (b->slot == NO_SLOT) return;
+    HASH_DELETE(hs, vmm__S.by_slot, b);
+    vmm__reg_remove(&vmm__S.reg, b->slot); /* out of the registry before any reuse */
+    b->slot = NO_SLOT;
+}
+
+void vmm__note_passthrough(vmm__result why, void *ptr, size_t size, uint32_t api, CUstream stream)
+{
+    if (!ptr || size == 0) return; /* no allocation was made */
+    vmm_reg_proc *c = vmm__coverage_now();
+    switch (why) {
+    case VMM__DISABLED: vmm__count_disabled(); return;
+    case VMM__UNSUPPORTED: vmm__count(&c->passed_unsupported); break;
+    case VMM__OWN_POOL: vmm__count(&c->passed_unsupported); break;
+    case VMM__NOMEM: vmm__count(&c->passed_device_full); break;
+    case VMM__CAPTURED: vmm__count(&c->passed_capture); break;
+    default: return;
+    }
+    vmm__count(&c->allocs);
+    if (why == VMM__UNSUPPORTED || !vmm__S.ready || !vmm__S.registry_ok) return;
+    note *n = calloc(1, sizeof *n);
+    if (!n) return;
+    n->va = (uint64_t)(uintptr_t)ptr;
+    n->slot = NO_SLOT;
+    CUcontext ctx;
+    int dev = vmm__current_device(&ctx, 0);
+    if (dev < 0) dev = 0;
+    n->dev = dev;
+    vmm__frames f;
+    vmm__frames_capture(&f);
+    pthread_mutex_lock(&vmm__S.lock);
+    note *old = NULL;
+    HASH_FIND(hh, vmm__S.notes, &n->va, sizeof n->va, old);
+    if (old) {
+        pthread_mutex_unlock(&vmm__S.lock);
+        free(n);
+        return;
+    }
+    vmm_reg_alloc d;
+    fill_common(&d, dev, api, stream, size, &f);
+    d.flags = VMM_REG_F_NOT_EXPORTABLE;
+    if (vmm__reg_add(&vmm__S.reg, n->va, size, &d, &n->slot, NULL) != 0) n->slot = NO_SLOT;
+    HASH_ADD(hh, vmm__S.notes, va, sizeof(uint64_t), n);
+    pthread_mutex_unlock(&vmm__S.lock);
+}
+
+void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size, uint64_t handle_offset,
+                        uint64_t chunk_id, int dev, int exportable, const vmm__frames *f, vmm__published *out)
+{
+    out->slot = NO_SLOT;
+    if (!vmm__S.registry_ok) return;
+    vmm__start_broker();
+    vmm_reg_alloc d;
+    fill_common(&d, dev, VMM_API_CU_MEM_MAP, NULL, extent, f);
+    d.mapped_size = handle_size;
+    d.chunk_id = chunk_id;
+    d.chunk_offset = handle_offset;
+    if (exportable) d.handle_kinds = __atomic_load_n(&vmm__S.broker_started, __ATOMIC_ACQUIRE) > 0 ? VMM_HANDLE_BROKER : 0;
+    else d.flags = VMM_REG_F_NOT_EXPORTABLE;
+    vmm_reg_alloc pub;
+    if (vmm__reg_add(&vmm__S.reg, address, extent, &d, &out->slot, &pub) != 0) {
+        out->slot = NO_SLOT;
+        return;
+    }
+    out->generation = pub.generation;
+    memcpy(out->alloc_id, pub.alloc_id, 16);
+}
+
+void vmm__retract_range(vmm__published *pub)
+{
+    if (pub->slot != NO_SLOT) vmm__reg_remove(&vmm__S.reg, pub->slot);
+    pub->slot = NO_SLOT;
+}
