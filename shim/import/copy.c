@@ -5,7 +5,7 @@
  * a sink that writes a file hides the copy (or the copy hides a fast sink) instead of adding to
  * it.  The driver is dlopen'ed on first use, as in driver.c; nothing here links it.  Rules as
  * in records.c: never print, never exit, every failure leaves a one-line reason. */
-#include "vmmshim.h"
+#include "api/vmm_api.h"
 
 #include <cuda.h>
 #include <dlfcn.h>

@@ -7,7 +7,7 @@
  * the vmm__import* functions still check their own and name the public function in the reason. */
 #ifndef VMM_IMPORT_H
 #define VMM_IMPORT_H
-#include "vmmshim.h"
+#include "api/vmm_api.h"
 
 #include <stdbool.h>
 #include <stdint.h>

@@ -7,7 +7,7 @@
  * in a thread-local buffer (read through vmm__error_text).  Reads never touch pages of the
  * shared segment that no writer has backed (a read fault on a tmpfs hole would allocate it):
  * the sparse process table is scanned with pread, not through the mapping. */
-#include "vmmshim.h"
+#include "api/vmm_api.h"
 #include "import/import.h"
 
 #include "registry/keep.h"
