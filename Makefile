@@ -50,9 +50,10 @@ FUZZ_REPLAY := $(patsubst %,$(BUILD)/tests/test_fuzz_%,$(FUZZ_TARGETS))
 GEN_SEEDS := $(BUILD)/fuzz/gen_seeds
 CHECKSUMS_SO := $(BUILD)/tests/libchecksums.so
 TRACE_SO := $(BUILD)/tests/liballoc_trace.so
+PUBLIC_H := $(BUILD)/include/vmmshim.h
 
 .PHONY: all deps fuzz-deps test check fuzz fuzz-seeds test-gpu test-matrix bench-gpu demo install clean
-all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(FUZZ_REPLAY) $(GEN_SEEDS) $(PROGS) $(CHECKSUMS_SO) $(TRACE_SO)
+all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(FUZZ_REPLAY) $(GEN_SEEDS) $(PROGS) $(CHECKSUMS_SO) $(TRACE_SO) $(PUBLIC_H)
 
 # Debian packages the build needs; installed when root, otherwise the exact command is printed.
 deps:
@@ -89,6 +90,13 @@ $(CLIENT_A): $(call obj,$(CLIENT_SRC))
 # The import mechanism (shim/import) alone, for the shim: it never calls into tools/client.
 $(IMPORT_A): $(call obj,$(IMPORT_SRC))
 	@rm -f $@; ar rcs $@ $^
+
+# The header as installed: tools/include/vmmshim.h with the shim's part of the API (shim/api/vmm_api.h,
+# which it includes by its place in the tree) written in, so that the installed header is one file.
+$(PUBLIC_H): tools/include/vmmshim.h shim/api/vmm_api.h
+	@mkdir -p $(dir $@)
+	awk '$$0 == "#include \"../../shim/api/vmm_api.h\"" { while ((getline l < "shim/api/vmm_api.h") > 0) print l; next } { print }' tools/include/vmmshim.h > $@
+	@if grep -n '^#include "\.\./' $@; then echo "vmmshim: error: $@ still includes a path of the tree"; rm -f $@; exit 1; fi
 
 # vmmctl keep serves a kept process's broker requests with the owner's own broker code.
 $(VMMCTL): $(call obj,$(CTL_SRC)) $(BUILD)/obj/shim/broker/broker.o $(CLIENT_A) $(CORE_A)
@@ -218,7 +226,7 @@ install: all
 	install -m 755 $(SHIM_SO) $(CLIENT_SO) $(BUILD)/libunwind.so.8 $(DESTDIR)$(PREFIX)/lib/
 	install -m 644 $(CLIENT_A) $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(VMMCTL) $(DESTDIR)$(PREFIX)/bin/
-	install -m 644 tools/include/vmmshim.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 $(PUBLIC_H) $(DESTDIR)$(PREFIX)/include/
 	install -m 644 config/vmmshim.conf $(DESTDIR)$(PREFIX)/share/vmmshim/
 	sed -e 's|@PREFIX@|$(PREFIX)|g' tools/client/vmmshim.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/vmmshim.pc
 

@@ -25,6 +25,11 @@ done
 echo "== circles"
 out=$(python3 tests/scripts/circles.py --build build 2>&1); echo "$out"
 count "$out"
+# Nothing in shim/ includes a header of tools/, and the header as installed stands alone
+# (tests/scripts/includes.sh, over the plain build).
+echo "== includes"
+out=$(tests/scripts/includes.sh build 2>&1); echo "$out"
+count "$out"
 echo "== fuzz"
 out=$(make -s -j"$jobs" fuzz FUZZ_SECONDS=20 2>&1); echo "$out"
 count "$out"

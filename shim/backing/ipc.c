@@ -28,7 +28,7 @@
 #include "core/options.h"
 #include "hooks/real.h"
 #include "registry/registry.h"
-#include "vmmshim.h"
+#include "api/vmm_api.h"
 
 /* ------------------------------------------------------------------------------------------ */
 /* Process-wide state                                                                          */

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vmmshim.h"
+#include "api/vmm_api.h"
 #include "backing/backing.h"
 #include "backing/preexport.h"
 #include "registry/names.h"

@@ -3,9 +3,9 @@
  * vmm_import_copy is a two-stage pipeline: the driver copies piece k+1 device-to-host into one
  * pinned buffer on a private stream while the caller's sink consumes piece k from the other, so
  * a sink that writes a file hides the copy (or the copy hides a fast sink) instead of adding to
- * it.  The driver is dlopen'ed on first use, as in import.c; nothing here links it.  Rules as
+ * it.  The driver is dlopen'ed on first use, as in driver.c; nothing here links it.  Rules as
  * in records.c: never print, never exit, every failure leaves a one-line reason. */
-#include "vmmshim.h"
+#include "api/vmm_api.h"
 
 #include <cuda.h>
 #include <dlfcn.h>

@@ -1,12 +1,13 @@
 /* The import mechanism shared by the client library (tools/client) and the shim's emulated
- * legacy IPC (shim/backing/ipc.c): registry record reading (records.c), the owner's broker
- * client, the chunk cache, import/map/access (import.c) and copies out of an import (copy.c).
+ * legacy IPC (shim/backing/ipc.c): registry record reading (records.c), opening and closing a
+ * registry (open.c), importing (import.c, range.c, many*.c over fetch.c, broker.c, cache.c,
+ * devices.c, owners.c, driver.c) and copies out of an import (copy.c); README.md lists them.
  * Internal (never installed); nothing here calls into tools/client, whose public functions are
  * thin faces over these.  The record lookups here trust their arguments (client.c checks them);
  * the vmm__import* functions still check their own and name the public function in the reason. */
 #ifndef VMM_IMPORT_H
 #define VMM_IMPORT_H
-#include "vmmshim.h"
+#include "api/vmm_api.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -46,7 +47,7 @@ vmm_status vmm__reg_error(int rc, const char *msg, bool too_new);
 bool vmm__pid_exists(uint32_t pid);
 /* A registry header of a newer layout than this reader's (magic right, compat_version beyond). */
 bool vmm__header_too_new(const vmm_reg_header *h);
-/* vmm_open / vmm_open_writable (mode VMM__REG_READ or VMM__REG_WRITE) and vmm_close. */
+/* vmm_open / vmm_open_writable (mode VMM__REG_READ or VMM__REG_WRITE) and vmm_close (open.c). */
 vmm_status vmm__open(const char *name, int mode, vmm_registry **out);
 void vmm__close(vmm_registry *reg);
 
@@ -79,15 +80,19 @@ vmm_status vmm__find_cached_near(vmm_registry *reg, uint32_t pid, uint64_t addre
                                  vmm_alloc_info *out, vmm__liveness_cache *cache);
 /* The record at `slot` as it is now, converted as vmm_find does, except that owner_alive is
  * VMM_OWNER_UNKNOWN (judging it reads /proc; the caller may know better).  VMM_ERR_STALE when the
- * slot holds no live allocation, VMM_ERR_BUSY when it stayed mid-write.  import.c uses it to check
- * a cached chunk's allocation without asking the owner's broker. */
+ * slot holds no live allocation, VMM_ERR_BUSY when it stayed mid-write.  The chunk cache uses it to
+ * check a cached chunk's allocation without asking the owner's broker. */
 vmm_status vmm__read_slot(vmm_registry *reg, uint64_t slot, vmm_alloc_info *out);
+/* The registry still shows allocation a, live, at its place in its chunk: VMM_OK, else
+ * VMM_ERR_STALE (freed, or placed otherwise) or vmm__read_slot's status. */
+vmm_status vmm__record_unchanged(vmm_registry *reg, const vmm_alloc_info *a);
 /* The owner of a has died and a living keeper holds a's memory now (layout.h KEEP): its record
- * is still that live allocation, flagged kept, and the keeper's lock is held.  import.c asks it
- * before it calls a dead owner's cached chunk gone. */
+ * is still that live allocation, flagged kept, and the keeper's lock is held.  The imports ask
+ * it before they call a dead owner's cached chunk gone. */
 bool vmm__kept_now(vmm_registry *reg, const vmm_alloc_info *a);
 
-/* ---- imports (import.c): the vmm_import* functions of vmmshim.h under vmm__ names ---- */
+/* ---- imports (import.c, range.c, many.c, fetch.c, cache.c): the vmm_import* functions of vmmshim.h
+ * under vmm__ names ---- */
 
 vmm_status vmm__import(vmm_registry *reg, const vmm_alloc_info *alloc, vmm_imported **out);
 vmm_status vmm__import_fd(vmm_registry *reg, const vmm_alloc_info *alloc, int *fd);

@@ -7,7 +7,7 @@
  * in a thread-local buffer (read through vmm__error_text).  Reads never touch pages of the
  * shared segment that no writer has backed (a read fault on a tmpfs hole would allocate it):
  * the sparse process table is scanned with pread, not through the mapping. */
-#include "vmmshim.h"
+#include "api/vmm_api.h"
 #include "import/import.h"
 
 #include "registry/keep.h"
@@ -23,7 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
 
 /* The public enums mirror the layout's; a change on either side must be a compile error. */
 #define SAME(a, b) ((int)(a) == (int)(b))
@@ -49,7 +48,6 @@ _Static_assert(sizeof(((vmm_proc_info *)0)->broker_path) == sizeof(((vmm_reg_pro
 _Static_assert(sizeof(((vmm_proc_info *)0)->cmdline) == sizeof(((vmm_reg_proc *)0)->cmdline), "cmdline size");
 _Static_assert(sizeof(((vmm_alloc_info *)0)->tag) == sizeof(((vmm_reg_alloc *)0)->tag), "tag size");
 _Static_assert(sizeof(((vmm_alloc_info *)0)->frames) == sizeof(((vmm_reg_alloc *)0)->frames), "frames size");
-
 
 /* ------------------------------------------------------------------------------------------ */
 /* Errors                                                                                      */
@@ -136,7 +134,7 @@ vmm_status vmm__reg_error(int rc, const char *msg, bool too_new)
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Open and close                                                                              */
+/* Segments of a newer layout                                                                  */
 
 /* A -EPROTO from the registry means "not a segment this reader can read": tell a segment that
  * is a registry of a newer layout (magic right, compat_version beyond ours) from a corrupt one. */
@@ -144,48 +142,6 @@ bool vmm__header_too_new(const vmm_reg_header *h)
 {
     return __atomic_load_n(&h->magic, __ATOMIC_RELAXED) == VMM_REG_MAGIC &&
            __atomic_load_n(&h->compat_version, __ATOMIC_RELAXED) > VMM_REG_VERSION;
-}
-
-static bool segment_too_new(const char *name)
-{
-    int fd = shm_open(name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0);
-    if (fd < 0) return false;
-    vmm_reg_header h;
-    memset(&h, 0, sizeof h);
-    ssize_t n = pread(fd, &h, sizeof h, 0);
-    close(fd);
-    return n == (ssize_t)sizeof h && vmm__header_too_new(&h);
-}
-
-
-vmm_status vmm__open(const char *name, int mode, vmm_registry **out)
-{
-    if (!out) return set_error(VMM_ERR_INVALID, "%s: %s", "open_mode", "out is NULL");
-    *out = NULL;
-    if (name && strlen(name) >= sizeof(((vmm__reg *)0)->name))
-        return set_error(VMM_ERR_INVALID, "registry name is longer than %zu bytes",
-                         sizeof(((vmm__reg *)0)->name) - 1);
-    vmm_registry *reg = calloc(1, sizeof *reg);
-    if (!reg) return set_error(VMM_ERR_NOMEM, "registry: out of memory");
-    char err[256] = "";
-    /* The group only matters for a writer: it lets gc write to a segment shared with a group. */
-    const char *group = mode == VMM__REG_READ ? NULL : getenv("VMMSHIM_REGISTRY_GROUP");
-    int rc = vmm__reg_open(&reg->r, name, mode, 0, group, err, sizeof err);
-    if (rc) {
-        bool too_new = rc == -EPROTO && segment_too_new(reg->r.name);
-        free(reg);
-        return vmm__reg_error(rc, err, too_new);
-    }
-    *out = reg;
-    return VMM_OK;
-}
-
-void vmm__close(vmm_registry *reg)
-{
-    if (!reg) return;
-    vmm__import_forget_registry(reg);
-    vmm__reg_close(&reg->r);
-    free(reg);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -325,7 +281,6 @@ static void proc_info_from(vmm_proc_info *o, const vmm_reg_proc *p, uint32_t pid
 
 /* ------------------------------------------------------------------------------------------ */
 /* Process table: claimed slots found with pread (the table is sparse; see the top)            */
-
 
 #define SCAN_BATCH 32 /* proc records per pread: 16 KiB on the stack */
 
@@ -523,3 +478,22 @@ vmm_status vmm__read_slot(vmm_registry *reg, uint64_t slot, vmm_alloc_info *out)
     return VMM_OK;
 }
 
+/* The registry still shows this very allocation, live, at its place in its chunk. */
+vmm_status vmm__record_unchanged(vmm_registry *reg, const vmm_alloc_info *a)
+{
+    vmm_alloc_info now;
+    vmm_status st = vmm__read_slot(reg, a->slot, &now);
+    bool same = st == VMM_OK && now.generation == a->generation &&
+                memcmp(now.alloc_id, a->alloc_id, sizeof now.alloc_id) == 0 && now.pid == a->pid &&
+                now.owner_start_time == a->owner_start_time;
+    if (st == VMM_ERR_STALE || (st == VMM_OK && !same))
+        return set_error(VMM_ERR_STALE, "allocation was freed (generation %llu is gone)",
+                         (unsigned long long)a->generation);
+    if (st != VMM_OK) return st;
+    if (now.chunk_id != a->chunk_id || now.chunk_offset != a->chunk_offset || now.mapped_size != a->mapped_size)
+        return set_error(VMM_ERR_STALE, "the registry places this allocation at offset %llu of chunk %llu (%llu bytes), "
+                                        "not as described",
+                         (unsigned long long)now.chunk_offset, (unsigned long long)now.chunk_id,
+                         (unsigned long long)now.mapped_size);
+    return VMM_OK;
+}

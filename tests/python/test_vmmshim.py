@@ -55,9 +55,10 @@ def c_layout(tmp):
 
 
 def header_fields(struct):
-    """The member names of `typedef struct <struct> {...}` in vmmshim.h, in order: a field the
-    header gains inside the padding at the end changes no size, but shows here."""
-    text = (ROOT / "tools" / "include" / "vmmshim.h").read_text()
+    """The member names of `typedef struct <struct> {...}` in vmmshim.h (its types are in
+    shim/api/vmm_api.h, which it includes), in order: a field the header gains inside the padding
+    at the end changes no size, but shows here."""
+    text = (ROOT / "shim" / "api" / "vmm_api.h").read_text()
     body = re.search(r"typedef struct %s \{(.*?)\} %s;" % (struct, struct), text, re.S).group(1)
     body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
     names = []

@@ -17,125 +17,10 @@ extern "C" {
 #define VMM_VERSION_MINOR 1
 #define VMM_VERSION_PATCH 0
 
-typedef enum vmm_status {
-    VMM_OK = 0,
-    VMM_ERR_INVALID = 1,    /* bad argument */
-    VMM_ERR_NOT_FOUND = 2,  /* no registry / no such process or allocation */
-    VMM_ERR_ACCESS = 3,     /* permission denied (registry or broker) */
-    VMM_ERR_CORRUPT = 4,    /* the registry is not a valid vmmshim segment */
-    VMM_ERR_VERSION = 5,    /* the registry's layout is newer than this library reads */
-    VMM_ERR_BUSY = 6,       /* a writer is mid-update (or died mid-update): retry, or run gc */
-    VMM_ERR_STALE = 7,      /* the allocation was freed since it was read */
-    VMM_ERR_OWNER_DEAD = 8, /* the owning process has exited */
-    VMM_ERR_CUDA = 9,       /* a CUDA driver call failed (the message names it) */
-    VMM_ERR_NOMEM = 10,
-    VMM_ERR_IO = 11,
-    VMM_ERR_NO_SHIM = 12    /* owner side: this process does not run under an active libvmmshim.so */
-} vmm_status;
-
-/* Liveness of an owner, judged by pid and process start time (never pid alone).  KEPT: it has
- * exited, and a keeper (vmmctl keep; see Keepers below) holds this allocation's memory and serves
- * its imports, so import it as from a living owner. */
-enum { VMM_OWNER_DEAD = 0, VMM_OWNER_ALIVE = 1, VMM_OWNER_UNKNOWN = 2 /* other pid namespace */, VMM_OWNER_KEPT = 3 };
-
-/* How a companion may obtain an allocation's memory (vmm_alloc_info.handle_kinds). */
-enum { VMM_KIND_BROKER = 1u << 0, VMM_KIND_PIDFD = 1u << 1, VMM_KIND_FABRIC = 1u << 2 };
-
-/* Which call made it (vmm_alloc_info.api). */
-enum {
-    VMM_FROM_UNKNOWN = 0,
-    VMM_FROM_CUDA_MALLOC = 1,
-    VMM_FROM_CUDA_MALLOC_ASYNC = 2,
-    VMM_FROM_CU_MEM_ALLOC = 3,
-    VMM_FROM_CU_MEM_ALLOC_ASYNC = 4,
-    VMM_FROM_CU_MEM_ALLOC_PITCH = 5,
-    /* Memory the program mapped itself with the driver's VMM API (PyTorch's expandable segments,
-     * NCCL buffers): one record per cuMemMap'd range.  address and extent are the mapping's,
-     * mapped_size is the size of the handle mapped there, chunk_offset where in that handle the
-     * mapping starts, chunk_id names the handle.  A buffer of the program may span several such
-     * records: vmm_import_range maps it in one piece. */
-    VMM_FROM_CU_MEM_MAP = 6,
-    VMM_FROM_TEST = 15
-};
-
-typedef struct vmm_registry vmm_registry;
-
-typedef struct vmm_alloc_info {
-    uint8_t alloc_id[16];     /* random, never reused */
-    uint64_t generation;      /* with slot, names this allocation; changes when it is freed */
-    uint64_t slot;            /* record index in the registry */
-    uint32_t pid;             /* owner, in the owner's pid namespace */
-    int owner_alive;          /* VMM_OWNER_* at the time of reading */
-    uint64_t owner_start_time;
-    uint64_t owner_pidns;
-    uint32_t device;          /* ordinal in the owner */
-    uint8_t device_uuid[16];
-    uint64_t address;         /* the owner's device pointer */
-    uint64_t requested_size;
-    uint64_t mapped_size;     /* its chunk's size (a multiple of 2 MiB): what an importer maps */
-    uint64_t stream;          /* owner's stream for stream-ordered allocations, else 0 */
-    uint64_t created_ns;      /* CLOCK_REALTIME */
-    uint32_t api;             /* VMM_FROM_* */
-    uint32_t handle_kinds;    /* VMM_KIND_*; 0 = not exportable */
-    int32_t exported_fd;      /* fd number in the owner when VMM_KIND_PIDFD */
-    uint32_t n_frames;
-    uint64_t frames[8];       /* call-site return addresses in the owner */
-    char tag[32];
-    /* Allocations live in chunks (one exportable handle each); small ones share a chunk with other
-     * allocations of the same owner.  An import maps the whole chunk and adds chunk_offset. */
-    uint64_t chunk_id;        /* the chunk within its owner; never reused */
-    uint64_t chunk_offset;    /* address - the chunk's base in the owner */
-    uint64_t extent;          /* bytes of the chunk it occupies (>= requested_size) */
-    uint32_t flags;           /* VMM_ALLOC_* */
-    /* Handles its chunk is made of: 1, or with VMM_ALLOC_MULTI_HANDLE several, mapped back to
-     * back in the owner (its pool maps many handles into one range, and an allocation may span
-     * some).  chunk_id then names the first, mapped_size is their sum, and chunk_offset counts
-     * from the first one's base.  vmm_import maps them all; vmm_import_fd cannot hand them out. */
-    uint32_t n_handles;
-} vmm_alloc_info;
-
-/* vmm_alloc_info.flags */
-enum {
-    VMM_ALLOC_NOT_EXPORTABLE = 1u << 0, /* made by the real allocator (device full, stream capture) */
-    VMM_ALLOC_SHARED_CHUNK = 1u << 1,   /* its chunk may hold other allocations of the same owner */
-    VMM_ALLOC_MULTI_HANDLE = 1u << 2,   /* its chunk is n_handles handles back to back (broker only) */
-    VMM_ALLOC_KEPT = 1u << 3            /* its owner died and a keeper holds its memory (owner_alive says
-                                           VMM_OWNER_KEPT while that keeper lives) */
-};
-
-typedef struct vmm_proc_info {
-    uint32_t pid;
-    int alive;                /* VMM_OWNER_* */
-    uint64_t start_time;
-    uint64_t pidns;
-    uint32_t uid;
-    uint64_t registered_ns;
-    char broker_path[112];    /* "" until the owner's broker has started */
-    char cmdline[256];        /* arguments joined by spaces */
-    uint64_t n_allocs, bytes_requested, bytes_mapped;
-    /* What became of the process's allocations since it started (the registry's COVERAGE, in
-     * layout.h), read with relaxed loads while it runs, so one may be ahead of another.
-     * stats_known is 0, and the rest 0, for an owner whose shim predates them. */
-    int stats_known;
-    uint64_t allocs;             /* allocations made: allocs_backed + the three passed_* */
-    uint64_t allocs_backed;      /* by the shim's VMM pool: exportable */
-    uint64_t passed_capture;     /* to the real allocator: its stream was being captured */
-    uint64_t passed_device_full; /* to the real allocator: the pool could not grow */
-    uint64_t passed_unsupported; /* to the real allocator: no VMM or export on the device, the
-                                    program's own memory pool current, the driver refused */
-    uint64_t maps_adopted;       /* ranges the program mapped itself, made exportable */
-    uint64_t peak_requested;     /* highest bytes_requested since it started */
-} vmm_proc_info;
-
-typedef struct vmm_registry_info {
-    char name[224];
-    uint32_t version, compat_version;
-    uint64_t capacity, used_chunks, chunk_records;
-    uint64_t created_ns;
-    uint64_t total_bytes;     /* size of the segment (sparse) */
-    uint64_t touched_bytes;   /* memory actually backing it */
-    uint64_t publishes, retracts, reclaimed;
-} vmm_registry_info;
+/* The types, and the owner-side functions the shim defines (vmm_publish and family): shared with
+ * the shim, which may include nothing from tools/.  The installed vmmshim.h holds them in place of
+ * this line (`make install`). */
+#include "../../shim/api/vmm_api.h"
 
 typedef struct vmm_gc_report {
     unsigned procs_alive, procs_dead, procs_unknown;
@@ -154,9 +39,8 @@ vmm_status vmm_open_writable(const char *name, vmm_registry **out);
 void vmm_close(vmm_registry *reg);
 vmm_status vmm_registry_describe(vmm_registry *reg, vmm_registry_info *out);
 
-/* Iterate.  The callback returns 0 to go on, anything else to stop (returned as VMM_OK). */
-typedef int (*vmm_alloc_fn)(void *ctx, const vmm_alloc_info *alloc);
-typedef int (*vmm_proc_fn)(void *ctx, const vmm_proc_info *proc);
+/* Iterate (vmm_alloc_fn, vmm_proc_fn).  The callback returns 0 to go on, anything else to stop
+ * (returned as VMM_OK). */
 vmm_status vmm_foreach_alloc(vmm_registry *reg, vmm_alloc_fn fn, void *ctx);
 vmm_status vmm_foreach_proc(vmm_registry *reg, vmm_proc_fn fn, void *ctx);
 
@@ -196,8 +80,7 @@ vmm_status vmm_gc(vmm_registry *reg, vmm_gc_report *out);
  * when the owner exits.  Imports are thread-safe.  Since the whole chunk is mapped, the bytes of
  * other allocations sharing it are reachable through the mapping too (the broker hands them to
  * the same users anyway). */
-/* (The handle type cannot share the function's name in C: it is vmm_imported.) */
-typedef struct vmm_imported vmm_imported;
+/* (The handle type cannot share the function's name in C: it is vmm_imported, declared above.) */
 /* Import into the calling thread's CUDA context, or into device 0's primary context (made
  * current on this thread) when it has none: cuMemImportFromShareableHandle, cuMemAddressReserve,
  * cuMemMap, and one cuMemSetAccess, read-write for
@@ -359,57 +242,10 @@ typedef struct vmm_keeper_info {
  * with a record).  VMM_ERR_NOT_FOUND: no such process, or nobody keeps it. */
 vmm_status vmm_keeper_of(vmm_registry *reg, uint32_t pid, vmm_keeper_info *out);
 
-/* Where the calling thread's last successful vmm_import spent its time, in nanoseconds (for
- * `vmmctl import-test` and benchmarks).  Steps not taken are 0. */
-typedef struct vmm_import_timing {
-    uint64_t total_ns;   /* the whole call */
-    uint64_t context_ns; /* finding (or making current) the CUDA context */
-    uint64_t lookup_ns;  /* the imported-chunk table; when cached, also re-reading the record: all a cached import costs besides context_ns */
-    uint64_t connect_ns; /* connecting to the owner's broker (0: the kept connection served) */
-    uint64_t request_ns; /* request sent to reply and fd received (SCM_RIGHTS), or pidfd_getfd */
-    uint64_t export_ns;  /* of request_ns, what the owner spent exporting the fd (its broker says) */
-    uint64_t import_ns;  /* cuMemImportFromShareableHandle */
-    uint64_t reserve_ns; /* cuMemAddressReserve */
-    uint64_t map_ns;     /* cuMemMap */
-    uint64_t access_ns;  /* cuMemSetAccess */
-    uint32_t cached;     /* 1: the chunk was mapped here already */
-    uint32_t route;      /* VMM_KIND_BROKER or VMM_KIND_PIDFD; 0 when cached */
-} vmm_import_timing;
+/* Where the calling thread's last successful vmm_import spent its time (vmm_import_timing). */
 vmm_status vmm_import_last_timing(vmm_import_timing *out);
 
-/* Where the calling thread's last vmm_import_many spent its time (a failed call's too, up to its
- * failure), in nanoseconds, with what it did.  Times of work done by several threads at once
- * (VMMSHIM_IMPORT_THREADS) are summed over them, so they may add up to more than total_ns. */
-typedef struct vmm_import_many_timing {
-    uint64_t total_ns;   /* the whole call */
-    uint64_t find_ns;    /* registry reads: the records under every range, and re-reading them after the fetch */
-    uint64_t context_ns; /* finding (or making current) the CUDA context */
-    uint64_t connect_ns; /* connecting to the owner's broker (0: the kept connection served) */
-    uint64_t broker_ns;  /* waiting on the broker: each request sent until its last reply came, less the imports
-                            this thread made meanwhile */
-    uint64_t export_ns;  /* of broker_ns, what the owner spent exporting (its broker says) */
-    uint64_t import_ns;  /* cuMemImportFromShareableHandle */
-    uint64_t reserve_ns; /* cuMemAddressReserve */
-    uint64_t map_ns;     /* cuMemMap */
-    uint64_t access_ns;  /* cuMemSetAccess (of new mappings, and of mapped chunks for a further device) */
-    uint64_t release_ns; /* cuMemRelease of the imported handles once mapped (the mappings keep the memory) */
-    uint32_t ranges;     /* n */
-    uint32_t chunks_cached; /* chunks the ranges lie in that were mapped here already: nothing fetched */
-    uint32_t chunks_new;    /* chunks mapped for ranges inside one chunk */
-    uint32_t ranges_mapped; /* ranges across chunks, each mapped on its own */
-    uint32_t handles;    /* handles fetched (each imported, but for the shared ones) */
-    uint32_t requests;   /* broker requests (round trips): 1 when everything fits one batch, 0 when cached */
-    uint32_t connects;   /* broker connections opened (0: the kept one served) */
-    uint32_t messages;   /* broker replies received */
-    uint32_t reserves;   /* cuMemAddressReserve calls */
-    uint32_t maps;       /* cuMemMap calls */
-    uint32_t access_calls; /* cuMemSetAccess calls */
-    uint32_t threads;    /* threads that imported and mapped (VMMSHIM_IMPORT_THREADS) */
-    uint32_t fallback;   /* 1: the owner's broker predates protocol v3 (or has not started and pidfd served):
-                            one request per allocation */
-    uint32_t shared;     /* of handles, those the owner's stream brought again (one segment under two
-                            allocations of a stream-ordered pool): mapped again, imported once */
-} vmm_import_many_timing;
+/* Where the calling thread's last vmm_import_many spent its time (vmm_import_many_timing). */
 vmm_status vmm_import_many_last_timing(vmm_import_many_timing *out);
 
 /* ---- Reading imported bytes ----------------------------------------------------------------
@@ -426,7 +262,6 @@ vmm_status vmm_import_read(const vmm_imported *imp, uint64_t offset, void *dst, 
  * 1 MiB and at most 16 MiB.  The pinned buffers are kept for later calls (one pair for each call
  * running at once, at most 2 x 16 MiB each, until the process exits), since pinning memory is
  * slower than copying it. */
-typedef int (*vmm_sink_fn)(void *ctx, const void *data, uint64_t length, uint64_t done);
 vmm_status vmm_import_copy(const vmm_imported *imp, uint64_t offset, uint64_t length, vmm_sink_fn sink, void *ctx);
 
 /* ---- Named tensors --------------------------------------------------------------------------
@@ -456,45 +291,12 @@ vmm_status vmm_import_copy(const vmm_imported *imp, uint64_t offset, uint64_t le
  * during a stream capture or with the device full), VMM_ERR_NOMEM (also: the process's table of
  * 262144 names is full), VMM_ERR_NO_SHIM, VMM_ERR_IO (the table beside the registry could not be
  * made).  The names live in a table beside the registry (shim/registry/layout.h, NAMES). */
-#define VMM_NAME_MAX 127
-#define VMM_MAX_DIMS 8
-
-/* An element type: DLPack's DLDataType (dlpack.h), code as DLDataTypeCode numbers it. */
-typedef struct vmm_dtype {
-    uint8_t code; /* VMM_DTYPE_*, or any other DLDataTypeCode */
-    uint8_t bits; /* bits per lane */
-    uint16_t lanes; /* 1 for scalars */
-} vmm_dtype;
-enum {
-    VMM_DTYPE_INT = 0,
-    VMM_DTYPE_UINT = 1,
-    VMM_DTYPE_FLOAT = 2,
-    VMM_DTYPE_BFLOAT = 4,
-    VMM_DTYPE_COMPLEX = 5,
-    VMM_DTYPE_BOOL = 6,
-    VMM_DTYPE_FLOAT8_E4M3FN = 10,
-    VMM_DTYPE_FLOAT8_E5M2 = 12
-};
-
-/* One tensor of vmm_publish_many. */
-typedef struct vmm_tensor_desc {
-    const char *name;
-    uint64_t address;       /* the device pointer of its first element */
-    vmm_dtype dtype;
-    uint32_t ndim;          /* 0 (a scalar) .. VMM_MAX_DIMS */
-    const int64_t *shape;   /* ndim extents */
-    const int64_t *strides; /* ndim strides in elements; NULL: row-major, contiguous */
-} vmm_tensor_desc;
-
-/* Publish one tensor by name (owner side). */
-vmm_status vmm_publish(const char *name, uint64_t address, vmm_dtype dtype, uint32_t ndim, const int64_t *shape,
-                       const int64_t *strides);
-/* Publish n tensors at once, all or none (a state dict): one failure leaves every name as it was. */
-vmm_status vmm_publish_many(const vmm_tensor_desc *tensors, size_t n);
-/* Drop a name (owner side); VMM_ERR_NOT_FOUND when this process does not publish it. */
-vmm_status vmm_unpublish(const char *name);
-/* The calling thread's last failure of the three above, one line; "" when none. */
-const char *vmm_publish_error(void);
+/* The limits (VMM_NAME_MAX 127, VMM_MAX_DIMS 8), the element type (vmm_dtype, VMM_DTYPE_*), one
+ * tensor of vmm_publish_many (vmm_tensor_desc) and the owner side -- vmm_publish (one tensor by
+ * name), vmm_publish_many (n at once, all or none: one failure leaves every name as it was),
+ * vmm_unpublish (VMM_ERR_NOT_FOUND when this process does not publish it) and vmm_publish_error
+ * (the calling thread's last failure of those three, one line; "" when none) -- are declared
+ * above, with the types: the shim defines them too. */
 
 /* COMPANION SIDE: the names a living owner publishes now, each checked against the live
  * allocation it lies in (a name whose allocation was freed, or whose owner died, is never
