@@ -100,7 +100,7 @@ void vmm__import_keep_nothing(void)
 vmm_status vmm__slab_put(slab *s)
 {
     if (__atomic_sub_fetch(&s->refs, 1, __ATOMIC_ACQ_REL) != 0) return VMM_OK;
-    CUresult r = TWICE(vmm__cu.MemAddressFree(s->base, s->size));
+    CUresult r = TWICE(vmm__import_cu.MemAddressFree(s->base, s->size));
     free(s->shared_refs);
     free(s);
     return r == CUDA_SUCCESS ? VMM_OK : vmm__cu_fail("cuMemAddressFree", r);
@@ -209,7 +209,7 @@ chunk *vmm__chunk_enter(chunk *fresh, vmm_registry *reg, const vmm_alloc_info *a
 bool vmm__ctx_enter(CUcontext ctx, CUcontext *prev)
 {
     *prev = NULL;
-    return vmm__cu.CtxGetCurrent(prev) == CUDA_SUCCESS && *prev != ctx && vmm__cu.CtxSetCurrent(ctx) == CUDA_SUCCESS;
+    return vmm__import_cu.CtxGetCurrent(prev) == CUDA_SUCCESS && *prev != ctx && vmm__import_cu.CtxSetCurrent(ctx) == CUDA_SUCCESS;
 }
 
 /* Give back the pieces of a mapping, as far as they exist: the mapping, the handle, the address
@@ -218,12 +218,12 @@ vmm_status vmm__undo(CUdeviceptr base, size_t size, CUmemGenericAllocationHandle
 {
     vmm_status st = VMM_OK;
     CUresult r;
-    if (mapped && (r = TWICE(vmm__cu.MemUnmap(base, size))) != CUDA_SUCCESS) {
+    if (mapped && (r = TWICE(vmm__import_cu.MemUnmap(base, size))) != CUDA_SUCCESS) {
         st = vmm__cu_fail("cuMemUnmap", r);
         reserved = false;
     }
-    if ((r = TWICE(vmm__cu.MemRelease(handle))) != CUDA_SUCCESS && st == VMM_OK) st = vmm__cu_fail("cuMemRelease", r);
-    if (reserved && (r = TWICE(vmm__cu.MemAddressFree(base, size))) != CUDA_SUCCESS && st == VMM_OK)
+    if ((r = TWICE(vmm__import_cu.MemRelease(handle))) != CUDA_SUCCESS && st == VMM_OK) st = vmm__cu_fail("cuMemRelease", r);
+    if (reserved && (r = TWICE(vmm__import_cu.MemAddressFree(base, size))) != CUDA_SUCCESS && st == VMM_OK)
         st = vmm__cu_fail("cuMemAddressFree", r);
     return st;
 }
@@ -243,14 +243,14 @@ vmm_status vmm__unmap_chunk(const chunk *c)
         uint64_t at = 0;
         for (uint32_t i = 0; i < c->n_parts; at += c->part_len[i++])
             if (vmm__mapping_last(c->slab, c->shared, i) &&
-                (r = TWICE(vmm__cu.MemUnmap(c->base + at, c->part_len[i]))) != CUDA_SUCCESS && st == VMM_OK)
+                (r = TWICE(vmm__import_cu.MemUnmap(c->base + at, c->part_len[i]))) != CUDA_SUCCESS && st == VMM_OK)
                 st = vmm__cu_fail("cuMemUnmap", r);
         if (st == VMM_OK && c->slab)
             st = vmm__slab_put(c->slab);
-        else if (st == VMM_OK && (r = TWICE(vmm__cu.MemAddressFree(c->base, c->size))) != CUDA_SUCCESS)
+        else if (st == VMM_OK && (r = TWICE(vmm__import_cu.MemAddressFree(c->base, c->size))) != CUDA_SUCCESS)
             st = vmm__cu_fail("cuMemAddressFree", r);
     }
-    if (switched) (void)TWICE(vmm__cu.CtxSetCurrent(cur)); /* else the thread stays in ctx */
+    if (switched) (void)TWICE(vmm__import_cu.CtxSetCurrent(cur)); /* else the thread stays in ctx */
     return st;
 }
 

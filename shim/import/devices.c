@@ -32,14 +32,14 @@ static uint8_t device_uuid[MAX_DEVICES][16];
 static void devices_load_locked(void)
 {
     int n = 0;
-    if (!vmm__cu.DeviceGetCount || !vmm__cu.DeviceGetUuid || vmm__cu.DeviceGetCount(&n) != CUDA_SUCCESS || n <= 0)
+    if (!vmm__import_cu.DeviceGetCount || !vmm__import_cu.DeviceGetUuid || vmm__import_cu.DeviceGetCount(&n) != CUDA_SUCCESS || n <= 0)
         return;
     if (n > MAX_DEVICES) n = MAX_DEVICES;
     for (int i = 0; i < n; i++) {
         CUdevice d = i;
         CUuuid u;
-        if ((vmm__cu.DeviceGet && vmm__cu.DeviceGet(&d, i) != CUDA_SUCCESS) ||
-            vmm__cu.DeviceGetUuid(&u, d) != CUDA_SUCCESS)
+        if ((vmm__import_cu.DeviceGet && vmm__import_cu.DeviceGet(&d, i) != CUDA_SUCCESS) ||
+            vmm__import_cu.DeviceGetUuid(&u, d) != CUDA_SUCCESS)
             return;
         memcpy(device_uuid[i], u.bytes, 16);
     }
@@ -84,7 +84,7 @@ void vmm__plan_access(const vmm_alloc_info *a, here_device here, CUmemAccessDesc
     }
     access_for(&acc[(*n)++], (CUdevice)res);
     int can = 0;
-    if (vmm__cu.DeviceCanAccessPeer && vmm__cu.DeviceCanAccessPeer(&can, here.dev, (CUdevice)res) == CUDA_SUCCESS &&
+    if (vmm__import_cu.DeviceCanAccessPeer && vmm__import_cu.DeviceCanAccessPeer(&can, here.dev, (CUdevice)res) == CUDA_SUCCESS &&
         can)
         access_for(&acc[(*n)++], here.dev);
     if (*n == 1 || !here.own) *use = (CUdevice)res;
@@ -108,7 +108,7 @@ static vmm_status grant_one(chunk *c, CUdevice dev)
     if (has) return VMM_OK;
     CUmemAccessDesc acc;
     access_for(&acc, dev);
-    CUresult r = vmm__cu.MemSetAccess(c->base, c->size, &acc, 1);
+    CUresult r = vmm__import_cu.MemSetAccess(c->base, c->size, &acc, 1);
     if (r != CUDA_SUCCESS) return vmm__cu_fail("cuMemSetAccess", r);
     pthread_mutex_lock(&vmm__chunks_lock);
     c->devices |= bit;
@@ -128,8 +128,8 @@ vmm_status vmm__grant_device(chunk *c, const vmm_alloc_info *a, here_device here
         vmm_status st = grant_one(c, (CUdevice)res);
         if (st != VMM_OK) return st;
         int can = 0;
-        if (!vmm__cu.DeviceCanAccessPeer ||
-            vmm__cu.DeviceCanAccessPeer(&can, here.dev, (CUdevice)res) != CUDA_SUCCESS)
+        if (!vmm__import_cu.DeviceCanAccessPeer ||
+            vmm__import_cu.DeviceCanAccessPeer(&can, here.dev, (CUdevice)res) != CUDA_SUCCESS)
             can = 0;
         if (!can || !here.own) *use = (CUdevice)res;
         if (!can) return VMM_OK;
@@ -147,20 +147,20 @@ vmm_status vmm__current_context(CUcontext *ctx, here_device *here)
     here->dev = 0;
     here->own = true;
     if (!__atomic_load_n(&inited, __ATOMIC_ACQUIRE)) {
-        if ((r = vmm__cu.Init(0)) != CUDA_SUCCESS) return vmm__cu_fail("cuInit", r);
+        if ((r = vmm__import_cu.Init(0)) != CUDA_SUCCESS) return vmm__cu_fail("cuInit", r);
         __atomic_store_n(&inited, 1, __ATOMIC_RELEASE);
     }
-    if ((r = vmm__cu.CtxGetCurrent(ctx)) != CUDA_SUCCESS) return vmm__cu_fail("cuCtxGetCurrent", r);
+    if ((r = vmm__import_cu.CtxGetCurrent(ctx)) != CUDA_SUCCESS) return vmm__cu_fail("cuCtxGetCurrent", r);
     if (!*ctx) {
         /* no context on this thread: device 0's primary one (retained for the process's life) */
         CUdevice d0 = 0;
         here->own = false;
-        if (vmm__cu.DeviceGet && (r = vmm__cu.DeviceGet(&d0, 0)) != CUDA_SUCCESS) return vmm__cu_fail("cuDeviceGet", r);
-        if ((r = vmm__cu.DevicePrimaryCtxRetain(ctx, d0)) != CUDA_SUCCESS)
+        if (vmm__import_cu.DeviceGet && (r = vmm__import_cu.DeviceGet(&d0, 0)) != CUDA_SUCCESS) return vmm__cu_fail("cuDeviceGet", r);
+        if ((r = vmm__import_cu.DevicePrimaryCtxRetain(ctx, d0)) != CUDA_SUCCESS)
             return vmm__cu_fail("cuDevicePrimaryCtxRetain", r);
-        if ((r = vmm__cu.CtxSetCurrent(*ctx)) != CUDA_SUCCESS) return vmm__cu_fail("cuCtxSetCurrent", r);
+        if ((r = vmm__import_cu.CtxSetCurrent(*ctx)) != CUDA_SUCCESS) return vmm__cu_fail("cuCtxSetCurrent", r);
     }
-    if ((r = vmm__cu.CtxGetDevice(&here->dev)) != CUDA_SUCCESS) return vmm__cu_fail("cuCtxGetDevice", r);
+    if ((r = vmm__import_cu.CtxGetDevice(&here->dev)) != CUDA_SUCCESS) return vmm__cu_fail("cuCtxGetDevice", r);
     return VMM_OK;
 }
 

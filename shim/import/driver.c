@@ -28,7 +28,7 @@ const char *vmm__public_name(const char *fn)
 /* ------------------------------------------------------------------------------------------ */
 /* The driver, found at run time                                                              */
 
-cuda_api vmm__cu;
+cuda_api vmm__import_cu;
 static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
 static char cu_error[200]; /* why the driver cannot be used; "" when it can */
 
@@ -57,7 +57,7 @@ int vmm__driver_load(const vmm__driver_sym *syms, size_t n, void *table, size_t 
 static void cuda_load(void)
 {
     const vmm__driver_sym syms[] = {
-#define SYM(field, name, opt) {name, (void **)&vmm__cu.field, opt}
+#define SYM(field, name, opt) {name, (void **)&vmm__import_cu.field, opt}
         SYM(Init, "cuInit", false),
         SYM(CtxGetCurrent, "cuCtxGetCurrent", false),
         SYM(CtxSetCurrent, "cuCtxSetCurrent", false),
@@ -80,7 +80,7 @@ static void cuda_load(void)
         SYM(GetErrorName, "cuGetErrorName", true),
 #undef SYM
     };
-    (void)vmm__driver_load(syms, sizeof syms / sizeof syms[0], &vmm__cu, sizeof vmm__cu, cu_error, sizeof cu_error);
+    (void)vmm__driver_load(syms, sizeof syms / sizeof syms[0], &vmm__import_cu, sizeof vmm__import_cu, cu_error, sizeof cu_error);
 }
 
 vmm_status vmm__cuda_ready(void)
@@ -92,6 +92,6 @@ vmm_status vmm__cuda_ready(void)
 vmm_status vmm__cu_fail(const char *what, CUresult r)
 {
     const char *name = NULL;
-    if (!vmm__cu.GetErrorName || vmm__cu.GetErrorName(r, &name) != CUDA_SUCCESS || !name) name = "CUDA_ERROR_UNKNOWN";
+    if (!vmm__import_cu.GetErrorName || vmm__import_cu.GetErrorName(r, &name) != CUDA_SUCCESS || !name) name = "CUDA_ERROR_UNKNOWN";
     return set_err(VMM_ERR_CUDA, "%s failed: %s (%d)", what, name, (int)r);
 }

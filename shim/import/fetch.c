@@ -18,7 +18,7 @@
 
 void vmm__parts_release(multi_parts *p, uint32_t n_imported)
 {
-    for (uint32_t i = 0; i < n_imported; i++) (void)TWICE(vmm__cu.MemRelease(p->h[i]));
+    for (uint32_t i = 0; i < n_imported; i++) (void)TWICE(vmm__import_cu.MemRelease(p->h[i]));
     free(p->h);
     free(p->size);
     p->h = NULL;
@@ -135,7 +135,7 @@ static vmm_status import_handles(void *ctx, const int *fds, const uint64_t *size
     for (uint32_t i = 0; i < n; i++) {
         if (st == VMM_OK) {
             uint64_t t0 = vmm__now_ns();
-            CUresult cr = vmm__cu.MemImportFromShareableHandle(&p->h[first + i], (void *)(uintptr_t)fds[i],
+            CUresult cr = vmm__import_cu.MemImportFromShareableHandle(&p->h[first + i], (void *)(uintptr_t)fds[i],
                                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
             vmm__tm.import_ns += vmm__now_ns() - t0;
             if (cr != CUDA_SUCCESS) st = vmm__cu_fail("cuMemImportFromShareableHandle", cr);
@@ -258,7 +258,7 @@ vmm_status vmm__fetch_handle(vmm_registry *reg, const vmm_alloc_info *a, CUmemGe
     if (st != VMM_OK) return st;
     uint64_t t0 = vmm__now_ns();
     CUresult r =
-        vmm__cu.MemImportFromShareableHandle(handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+        vmm__import_cu.MemImportFromShareableHandle(handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     vmm__tm.import_ns = vmm__now_ns() - t0;
     close(fd); /* the driver keeps its own reference */
     return r == CUDA_SUCCESS ? VMM_OK : vmm__cu_fail("cuMemImportFromShareableHandle", r);

@@ -22,7 +22,7 @@ static vmm_status map_chunk(CUmemGenericAllocationHandle handle, size_t size, co
     CUresult r;
     const char *what;
     uint64_t t0 = vmm__now_ns();
-    r = vmm__cu.MemAddressReserve(&c->base, size, 0, 0, 0);
+    r = vmm__import_cu.MemAddressReserve(&c->base, size, 0, 0, 0);
     uint64_t t1 = vmm__now_ns();
     vmm__tm.reserve_ns = t1 - t0;
     bool reserved = false, mapped = false;
@@ -31,7 +31,7 @@ static vmm_status map_chunk(CUmemGenericAllocationHandle handle, size_t size, co
         goto undo;
     }
     reserved = true;
-    r = vmm__cu.MemMap(c->base, size, 0, c->handle, 0);
+    r = vmm__import_cu.MemMap(c->base, size, 0, c->handle, 0);
     uint64_t t2 = vmm__now_ns();
     vmm__tm.map_ns = t2 - t1;
     if (r != CUDA_SUCCESS) {
@@ -39,7 +39,7 @@ static vmm_status map_chunk(CUmemGenericAllocationHandle handle, size_t size, co
         goto undo;
     }
     mapped = true;
-    r = vmm__cu.MemSetAccess(c->base, size, acc, n);
+    r = vmm__import_cu.MemSetAccess(c->base, size, acc, n);
     vmm__tm.access_ns = vmm__now_ns() - t2;
     if (r != CUDA_SUCCESS) {
         what = "cuMemSetAccess";
@@ -65,7 +65,7 @@ static vmm_status map_multi(multi_parts *p, size_t size, const CUmemAccessDesc *
     CUresult r;
     const char *what = "cuMemAddressReserve";
     uint64_t t0 = vmm__now_ns();
-    r = vmm__cu.MemAddressReserve(&c->base, size, 0, 0, 0);
+    r = vmm__import_cu.MemAddressReserve(&c->base, size, 0, 0, 0);
     uint64_t t1 = vmm__now_ns();
     vmm__tm.reserve_ns = t1 - t0;
     c->size = size;
@@ -74,7 +74,7 @@ static vmm_status map_multi(multi_parts *p, size_t size, const CUmemAccessDesc *
         uint64_t at = 0;
         for (uint32_t i = 0; i < p->n && r == CUDA_SUCCESS; at += p->size[i++]) {
             what = "cuMemMap";
-            if ((r = vmm__cu.MemMap(c->base + at, p->size[i], 0, p->h[i], 0)) == CUDA_SUCCESS)
+            if ((r = vmm__import_cu.MemMap(c->base + at, p->size[i], 0, p->h[i], 0)) == CUDA_SUCCESS)
                 c->part_len[c->n_parts++] = p->size[i];
         }
     }
@@ -82,7 +82,7 @@ static vmm_status map_multi(multi_parts *p, size_t size, const CUmemAccessDesc *
     vmm__tm.map_ns = t2 - t1;
     if (r == CUDA_SUCCESS) {
         what = "cuMemSetAccess";
-        r = vmm__cu.MemSetAccess(c->base, size, acc, n);
+        r = vmm__import_cu.MemSetAccess(c->base, size, acc, n);
         vmm__tm.access_ns = vmm__now_ns() - t2;
     }
     vmm__parts_release(p, p->n); /* mapped, they keep their memory; unmapped, it goes */
@@ -92,8 +92,8 @@ static vmm_status map_multi(multi_parts *p, size_t size, const CUmemAccessDesc *
             uint64_t at = 0;
             bool kept = false;
             for (uint32_t i = 0; i < c->n_parts; at += c->part_len[i++])
-                kept |= TWICE(vmm__cu.MemUnmap(c->base + at, c->part_len[i])) != CUDA_SUCCESS;
-            if (!kept) (void)TWICE(vmm__cu.MemAddressFree(c->base, size));
+                kept |= TWICE(vmm__import_cu.MemUnmap(c->base + at, c->part_len[i])) != CUDA_SUCCESS;
+            if (!kept) (void)TWICE(vmm__import_cu.MemAddressFree(c->base, size));
         }
         free(c->part_len);
         c->part_len = NULL;

@@ -48,7 +48,7 @@ typedef struct cuda_api {
     CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
     CUresult (*GetErrorName)(CUresult, const char **);
 } cuda_api;
-extern cuda_api vmm__cu;
+extern cuda_api vmm__import_cu;
 
 /* The driver loaded, or VMM_ERR_CUDA and why. */
 vmm_status vmm__cuda_ready(void);

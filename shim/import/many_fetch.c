@@ -21,7 +21,7 @@ static void import_handle(many *m, uint32_t ui, uint32_t hi, int fd)
 {
     unit *u = &m->u[ui];
     uint64_t t0 = vmm__now_ns();
-    CUresult r = vmm__cu.MemImportFromShareableHandle(&u->h[hi], (void *)(uintptr_t)fd,
+    CUresult r = vmm__import_cu.MemImportFromShareableHandle(&u->h[hi], (void *)(uintptr_t)fd,
                                                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     __atomic_add_fetch(&m->import_ns, vmm__now_ns() - t0, __ATOMIC_RELAXED); /* vmm__mt is the calling thread's */
     close(fd); /* the driver keeps its own reference */
@@ -37,7 +37,7 @@ static void *import_worker(void *arg)
     many *m = arg;
     CUcontext cur = NULL;
     bool set =
-        vmm__cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur != m->ctx && vmm__cu.CtxSetCurrent(m->ctx) == CUDA_SUCCESS;
+        vmm__import_cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur != m->ctx && vmm__import_cu.CtxSetCurrent(m->ctx) == CUDA_SUCCESS;
     for (;;) {
         pthread_mutex_lock(&m->lock);
         while (m->q_next == m->q_len && !m->q_closed) pthread_cond_wait(&m->cv, &m->lock);
@@ -53,7 +53,7 @@ static void *import_worker(void *arg)
         else
             import_handle(m, j.unit, j.handle, j.fd);
     }
-    if (set) (void)vmm__cu.CtxSetCurrent(cur);
+    if (set) (void)vmm__import_cu.CtxSetCurrent(cur);
     return NULL;
 }
 
@@ -389,7 +389,7 @@ vmm_status vmm__many_fetch(many *m)
         if (u->got == u->n) continue;
         if (u->got) { /* an old broker that answered part of a stream: start the unit afresh */
             for (uint32_t k = 0; k < u->n; k++)
-                if (u->ok[k]) (void)TWICE(vmm__cu.MemRelease(u->h[k]));
+                if (u->ok[k]) (void)TWICE(vmm__import_cu.MemRelease(u->h[k]));
             memset(u->ok, 0, u->n);
             memset(u->alias, 0, u->n * sizeof *u->alias); /* only complete units are aliased to */
             u->got = 0;

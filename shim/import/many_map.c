@@ -111,20 +111,20 @@ static void *map_worker(void *arg)
     many *m = arg;
     CUcontext cur = NULL;
     bool set =
-        vmm__cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur != m->ctx && vmm__cu.CtxSetCurrent(m->ctx) == CUDA_SUCCESS;
+        vmm__import_cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur != m->ctx && vmm__import_cu.CtxSetCurrent(m->ctx) == CUDA_SUCCESS;
     for (;;) {
         size_t i = __atomic_fetch_add(&m->op_next, 1, __ATOMIC_RELAXED);
         if (i >= m->n_ops || vmm__many_failed(m)) break;
         map_op *op = &m->ops[i];
         uint64_t t0 = vmm__now_ns();
-        CUresult r = vmm__cu.MemMap(op->va, op->len, 0, op->h, 0);
+        CUresult r = vmm__import_cu.MemMap(op->va, op->len, 0, op->h, 0);
         __atomic_add_fetch(&m->map_ns, vmm__now_ns() - t0, __ATOMIC_RELAXED);
         if (r == CUDA_SUCCESS)
             op->done = true;
         else
             vmm__many_fail(m, vmm__cu_fail("cuMemMap", r));
     }
-    if (set) (void)vmm__cu.CtxSetCurrent(cur);
+    if (set) (void)vmm__import_cu.CtxSetCurrent(cur);
     return NULL;
 }
 
@@ -192,7 +192,7 @@ vmm_status vmm__many_map(many *m)
         for (size_t j = 0; j < m->cs[k].nv; j++) m->cs[k].shared[j] = sp[m->cs[k].shared[j] - 1].shared;
     free(sp);
     uint64_t t0 = vmm__now_ns();
-    CUresult r = vmm__cu.MemAddressReserve(&m->s->base, (size_t)total, 0, 0, 0);
+    CUresult r = vmm__import_cu.MemAddressReserve(&m->s->base, (size_t)total, 0, 0, 0);
     vmm__mt.reserve_ns += vmm__now_ns() - t0;
     vmm__mt.reserves++;
     if (r != CUDA_SUCCESS) {
@@ -217,7 +217,7 @@ vmm_status vmm__many_map(many *m)
             if (m->cs[j].at + m->cs[j].size > end) end = m->cs[j].at + m->cs[j].size;
         }
         uint64_t t1 = vmm__now_ns();
-        r = vmm__cu.MemSetAccess(m->s->base + m->cs[k].at, (size_t)(end - m->cs[k].at), m->cs[k].acc, m->cs[k].n_acc);
+        r = vmm__import_cu.MemSetAccess(m->s->base + m->cs[k].at, (size_t)(end - m->cs[k].at), m->cs[k].acc, m->cs[k].n_acc);
         vmm__mt.access_ns += vmm__now_ns() - t1;
         vmm__mt.access_calls++;
         if (r != CUDA_SUCCESS) return vmm__cu_fail("cuMemSetAccess", r);
@@ -233,8 +233,8 @@ void vmm__many_unmap(many *m)
     if (!m->s) return;
     bool kept = false;
     for (size_t i = 0; i < m->n_ops; i++)
-        if (m->ops[i].done) kept |= TWICE(vmm__cu.MemUnmap(m->ops[i].va, m->ops[i].len)) != CUDA_SUCCESS;
-    if (!kept && m->s->size) (void)TWICE(vmm__cu.MemAddressFree(m->s->base, m->s->size));
+        if (m->ops[i].done) kept |= TWICE(vmm__import_cu.MemUnmap(m->ops[i].va, m->ops[i].len)) != CUDA_SUCCESS;
+    if (!kept && m->s->size) (void)TWICE(vmm__import_cu.MemAddressFree(m->s->base, m->s->size));
     free(m->s->shared_refs);
     free(m->s);
     m->s = NULL;
@@ -246,7 +246,7 @@ static void consumer_drop(slab *s, const consumer *c)
     bool kept = false;
     for (size_t j = 0; j < c->nv; j++)
         if (vmm__mapping_last(s, c->shared, j))
-            kept |= TWICE(vmm__cu.MemUnmap(s->base + c->at + (c->v[j].at - c->v[0].at), (size_t)c->v[j].size)) !=
+            kept |= TWICE(vmm__import_cu.MemUnmap(s->base + c->at + (c->v[j].at - c->v[0].at), (size_t)c->v[j].size)) !=
                     CUDA_SUCCESS;
     if (!kept) (void)vmm__slab_put(s);
 }

@@ -169,7 +169,7 @@ void vmm__many_release_handles(many *m)
     for (size_t i = 0; i < m->n_units; i++) {
         unit *u = &m->u[i];
         for (uint32_t k = 0; k < u->n; k++)
-            if (u->ok[k]) (void)TWICE(vmm__cu.MemRelease(u->h[k]));
+            if (u->ok[k]) (void)TWICE(vmm__import_cu.MemRelease(u->h[k]));
         free(u->h);
         free(u->size);
         free(u->ok);

@@ -169,7 +169,7 @@ static void range_release_handles(range_plan *p)
             if (p->pc[k].parts.n)
                 vmm__parts_release(&p->pc[k].parts, p->pc[k].parts.n);
             else
-                (void)TWICE(vmm__cu.MemRelease(p->pc[k].handle));
+                (void)TWICE(vmm__import_cu.MemRelease(p->pc[k].handle));
         }
 }
 
@@ -184,13 +184,13 @@ vmm_status vmm__range_unmap(range_map *m)
      * not freed under a mapping the driver kept */
     for (size_t k = 0; k < m->n; k++)
         if (vmm__mapping_last(m->slab, m->shared, k) &&
-            (r = TWICE(vmm__cu.MemUnmap(m->base + m->map[k].at, m->map[k].len))) != CUDA_SUCCESS && st == VMM_OK)
+            (r = TWICE(vmm__import_cu.MemUnmap(m->base + m->map[k].at, m->map[k].len))) != CUDA_SUCCESS && st == VMM_OK)
             st = vmm__cu_fail("cuMemUnmap", r);
     if (m->size && st == VMM_OK && m->slab)
         st = vmm__slab_put(m->slab);
-    else if (m->size && st == VMM_OK && (r = TWICE(vmm__cu.MemAddressFree(m->base, m->size))) != CUDA_SUCCESS)
+    else if (m->size && st == VMM_OK && (r = TWICE(vmm__import_cu.MemAddressFree(m->base, m->size))) != CUDA_SUCCESS)
         st = vmm__cu_fail("cuMemAddressFree", r);
-    if (switched) (void)TWICE(vmm__cu.CtxSetCurrent(cur));
+    if (switched) (void)TWICE(vmm__import_cu.CtxSetCurrent(cur));
     free(m->shared);
     free(m);
     return st;
@@ -273,7 +273,7 @@ static vmm_status range_map_all(const range_plan *p, CUcontext ctx, const CUmemA
     memset(m, 0, sizeof *m);
     m->ctx = ctx;
     size_t total = (size_t)(v[n - 1].at + v[n - 1].size - v[0].at);
-    CUresult r = vmm__cu.MemAddressReserve(&m->base, total, 0, 0, 0);
+    CUresult r = vmm__import_cu.MemAddressReserve(&m->base, total, 0, 0, 0);
     if (r != CUDA_SUCCESS) {
         free(m);
         free(v);
@@ -282,7 +282,7 @@ static vmm_status range_map_all(const range_plan *p, CUcontext ctx, const CUmemA
     m->size = total;
     for (size_t k = 0; k < n; k++) {
         size_t at = (size_t)(v[k].at - v[0].at), len = (size_t)v[k].size;
-        if ((r = vmm__cu.MemMap(m->base + at, len, 0, v[k].handle, 0)) != CUDA_SUCCESS) {
+        if ((r = vmm__import_cu.MemMap(m->base + at, len, 0, v[k].handle, 0)) != CUDA_SUCCESS) {
             (void)vmm__range_unmap(m);
             free(v);
             return vmm__cu_fail("cuMemMap", r);
@@ -292,7 +292,7 @@ static vmm_status range_map_all(const range_plan *p, CUcontext ctx, const CUmemA
     }
     *ptr = (uint64_t)m->base + (p->address - v[0].at);
     free(v);
-    if ((r = vmm__cu.MemSetAccess(m->base, m->size, acc, n_acc)) != CUDA_SUCCESS) {
+    if ((r = vmm__import_cu.MemSetAccess(m->base, m->size, acc, n_acc)) != CUDA_SUCCESS) {
         (void)vmm__range_unmap(m);
         return vmm__cu_fail("cuMemSetAccess", r);
     }
