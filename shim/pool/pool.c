@@ -391,8 +391,9 @@ static void va_put(vmm__pool *p, uint64_t base, uint64_t size)
 }
 
 /* An arena with no segment holds only free, unmapped blocks: its address space goes back, but
- * for the last one's, which holds no memory either (va_put). */
-static void arena_drop(vmm__pool *p, vmm__arena *a)
+ * for the last one given back, which holds no memory either (va_put).  One whose growth failed
+ * goes whole: a program that fails to allocate and exits leaves nothing reserved, as natively. */
+static void arena_drop(vmm__pool *p, vmm__arena *a, int keep_va)
 {
     for (vmm__arena **pp = &p->arenas; *pp; pp = &(*pp)->next)
         if (*pp == a) {
@@ -406,7 +407,8 @@ static void arena_drop(vmm__pool *p, vmm__arena *a)
         b->event = NULL;
         block_recycle(p, b);
     }
-    va_put(p, a->base, a->size);
+    if (keep_va) va_put(p, a->base, a->size);
+    else p->ops.unreserve(p->ops.ctx, a->base, a->size);
     free(a->seg);
     free(a->blk);
     free(a);
@@ -426,7 +428,7 @@ static void seg_release(vmm__pool *p, vmm__seg *s)
     p->segs_released++;
     p->ops.seg_destroy(p->ops.ctx, s);
     free(s);
-    if (--a->n_segs == 0 && !a->n_retired) arena_drop(p, a);
+    if (--a->n_segs == 0 && !a->n_retired) arena_drop(p, a, 1);
 }
 
 /* Empty segment s goes back unless a free in flight still touches it: the bytes given back. */
@@ -570,7 +572,7 @@ static void retired_poll(vmm__pool *p)
         r->fnext = NULL;
         vmm__arena *a = r->arena;
         retired_done(p, r);
-        if (!a->n_segs && !a->n_retired) arena_drop(p, a);
+        if (!a->n_segs && !a->n_retired) arena_drop(p, a, 1);
     }
 }
 
@@ -789,7 +791,7 @@ static vmm__block *grow(vmm__pool *p, int small, uint64_t need, uint64_t align, 
         x = s->base + s->size;
         untouch(p, s, &now);
     }
-    if (!a->n_segs && !a->n_retired) arena_drop(p, a);
+    if (!a->n_segs && !a->n_retired) arena_drop(p, a, 0);
     return got;
 }
 
