@@ -23,7 +23,8 @@ if [ ! -f "$out/root/usr/include/cuda_runtime_api.h" ] || [ ! -e "$out/root/usr/
   dpkg-deb --fsys-tarfile "$apt"/nvidia-cuda-dev_*.deb | tar -xf - -C "$out/root" --wildcards './usr/include/*'
   rm -f "$apt"/*.deb
 fi
-cp -a "$out/root/usr/lib/x86_64-linux-gnu/"libcudart.so.11* "$out/"
+rm -f "$out"/libcudart.so.11*
+cp -L "$out/root/usr/lib/x86_64-linux-gnu/libcudart.so.11.0" "$out/"
 grep -q 'define CUDART_VERSION  *11080' "$out/root/usr/include/cuda_runtime_api.h"
 "$CC" -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -O2 -I"$out/root/usr/include" tests/cuda11/cuda11_prog.c \
   -o "$out/cuda11_prog" "$out/libcudart.so.11.0" -Wl,-rpath,'$ORIGIN'
