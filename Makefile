@@ -244,8 +244,14 @@ install: all
 # One platform wheel (no extension module): the shim with libunwind beside it, the client library,
 # vmmctl (a script on PATH), vmmshim.h and the Python package, with `vmmshim run` and `vmmshim
 # doctor` (tools/python/build_wheel.py; no network, no wheel package: zipfile and a RECORD).
+# patchelf (Debian's, as auditwheel uses it) gives the bundled libunwind.so.8 its RUNPATH.
 WHEEL_DIR ?= $(BUILD)/dist
 wheel: $(SHIM_SO) $(CLIENT_SO) $(VMMCTL)
+	@if ! command -v patchelf >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then echo "vmmshim: installing patchelf"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq patchelf) >/dev/null || exit 1; \
+	  else echo "vmmshim: error: make wheel needs patchelf; run: sudo apt-get install -y patchelf"; exit 1; fi; \
+	fi
 	@python3 tools/python/build_wheel.py --build $(BUILD) --out $(WHEEL_DIR)
 
 # CUDA 11.8's runtime and headers from Debian bookworm's non-free component (a private apt source

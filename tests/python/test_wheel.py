@@ -160,6 +160,8 @@ def test_build(tmp):
     lib = os.path.join(x, "vmmshim", "_native", "lib")
     dyn = run(["readelf", "-d", os.path.join(lib, "libvmmshim.so")]).stdout
     T.check(re.search(r"\(RPATH\)\s+Library rpath: \[\$ORIGIN\]", dyn), f"the shim's RPATH is $ORIGIN: {dyn}")
+    dyn = run(["readelf", "-d", os.path.join(lib, "libunwind.so.8")]).stdout
+    T.check(re.search(r"\(RUNPATH\)\s+Library runpath: \[\$ORIGIN\]", dyn), f"libunwind's RUNPATH is $ORIGIN: {dyn}")
     for f in ("libvmmshim.so", "libvmmshim-client.so"):
         d = run(["readelf", "-d", os.path.join(lib, f)]).stdout
         T.check(not re.search(r"NEEDED.*lib(cuda|cudart)", d), f"{f} links no libcuda/libcudart")
@@ -230,6 +232,7 @@ def test_run(tmp, venv):
                           "tag = from-config\n")
     # an LD_PRELOAD already there: the marker, and the same shim once more (not to be doubled)
     env["LD_PRELOAD"] = f"{marker} {shim}"
+    env["VMMSHIM_FRAMES"] = "2"
     r = run(["vmmshim", "run", "--tag", "wheel-test", "--config", conf, "--", "python", child], env=env, cwd=tmp)
     T.check(r.returncode == 0, f"vmmshim run -- python child.py: rc {r.returncode}: {r.stdout}{r.stderr[-800:]}")
     got = {line.split()[0]: line for line in r.stdout.splitlines() if " pid=" in line}
@@ -240,6 +243,19 @@ def test_run(tmp, venv):
     rec = next((line for line in r.stdout.splitlines() if line.startswith("grandchild record")), "")
     T.check("api=cuMemAlloc" in rec and "tag=wheel-test" in rec and "exportable=1" in rec and venv in rec,
             f"the grandchild's allocation is published with the tag: {rec!r}")
+    # VMMSHIM_FRAMES: the shim opens libunwind.so.8 beside it, and that its liblzma.so.5 beside it (in
+    # a C program: a Python one may have the system's liblzma loaded already, which is then shared)
+    owner = harness.LineProcess(["vmmshim", "run", "--", str(BUILD / "progs" / "owner"), "1"],
+                                venv_env(venv, VMMSHIM_FRAMES="2"))
+    try:
+        ready = owner.readline(60).split()
+        maps = open(f"/proc/{ready[1]}/maps").read().splitlines() if len(ready) > 1 else []
+        lib = os.path.dirname(shim)
+        got = sorted({m.split()[-1] for m in maps if "/libunwind.so" in m or "/liblzma.so" in m})
+        T.check(got == [f"{lib}/liblzma.so.5", f"{lib}/libunwind.so.8"],
+                f"VMMSHIM_FRAMES: libunwind.so.8 and its liblzma.so.5 from beside the shim: {ready} {got}")
+    finally:
+        owner.end()
     r = run(["vmmshim", "run", "--config", conf, "--", "python", child], env=venv_env(venv), cwd=tmp)
     rec = next((line for line in r.stdout.splitlines() if line.startswith("grandchild record")), "")
     T.check(r.returncode == 0 and "tag=from-config" in rec, f"--config reaches the shim: {rec!r} {r.stderr[-300:]}")
@@ -278,7 +294,12 @@ def test_keep(tmp, venv):
     T.check(f"keepers still hold pid {pid}" in r.stderr and r.stderr.count("\n") == 1,
             f"one line says the memory is kept: {r.stderr}")
     log = re.search(r"keeper log (\S+)", r.stderr)
-    if T.check(log and f"pid {pid} killed by signal 9" in open(log.group(1)).read(), "the keeper's log says so"):
+    said = ""
+    deadline = time.monotonic() + 10
+    while log and f"pid {pid} killed by signal 9" not in said and time.monotonic() < deadline:
+        said = open(log.group(1)).read()
+        time.sleep(0.05)
+    if T.check(f"pid {pid} killed by signal 9" in said, f"the keeper's log says how the child ended: {said}"):
         os.unlink(log.group(1))
     reg = vmmshim.Registry()
     try:

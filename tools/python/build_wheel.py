@@ -4,8 +4,9 @@ standard library (zipfile and a RECORD; no setuptools or wheel package), byte fo
 the same inputs.  It holds no Python extension module, so one wheel serves every CPython 3.8+:
 
     vmmshim/                    the Python package (tools/python/vmmshim)
-    vmmshim/_native/lib/        libvmmshim.so (RPATH $ORIGIN) with libunwind.so.8 and what that
-                                links (ldd: liblzma.so.5) beside it, libvmmshim-client.so
+    vmmshim/_native/lib/        libvmmshim.so (RPATH $ORIGIN) with libunwind.so.8 (RUNPATH $ORIGIN,
+                                set with patchelf) and what that links (ldd: liblzma.so.5) beside
+                                it, libvmmshim-client.so
     vmmshim/_native/bin/vmmctl  run through the `vmmctl` console script
     vmmshim/_native/include/    vmmshim.h and every local header it includes
     vmmshim/_native/share/      vmmshim.conf, every option at its default
@@ -57,7 +58,10 @@ def version():
 
 
 def run(*argv):
-    r = subprocess.run(argv, capture_output=True, text=True)
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True)
+    except FileNotFoundError:
+        die(f"{argv[0]} is missing (make wheel installs it as root; else: sudo apt-get install -y {argv[0]})")
     if r.returncode != 0:
         die(f"{' '.join(argv)}: {r.stderr.strip()}")
     return r.stdout
@@ -115,6 +119,19 @@ def headers():
     return found
 
 
+def patched_unwind(unwind, out):
+    """libunwind.so.8's bytes with RUNPATH $ORIGIN (patchelf, as auditwheel does): the shim opens it by
+    path, and a dlopen'ed library's own dependencies (liblzma.so.5) are searched by its own RUNPATH,
+    never by the RPATH of the library that opened it."""
+    tmp = out / ".libunwind.so.8"
+    tmp.write_bytes(unwind.read_bytes())
+    try:
+        run("patchelf", "--set-rpath", "$ORIGIN", str(tmp))
+        return tmp.read_bytes()
+    finally:
+        tmp.unlink()
+
+
 def urlsafe_sha256(data):
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
@@ -138,14 +155,18 @@ def main():
         cuda = [n for n in needed if re.match(r"lib(cuda|cudart)\.so", n)]
         if cuda:
             die(f"{f.name} links {', '.join(cuda)}: the driver and runtime must be found at run time")
+        san = [n for n in needed if re.match(r"lib(asan|tsan|ubsan|hwasan|msan)\.so", n)]
+        if san:
+            die(f"{f.name} links {', '.join(san)}: a sanitizer build; make the wheel from the plain build")
     if "RPATH $ORIGIN" not in dynamic(shim)[1]:
         die(f"{shim} has no RPATH $ORIGIN (readelf -d): rebuild it with this Makefile")
 
+    out.mkdir(parents=True, exist_ok=True)
     native = "vmmshim/_native/"
     files = {}  # name in the wheel -> (bytes, executable)
     files[native + "lib/libvmmshim.so"] = (shim.read_bytes(), True)
     files[native + "lib/libvmmshim-client.so"] = (client.read_bytes(), True)
-    files[native + "lib/libunwind.so.8"] = (unwind.read_bytes(), True)
+    files[native + "lib/libunwind.so.8"] = (patched_unwind(unwind, out), True)
     for soname, real in sorted(ldd_deps(unwind).items()):
         files[native + "lib/" + soname] = (real.read_bytes(), True)
     files[native + "bin/vmmctl"] = (vmmctl.read_bytes(), True)
@@ -158,7 +179,6 @@ def main():
     # the platform: the newest glibc any bundled ELF file needs
     elves = [n for n, (data, _) in files.items() if data[:4] == b"\x7fELF"]
     tmp = out / ".glibc-probe"
-    out.mkdir(parents=True, exist_ok=True)
     need, by = (2, 17), "-"
     for n in elves:
         tmp.write_bytes(files[n][0])

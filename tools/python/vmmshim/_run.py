@@ -170,6 +170,24 @@ class _Keepers:
                                               stdout=self.log, stderr=self.log, env=self.env_for_keeper(),
                                               start_new_session=True)
 
+    def wait_told(self, pid, timeout):
+        """Until the keeper of pid (if one of ours) has found how it ended, or nobody keeps it."""
+        if self.kept.get(pid) is None:
+            return
+        import ctypes
+        from . import Registry, Error, _lib
+        deadline = time.monotonic() + timeout
+        try:
+            with Registry(self.env.get("VMMSHIM_REGISTRY") or None) as reg:
+                info = _lib.KeeperInfo()
+                while time.monotonic() < deadline:
+                    st = _lib.lib().vmm_keeper_of(reg._h(), pid, ctypes.byref(info))
+                    if st != _lib.OK or info.end_kind != 0:
+                        return
+                    time.sleep(0.01)
+        except Error:
+            return
+
     def env_for_keeper(self):
         env = dict(self.env)
         env.pop("LD_PRELOAD", None)  # the keeper is no CUDA program
@@ -226,14 +244,20 @@ def main(argv):
         signal.signal(sig, forward)
     for sig in (signal.SIGINT, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_IGN)
-    while True:
-        try:
-            rc = child.wait()
-            break
-        except InterruptedError:
-            continue
+    # Ended, but not reaped yet: the keeper reads how its process ended from the zombie
+    # (/proc/PID/stat), so it is left there until the keeper has said (2 s at most).
+    try:
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+        keepers.wait_told(child.pid, 2.0)
+    except ChildProcessError:
+        pass
+    rc = child.wait()
     holding = keepers.finish()
-    how = f"killed by signal {-rc} ({signal.Signals(-rc).name})" if rc < 0 else f"exited with code {rc}"
+    try:
+        name = f" ({signal.Signals(-rc).name})" if rc < 0 else ""
+    except ValueError:
+        name = ""
+    how = f"killed by signal {-rc}{name}" if rc < 0 else f"exited with code {rc}"
     if holding:
         crashed = rc != 0
         pids = " ".join(str(p) for p in sorted(holding))
