@@ -44,6 +44,8 @@ CLIENT_A := $(BUILD)/libvmmshim-client.a
 VMMCTL   := $(BUILD)/vmmctl
 FAKE_SO  := $(BUILD)/fakecuda/libcuda.so.1
 FAKERT_SO:= $(BUILD)/fakecuda/libcudart.so.13
+FAKERT11_SO := $(BUILD)/fakecuda11/libcudart.so.11.0
+CUDA11_EMU  := $(BUILD)/progs11/cuda11_prog
 PROGS    := $(patsubst tests/progs/%.c,$(BUILD)/progs/%,$(PROG_SRC))
 TESTS    := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC) $(HELPER_SRC))
 FUZZ_REPLAY := $(patsubst %,$(BUILD)/tests/test_fuzz_%,$(FUZZ_TARGETS))
@@ -52,8 +54,8 @@ CHECKSUMS_SO := $(BUILD)/tests/libchecksums.so
 TRACE_SO := $(BUILD)/tests/liballoc_trace.so
 PUBLIC_H := $(BUILD)/include/vmmshim.h
 
-.PHONY: all deps fuzz-deps test check fuzz fuzz-seeds test-gpu test-matrix bench-gpu demo install clean
-all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(TESTS) $(FUZZ_REPLAY) $(GEN_SEEDS) $(PROGS) $(CHECKSUMS_SO) $(TRACE_SO) $(PUBLIC_H)
+.PHONY: all deps fuzz-deps test check fuzz fuzz-seeds test-gpu test-matrix bench-gpu demo install wheel cuda11 clean
+all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(FAKERT11_SO) $(CUDA11_EMU) $(TESTS) $(FUZZ_REPLAY) $(GEN_SEEDS) $(PROGS) $(CHECKSUMS_SO) $(TRACE_SO) $(PUBLIC_H)
 
 # Debian packages the build needs; installed when root, otherwise the exact command is printed.
 deps:
@@ -73,8 +75,11 @@ $(CORE_A): $(call obj,$(CORE_SRC))
 # The shim.  libcuda/libcudart are never linked (found at run time).  Debian's libunwind.a is not
 # PIC, so libunwind.so.8 ships beside the shim and is dlopen'ed privately (frames.c says why).
 # The import mechanism goes in too: emulated legacy IPC imports through it (its symbols stay local).
+# RPATH (not RUNPATH) $ORIGIN: what libunwind.so.8 needs (liblzma.so.5) is found beside the shim
+# too, where a wheel or an install puts it (make wheel).
 $(SHIM_SO): $(call obj,$(SHIM_SRC)) $(IMPORT_A) $(CORE_A) shim/vmmshim.map
-	$(CC) -shared $(LDFLAGS) -Wl,--version-script=shim/vmmshim.map -Wl,-z,defs -o $@ \
+	$(CC) -shared $(LDFLAGS) -Wl,--version-script=shim/vmmshim.map -Wl,-z,defs \
+	  -Wl,--disable-new-dtags,-rpath,'$$ORIGIN' -o $@ \
 	  $(call obj,$(SHIM_SRC)) $(IMPORT_A) $(CORE_A) $(LDLIBS)
 	cp -L $$($(CC) -print-file-name=libunwind.so.8) $(BUILD)/libunwind.so.8
 	@if readelf -d $@ | grep -E 'NEEDED.*lib(cuda|cudart)' ; then echo "vmmshim: error: $@ must not link libcuda or libcudart"; rm -f $@; exit 1; fi
@@ -111,6 +116,20 @@ $(FAKE_SO): $(call obj,$(FAKE_SRC))
 $(FAKERT_SO): $(call obj,$(FAKERT_SRC)) $(FAKE_SO) tests/fakecudart/cudart.map
 	$(CC) -shared $(LDFLAGS) -Wl,-soname,libcudart.so.13 -Wl,--version-script=tests/fakecudart/cudart.map -o $@ \
 	  $(call obj,$(FAKERT_SRC)) -L$(BUILD)/fakecuda -l:libcuda.so.1 $(LDLIBS)
+
+# The same emulated runtime as CUDA 11's libcudart.so.11.0 (soname and version node), so CI runs a
+# program linked against CUDA 11's runtime under the shim (tests/cuda11, tests/python/test_cuda11.py).
+$(FAKERT11_SO): $(call obj,$(FAKERT_SRC)) $(FAKE_SO) tests/fakecudart/cudart.map
+	@mkdir -p $(dir $@)
+	sed 's/libcudart\.so\.13/libcudart.so.11.0/' tests/fakecudart/cudart.map > $(BUILD)/fakecuda11/cudart.map
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,libcudart.so.11.0 -Wl,--version-script=$(BUILD)/fakecuda11/cudart.map -o $@ \
+	  $(call obj,$(FAKERT_SRC)) -L$(BUILD)/fakecuda -l:libcuda.so.1 $(LDLIBS)
+
+# tests/cuda11/cuda11_prog.c linked against that libcudart.so.11.0 (CUDA 13's headers: the calls it
+# makes are the same in both); `make cuda11` builds it against CUDA 11.8's own headers and runtime.
+$(CUDA11_EMU): $(BUILD)/obj/tests/cuda11/cuda11_prog.o $(FAKERT11_SO)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $< -L$(BUILD)/fakecuda11 -l:libcudart.so.11.0 -L$(BUILD)/fakecuda -l:libcuda.so.1 $(LDLIBS)
 
 # Plain CUDA runtime programs the tests run natively and under the shim (on the GPU machine the
 # same sources build against NVIDIA's libcudart: tests/gpu/run.sh).
@@ -229,6 +248,26 @@ install: all
 	install -m 644 $(PUBLIC_H) $(DESTDIR)$(PREFIX)/include/
 	install -m 644 config/vmmshim.conf $(DESTDIR)$(PREFIX)/share/vmmshim/
 	sed -e 's|@PREFIX@|$(PREFIX)|g' tools/client/vmmshim.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/vmmshim.pc
+
+# One platform wheel (no extension module): the shim with libunwind beside it, the client library,
+# vmmctl (a script on PATH), vmmshim.h and the Python package, with `vmmshim run` and `vmmshim
+# doctor` (tools/python/build_wheel.py; no network, no wheel package: zipfile and a RECORD).
+# patchelf (Debian's, as auditwheel uses it) gives the bundled libunwind.so.8 its RUNPATH.
+WHEEL_DIR ?= $(BUILD)/dist
+wheel: $(SHIM_SO) $(CLIENT_SO) $(VMMCTL)
+	@if ! command -v patchelf >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then echo "vmmshim: installing patchelf"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq patchelf) >/dev/null || exit 1; \
+	  else echo "vmmshim: error: make wheel needs patchelf; run: sudo apt-get install -y patchelf"; exit 1; fi; \
+	fi
+	@python3 tools/python/build_wheel.py --build $(BUILD) --out $(WHEEL_DIR)
+
+# CUDA 11.8's runtime and headers from Debian bookworm's non-free component (a private apt source
+# list under build/cuda11: the system's sources are left alone; nvidia-cuda-dev is a 774 MB
+# download, of which only /usr/include is kept), and tests/cuda11/cuda11_prog built against them,
+# for the GPU machine: tests/gpu/cuda11.sh.
+cuda11: $(SHIM_SO) $(VMMCTL)
+	@BUILD=$(BUILD) CC=$(CC) tests/cuda11/build.sh
 
 clean:
 	rm -rf build build-asan build-ubsan build-tsan $(FUZZ_BUILD)

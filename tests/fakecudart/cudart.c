@@ -50,6 +50,21 @@ static cudaError_t ensure_ctx(void)
         if (e_ != cudaSuccess) return ret(e_);                                                          \
     } while (0)
 
+/* The version of the headers it was built with (CUDA 13's, also as tests' libcudart.so.11.0); the
+ * driver's from the driver, as NVIDIA's runtime reports it. */
+API cudaError_t cudaRuntimeGetVersion(int *v)
+{
+    if (!v) return ret(cudaErrorInvalidValue);
+    *v = CUDART_VERSION;
+    return cudaSuccess;
+}
+
+API cudaError_t cudaDriverGetVersion(int *v)
+{
+    if (!v) return ret(cudaErrorInvalidValue);
+    return ret(map(cuDriverGetVersion(v)));
+}
+
 API cudaError_t cudaGetDeviceCount(int *n)
 {
     cuInit(0);

@@ -2,8 +2,14 @@
 the same table and, with --json, byte for byte the same JSON (age_s aside, which ticks); --names
 lists the tensors living processes publish by name, as `vmmctl list --names`.  The registry is
 --registry, else $VMMSHIM_REGISTRY, else the per-user one: unlike vmmctl, no VMMSHIM_CONFIG file is
-read.  Exit status: 0 ok, 1 the registry could not be read, 2 usage error; every error is one line."""
+read.  Exit status: 0 ok, 1 the registry could not be read, 2 usage error; every error is one line.
+
+python -m vmmshim run [--tag T] [--config F] [--keep] [--] CMD [ARGS...]: CMD under the shim
+(_run.py).  python -m vmmshim doctor: whether the shim can work here (_doctor.py).  python -m
+vmmshim path shim|client|lib|include|vmmctl: where the installed parts are (for LD_PRELOAD, -I,
+-L).  The wheel's `vmmshim` console script is this module."""
 import argparse
+import os
 import sys
 import time
 
@@ -179,8 +185,42 @@ def _pid(text):
     return int(text)
 
 
-def main(argv=None):
-    p = _Parser(prog="python -m vmmshim", description="Inspect the vmmshim registry (as vmmctl).")
+PATHS = {"shim": "shim_lib", "client": None, "lib": "lib_dir", "include": "include_dir", "vmmctl": "vmmctl"}
+
+
+def _path(argv, prog):
+    from . import _paths
+    if len(argv) != 1 or argv[0] not in PATHS:
+        sys.stderr.write(f"vmmshim: error: path takes one of {', '.join(PATHS)} (see {prog} --help)\n")
+        return 2
+    what = argv[0]
+    if what == "client":
+        found = next((p for p in _paths.client_lib_candidates() if os.path.isfile(p)), None)
+    else:
+        found = getattr(_paths, PATHS[what])()
+    if not found:
+        sys.stderr.write(f"vmmshim: error: {what}: not found (not bundled, no build/)\n")
+        return 1
+    print(os.path.abspath(found))
+    return 0
+
+
+def main(argv=None, prog="python -m vmmshim"):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # run takes CMD's own options after its own, and doctor and path take none of list's: neither
+    # goes through list's parser
+    if argv and argv[0] == "run":
+        from . import _run
+        return _run.main(argv[1:])
+    if argv and argv[0] == "doctor":
+        from . import _doctor
+        return _doctor.main(argv[1:])
+    if argv and argv[0] == "path":
+        return _path(argv[1:], prog)
+    p = _Parser(prog=prog, description="Inspect the vmmshim registry (as vmmctl); run a program under the shim "
+                "(run); check that the shim can work here (doctor); print where its parts are (path).",
+                epilog="also: run [--tag T] [--config F] [--keep] [--] CMD [ARGS...]  |  doctor  |  "
+                "path shim|client|lib|include|vmmctl   (run -h, doctor -h)")
     p.add_argument("--registry", metavar="NAME", help="registry name (default: $VMMSHIM_REGISTRY, else per user)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     ls = sub.add_parser("list", help="one row per live allocation")
@@ -200,6 +240,11 @@ def main(argv=None):
     sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
     sys.stdout.flush()
     return 0
+
+
+def entry():
+    """The `vmmshim` console script."""
+    sys.exit(main(prog="vmmshim"))
 
 
 if __name__ == "__main__":

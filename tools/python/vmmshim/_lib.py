@@ -4,10 +4,10 @@ and the functions' prototypes.  The library is loaded on first use, so that impo
 import ctypes
 import ctypes.util
 import os
-import pathlib
 import struct
 import threading
 
+from . import _paths
 from ._errors import LibraryNotFound
 
 c_u8, c_u32, c_u64, c_i32, c_int = ctypes.c_uint8, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int
@@ -185,20 +185,19 @@ _PROTOTYPES = {
     "vmm_keeper_of": (c_int, [_P, c_u32, ctypes.POINTER(KeeperInfo)]),
 }
 
-SOURCE_TREE_LIB = pathlib.Path(__file__).resolve().parents[3] / "build" / "libvmmshim-client.so"
+# a source tree's build (this package run from tools/python)
+SOURCE_TREE_LIB = _paths.SOURCE_BUILD / "libvmmshim-client.so"
 
 _lock = threading.Lock()
 _loaded = None
 
 
 def _candidates():
-    env = os.environ.get("VMMSHIM_CLIENT_LIB")
-    if env:
-        yield env  # named explicitly: nothing else is a good substitute
+    # VMMSHIM_CLIENT_LIB alone when set (named explicitly: nothing else is a good substitute); else
+    # the wheel's own (vmmshim/_native/lib), a source tree's build/, the loader's search (_paths.py)
+    yield from _paths.client_lib_candidates()
+    if os.environ.get("VMMSHIM_CLIENT_LIB"):
         return
-    if SOURCE_TREE_LIB.exists():
-        yield str(SOURCE_TREE_LIB)
-    yield "libvmmshim-client.so"
     # last: it runs ldconfig (or a compiler), which takes a while
     by_ldconfig = ctypes.util.find_library("vmmshim-client")
     if by_ldconfig:
