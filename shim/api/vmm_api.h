@@ -122,6 +122,8 @@ typedef struct vmm_proc_info {
                                     program's own memory pool current, the driver refused */
     uint64_t maps_adopted;       /* ranges the program mapped itself, made exportable */
     uint64_t peak_requested;     /* highest bytes_requested since it started */
+    uint64_t unpublished;        /* of allocs_backed, those the registry was too full to publish
+                                    (0 for an owner whose shim predates the count) */
 } vmm_proc_info;
 
 typedef struct vmm_registry_info {

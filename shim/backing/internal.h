@@ -120,6 +120,7 @@ typedef struct vmm__state {
     uint64_t free_seq;             /* stream-ordered frees so far: orders them against synchronizations */
     char tag[32];
     int captures;                  /* streams being captured right now, process-wide (vmm__capture_begun) */
+    int unpublished_said;          /* the line about an allocation the registry had no room for is out (records.c) */
     device_state dev[MAX_DEVICES];
 } vmm__state;
 

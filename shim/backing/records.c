@@ -3,6 +3,7 @@
  * before the memory can be reused; one per range the program maps itself (adopt.c's); and one,
  * flagged not exportable, per allocation the real allocator made that the shim notes.  The
  * coverage counters say which of these became of each allocation (state.c keeps them). */
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,6 +24,29 @@ static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream
     memcpy(d->tag, vmm__S.tag, sizeof d->tag);
     d->n_frames = f->n;
     memcpy(d->frames, f->pc, f->n * sizeof f->pc[0]); /* the rest stays zero: no stack bytes in shared memory */
+}
+
+/* An allocation the shim backed that got no record: counted (layout.h, COVERAGE: unpublished),
+ * and said once.  Once per process, not once per time the registry fills: the line tells what
+ * happened and where to look, the counter in `vmmctl ps` tells how often, and a registry
+ * hovering at its capacity (a free, then an allocation that fits, then one that does not) would
+ * otherwise say it again at every turn.  A fork child says it again (after_fork_child): it is
+ * another process, with a record and counters of its own. */
+static void unpublished_locked(int rc)
+{
+    vmm__count(&vmm__coverage_now()->unpublished);
+    if (vmm__S.unpublished_said) return;
+    vmm__S.unpublished_said = 1;
+    if (rc == -ENOSPC)
+        vmm__log(VMM__LOG_WARNING,
+                 "the registry is full (%llu records): this and later allocations go unpublished, counted in vmmctl ps "
+                 "(raise VMMSHIM_REGISTRY_CAPACITY)",
+                 (unsigned long long)vmm__S.reg.hdr->capacity);
+    else
+        vmm__log(VMM__LOG_WARNING,
+                 "cannot publish an allocation in the registry (%s): it and later ones that cannot go unpublished, "
+                 "counted in vmmctl ps",
+                 strerror(-rc));
 }
 
 /* One record per allocation: bound (and indexed) at its address and extent, published with the
@@ -57,9 +81,10 @@ void vmm__publish_locked(vmm__block *b, CUstream stream, const vmm__frames *f)
         }
     }
     vmm_reg_alloc out;
-    if (vmm__reg_add(&vmm__S.reg, b->addr, b->size, &d, &b->slot, &out) != 0) {
+    int rc = vmm__reg_add(&vmm__S.reg, b->addr, b->size, &d, &b->slot, &out);
+    if (rc != 0) {
         b->slot = NO_SLOT;
-        vmm__log(VMM__LOG_WARNING, "the registry is full: allocations go unpublished (raise VMMSHIM_REGISTRY_CAPACITY)");
+        unpublished_locked(rc);
         return;
     }
     b->generation = out.generation;

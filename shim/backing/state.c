@@ -89,10 +89,11 @@ static void print_coverage(const vmm_reg_proc *c)
     uint64_t cap = __atomic_load_n(&c->passed_capture, __ATOMIC_RELAXED), full = __atomic_load_n(&c->passed_device_full, __ATOMIC_RELAXED);
     uint64_t uns = __atomic_load_n(&c->passed_unsupported, __ATOMIC_RELAXED), maps = __atomic_load_n(&c->maps_adopted, __ATOMIC_RELAXED);
     char peak[32];
-    vmm__log_report("stats: pid %d: %llu allocation%s, %llu backed and exportable, %llu passed through (capture %llu, "
-                    "device full %llu, unsupported %llu, disabled %llu), %llu cuMemMap range%s adopted, peak %s",
+    vmm__log_report("stats: pid %d: %llu allocation%s, %llu backed and exportable (%llu unpublished), %llu passed through "
+                    "(capture %llu, device full %llu, unsupported %llu, disabled %llu), %llu cuMemMap range%s adopted, peak %s",
                     (int)getpid(), (unsigned long long)(made + dis), made + dis == 1 ? "" : "s",
                     (unsigned long long)__atomic_load_n(&c->allocs_backed, __ATOMIC_RELAXED),
+                    (unsigned long long)__atomic_load_n(&c->unpublished, __ATOMIC_RELAXED),
                     (unsigned long long)(cap + full + uns + dis), (unsigned long long)cap, (unsigned long long)full,
                     (unsigned long long)uns, (unsigned long long)dis, (unsigned long long)maps, maps == 1 ? "" : "s",
                     human_size(__atomic_load_n(&c->peak_requested, __ATOMIC_RELAXED), peak, sizeof peak));
@@ -121,9 +122,9 @@ static void at_exit(void)
         const vmm_reg_proc *c = vmm__coverage_now();
         uint64_t *to[] = {&local_coverage.allocs, &local_coverage.allocs_backed, &local_coverage.passed_capture,
                           &local_coverage.passed_device_full, &local_coverage.passed_unsupported,
-                          &local_coverage.maps_adopted, &local_coverage.peak_requested};
+                          &local_coverage.maps_adopted, &local_coverage.peak_requested, &local_coverage.unpublished};
         const uint64_t *from[] = {&c->allocs, &c->allocs_backed, &c->passed_capture, &c->passed_device_full,
-                                  &c->passed_unsupported, &c->maps_adopted, &c->peak_requested};
+                                  &c->passed_unsupported, &c->maps_adopted, &c->peak_requested, &c->unpublished};
         for (size_t i = 0; i < sizeof to / sizeof to[0]; i++)
             __atomic_store_n(to[i], __atomic_load_n(from[i], __ATOMIC_RELAXED), __ATOMIC_RELAXED);
         __atomic_store_n(&coverage, &local_coverage, __ATOMIC_RELEASE);
@@ -199,6 +200,7 @@ static void after_fork_child(void)
     vmm__S.notes = NULL;
     vmm__S.deferred = NULL;
     __atomic_store_n(&vmm__S.captures, 0, __ATOMIC_RELAXED); /* the parent's capturing threads are not here */
+    vmm__S.unpublished_said = 0; /* a process of its own: it says so for itself */
     memset(vmm__S.dev, 0, sizeof vmm__S.dev);
     if (vmm__S.registry_ok) vmm__reg_forget_after_fork(&vmm__S.reg);
     vmm__S.broker_started = 0;

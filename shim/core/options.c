@@ -82,7 +82,8 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
         "Group name or numeric gid given read-write access to the registry (mode 0660 "
         "instead of 0600)."),
     OPT(REGISTRY_CAPACITY, T_INT, "1048576", 1024, 16777216, NULL, NULL,
-        "Allocation records the registry can hold."),
+        "Allocation records the registry can hold; past them allocations still work but go unpublished "
+        "(one warning, counted in `vmmctl ps`)."),
     OPT(CACHE_SIZE, T_SIZE, "0", 0, TiB, NULL, NULL,
         "Bytes of freed `cudaMalloc` memory kept per device past the give-back delay (0: all of it goes back, as natively)."),
     OPT(GIVE_BACK_MS, T_INT, "200", 0, 60000, NULL, NULL,

@@ -277,6 +277,7 @@ static void proc_info_from(vmm_proc_info *o, const vmm_reg_proc *p, uint32_t pid
     o->passed_unsupported = p->passed_unsupported;
     o->maps_adopted = p->maps_adopted;
     o->peak_requested = p->peak_requested;
+    o->unpublished = p->unpublished; /* 0 in an owner of layout 3 to 5: reserved bytes there */
 }
 
 /* ------------------------------------------------------------------------------------------ */

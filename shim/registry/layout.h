@@ -36,7 +36,7 @@
  * with release.  The counters of vmm_reg_proc (n_allocs... and the coverage counters below) are
  * outside that protocol: plain 8-byte atomic loads.
  *
- * COVERAGE (vmm_reg_proc 440..499, layout version 3): what became of the process's allocations
+ * COVERAGE (vmm_reg_proc 440..499, layout version 3; 504..511, version 6): what became of the process's allocations
  * since it started, kept with relaxed atomic adds, so a reader may see one counter ahead of
  * another.  allocs counts allocation calls that made an allocation (cudaMalloc, cudaMallocAsync,
  * cuMemAlloc, cuMemAllocAsync, cuMemAllocPitch; zero bytes or a failed call is none):
@@ -48,7 +48,10 @@
  *                        current (stream-ordered calls), the driver refused the shim's VMM calls
  *                        for another reason, or it would not tell cuMemAllocPitch's pitch
  * (a process in which the shim is disabled, VMMSHIM_ENABLE=0 or a failed start, never registers:
- * VMMSHIM_STATS=1 reports its passed-through allocations).  maps_adopted counts ranges the
+ * VMMSHIM_STATS=1 reports its passed-through allocations).  unpublished (version 6) counts those
+ * of allocs_backed that got no record, the registry being full (or its record not being
+ * writable): they work, and are exportable, but no companion can find them; unpublished <=
+ * allocs_backed.  maps_adopted counts ranges the
  * program mapped itself (cuMemMap) from handles the shim made exportable; they are not
  * allocations.  peak_requested is the highest bytes_requested has been: the peak of what the
  * program asked for among the memory it has records of (the shim's, what it noted for capture
@@ -56,7 +59,12 @@
  * not publish).  The counters are meaningful only while stats_generation == generation: a
  * writer of layout version 2 leaves 440..511 alone, so a slot it claims may hold an earlier
  * owner's values, and there stats_generation names that earlier generation.  stats_generation is
- * written with the identity, under seq.
+ * written with the identity, under seq.  unpublished came later, in bytes that were reserved:
+ * writers of versions 3 to 5 never write it, so their records read 0 there (a reader of those
+ * versions skips it).  A writer of version 6 zeroes it with the other counters when it claims a
+ * slot, when it leaves it and when its gc reclaims it, so that a slot an older writer claims
+ * after it reads 0 too; only a version-6 owner that died and was reclaimed by an older gc, in a
+ * registry writers of both versions share, can leave a stale value to an older claimant.
  *
  * OWNERS AND LIVENESS: a record's owner is (pid, start_time, pidns).  A process is alive iff
  * /proc/<pid>/stat exists in a reader sharing pidns (compare the inode of /proc/self/ns/pid) and
@@ -192,8 +200,9 @@
  * version still moves on so that a reader can tell a segment made by a writer that knows them;
  * since writers of both versions may share one segment, each record says for itself
  * (stats_generation).  4: MULTI-HANDLE records (n_handles at 320, in bytes that were reserved).
- * 5: KEEP (keeper_pid at 500 of the proc record, VMM_REG_F_KEPT, the keep files). */
-#define VMM_REG_VERSION 5u
+ * 5: KEEP (keeper_pid at 500 of the proc record, VMM_REG_F_KEPT, the keep files).  6: the
+ * unpublished counter at 504 of the proc record (COVERAGE), in bytes that were reserved. */
+#define VMM_REG_VERSION 6u
 #define VMM_REG_COMPAT_VERSION 2u /* 2: one record per pooled allocation, index by level */
 #define VMM_REG_CHUNK_RECORDS 64u
 #define VMM_REG_MIN_LEVEL 8u  /* 256 bytes */
@@ -295,9 +304,9 @@ typedef struct vmm_reg_proc {
     uint64_t passed_unsupported; /* 472 */
     uint64_t maps_adopted;     /* 480 */
     uint64_t peak_requested;   /* 488 highest bytes_requested, in bytes */
-    uint32_t stats_generation; /* 496 == generation when the counters 440..495 are this owner's */
+    uint32_t stats_generation; /* 496 == generation when the counters 440..495 and 504 are this owner's */
     uint32_t keeper_pid;       /* 500 the keeper that keeps this process (KEEP), 0 = none; atomic, outside seq */
-    uint8_t reserved[8];       /* 504 */
+    uint64_t unpublished;      /* 504 of allocs_backed, those the registry had no room for (COVERAGE, version 6) */
 } vmm_reg_proc;                /* 512 */
 
 typedef struct vmm_reg_alloc {
@@ -384,7 +393,7 @@ VMM_ASSERT_OFF(vmm_reg_proc, maps_adopted, 480);
 VMM_ASSERT_OFF(vmm_reg_proc, peak_requested, 488);
 VMM_ASSERT_OFF(vmm_reg_proc, stats_generation, 496);
 VMM_ASSERT_OFF(vmm_reg_proc, keeper_pid, 500);
-VMM_ASSERT_OFF(vmm_reg_proc, reserved, 504);
+VMM_ASSERT_OFF(vmm_reg_proc, unpublished, 504);
 
 _Static_assert(sizeof(vmm_reg_alloc) == 384, "alloc record size");
 VMM_ASSERT_OFF(vmm_reg_alloc, seq, 0);

@@ -342,6 +342,7 @@ int vmm__reg_read_proc_within(const vmm__reg *r, uint32_t index, vmm_reg_proc *o
     out->passed_unsupported = __atomic_load_n(&p->passed_unsupported, __ATOMIC_RELAXED);
     out->maps_adopted = __atomic_load_n(&p->maps_adopted, __ATOMIC_RELAXED);
     out->peak_requested = __atomic_load_n(&p->peak_requested, __ATOMIC_RELAXED);
+    out->unpublished = __atomic_load_n(&p->unpublished, __ATOMIC_RELAXED);
     return rc;
 }
 

@@ -27,7 +27,7 @@ void vmm__reg_counters_clear(vmm_reg_proc *p)
 {
     uint64_t *c[] = {&p->n_allocs,      &p->bytes_requested,    &p->bytes_mapped,       &p->allocs,
                      &p->allocs_backed, &p->passed_capture,     &p->passed_device_full, &p->passed_unsupported,
-                     &p->maps_adopted,  &p->peak_requested};
+                     &p->maps_adopted,  &p->peak_requested,  &p->unpublished};
     for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) __atomic_store_n(c[i], 0, __ATOMIC_RELAXED);
     __atomic_store_n(&p->keeper_pid, 0, __ATOMIC_RELAXED); /* an earlier owner's keeper is not this one's */
 }
@@ -186,6 +186,8 @@ void vmm__reg_detach(vmm__reg *r)
     __atomic_store_n(&p->pid, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&p->start_time, 0, __ATOMIC_RELAXED);
     seq_end(&p->seq);
+    /* an older writer claiming the slot next leaves 504 alone (layout.h, COVERAGE) */
+    __atomic_store_n(&p->unpublished, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&p->claim, (uint64_t)r->proc_gen << 32, __ATOMIC_RELEASE);
     r->attached = false;
     pthread_mutex_unlock(&r->lock);

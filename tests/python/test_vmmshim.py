@@ -113,8 +113,9 @@ def test_list(reg, own):
             f"processes(): {procs}")
     p = reg.process(own.pid)
     T.check(p.bytes_requested == sum(b[1] for b in own.buffers), f"process(): {vars(p)}")
-    T.check(p.allocs == 3 and p.allocs_backed == 3 and p.passed_capture == 0 and p.passed_device_full == 0 and
-            p.peak_requested == sum(b[1] for b in own.buffers), f"process() coverage counters: {vars(p)}")
+    T.check(p.allocs == 3 and p.allocs_backed == 3 and p.unpublished == 0 and p.passed_capture == 0 and
+            p.passed_device_full == 0 and p.peak_requested == sum(b[1] for b in own.buffers),
+            f"process() coverage counters: {vars(p)}")
 
 
 def test_read(reg, own):

@@ -471,17 +471,20 @@ static void test_coverage(void)
     if (self) {
         __atomic_add_fetch(&self->allocs, 4, __ATOMIC_RELAXED);
         __atomic_add_fetch(&self->passed_device_full, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&self->unpublished, 2, __ATOMIC_RELAXED);
     }
     CHECK(vmm__reg_read_proc(&r, pi, &p) == 0 && p.bytes_requested == 5500 && p.peak_requested == 6000 &&
-              p.allocs == 4 && p.passed_device_full == 1 && p.stats_generation == p.generation,
+              p.allocs == 4 && p.passed_device_full == 1 && p.unpublished == 2 && p.stats_generation == p.generation,
           "live %llu peak %llu allocs %llu full %llu stats generation %u of %u", (unsigned long long)p.bytes_requested,
           (unsigned long long)p.peak_requested, (unsigned long long)p.allocs, (unsigned long long)p.passed_device_full,
           p.stats_generation, p.generation);
     vmm__reg_detach(&r);
     CHECK(vmm__reg_self(&r) == NULL, "no record after detach");
+    /* a slot left reads 0 at 504, which an older writer claiming it next leaves alone */
+    CHECK(((vmm_reg_proc *)(r.base + r.hdr->proc_off))[pi].unpublished == 0, "unpublished left behind by detach");
     CHECK_EQ(vmm__reg_attach(&r, NULL), 0);
     CHECK(r.proc_index == pi && vmm__reg_read_proc(&r, pi, &p) == 0 && p.allocs == 0 && p.peak_requested == 0 &&
-              p.passed_device_full == 0 && p.stats_generation == p.generation,
+              p.passed_device_full == 0 && p.unpublished == 0 && p.stats_generation == p.generation,
           "the slot again: allocs %llu peak %llu, stats generation %u of %u", (unsigned long long)p.allocs,
           (unsigned long long)p.peak_requested, p.stats_generation, p.generation);
     /* a layout-2 writer claims a slot without touching 440..511 */

@@ -3,7 +3,8 @@
  * --json and the client library, and VMMSHIM_STATS's line at exit, with the shim working, on a
  * device without VMM, and disabled; call sites named in `vmmctl show` (VMMSHIM_FRAMES) from the
  * owner's frames file, after it died too, and from /proc while it lives, the file gone with the
- * owner's exit or with gc; the registry named without its leading '/'. */
+ * owner's exit or with gc; the registry named without its leading '/'; a registry too small for
+ * the allocations: one line said, the rest counted unpublished. */
 #include <errno.h>
 #include <stdbool.h>
 #include <signal.h>
@@ -169,11 +170,13 @@ static void test_coverage(void)
     snprintf(pidtxt, sizeof pidtxt, "%7d ", pid);
     CHECK_EQ(ctl(out, sizeof out, "ps", NULL), 0);
     line_with(out, pidtxt, line, sizeof line);
-    CHECK(strstr(line, " alive       4    3.5 MiB    3.5 MiB    3.5 MiB       4       2       1       1       0       0 "),
-          "ps row (4 live, 3.5 MiB requested and held, peak 3.5 MiB; made 4, backed 2, 1 captured, 1 full):\n%s", out);
+    CHECK(strstr(line, " alive       4    3.5 MiB    3.5 MiB    3.5 MiB       4       2       0       1       1       0       0 "),
+          "ps row (4 live, 3.5 MiB requested and held, peak 3.5 MiB; made 4, backed 2 (none unpublished), 1 captured, "
+          "1 full):\n%s",
+          out);
     CHECK_EQ(ctl(out, sizeof out, "ps", "--json"), 0);
-    CHECK(strstr(out, "\"allocations_made\": 4, \"allocations_backed\": 2, \"passed_capture\": 1, "
-                      "\"passed_device_full\": 1, \"passed_unsupported\": 0, \"maps_adopted\": 0, "
+    CHECK(strstr(out, "\"allocations_made\": 4, \"allocations_backed\": 2, \"allocations_unpublished\": 0, "
+                      "\"passed_capture\": 1, \"passed_device_full\": 1, \"passed_unsupported\": 0, \"maps_adopted\": 0, "
                       "\"peak_bytes_requested\": 3670016, ") != NULL,
           "ps --json: %s", out);
 
@@ -185,7 +188,7 @@ static void test_coverage(void)
           vmm_last_error());
     CHECK(pi.stats_known && pi.n_allocs == 0 && pi.bytes_requested == 0 && pi.peak_requested == 3670016 &&
               pi.allocs == 4 && pi.allocs_backed == 2 && pi.passed_capture == 1 && pi.passed_device_full == 1 &&
-              pi.passed_unsupported == 0 && pi.maps_adopted == 0,
+              pi.passed_unsupported == 0 && pi.maps_adopted == 0 && pi.unpublished == 0,
           "after the frees: known %d live %llu peak %llu made %llu", pi.stats_known, (unsigned long long)pi.n_allocs,
           (unsigned long long)pi.peak_requested, (unsigned long long)pi.allocs);
     if (reg) vmm_close(reg);
@@ -193,8 +196,8 @@ static void test_coverage(void)
     CHECK_EQ(child_end(&c, err, sizeof err), 0);
     char want[512];
     snprintf(want, sizeof want,
-             "vmmshim: stats: pid %d: 4 allocations, 2 backed and exportable, 2 passed through (capture 1, device full 1, "
-             "unsupported 0, disabled 0), 0 cuMemMap ranges adopted, peak 3.5 MiB\n",
+             "vmmshim: stats: pid %d: 4 allocations, 2 backed and exportable (0 unpublished), 2 passed through (capture 1, "
+             "device full 1, unsupported 0, disabled 0), 0 cuMemMap ranges adopted, peak 3.5 MiB\n",
              pid);
     CHECK(strcmp(err, want) == 0, "stderr:\n%s\nwant:\n%s", err, want);
 }
@@ -214,14 +217,14 @@ static void test_coverage_passed(void)
         snprintf(pidtxt, sizeof pidtxt, "%7d ", pid);
         ctl(out, sizeof out, "ps", NULL);
         line_with(out, pidtxt, line, sizeof line);
-        CHECK(strstr(line, " alive       0        0 B        0 B        0 B       2       0       0       0       2       0 "),
+        CHECK(strstr(line, " alive       0        0 B        0 B        0 B       2       0       0       0       0       2       0 "),
               "ps row without VMM:\n%s", out);
         child_say(&c, "quit");
     }
     CHECK_EQ(child_end(&c, err, sizeof err), 0);
     snprintf(want, sizeof want,
-             "vmmshim: stats: pid %d: 2 allocations, 0 backed and exportable, 2 passed through (capture 0, device full 0, "
-             "unsupported 2, disabled 0), 0 cuMemMap ranges adopted, peak 0 B\n",
+             "vmmshim: stats: pid %d: 2 allocations, 0 backed and exportable (0 unpublished), 2 passed through (capture 0, "
+             "device full 0, unsupported 2, disabled 0), 0 cuMemMap ranges adopted, peak 0 B\n",
              pid);
     CHECK(strstr(err, want) && count_of(err, "vmmshim: warning:") == 1 && count_of(err, "\n") == 2, "stderr without VMM:\n%s",
           err);
@@ -239,8 +242,8 @@ static void test_coverage_passed(void)
     }
     CHECK_EQ(child_end(&c, err, sizeof err), 0);
     snprintf(want, sizeof want,
-             "vmmshim: stats: pid %d: 2 allocations, 0 backed and exportable, 2 passed through (capture 0, device full 0, "
-             "unsupported 0, disabled 2), 0 cuMemMap ranges adopted, peak 0 B\n",
+             "vmmshim: stats: pid %d: 2 allocations, 0 backed and exportable (0 unpublished), 2 passed through (capture 0, "
+             "device full 0, unsupported 0, disabled 2), 0 cuMemMap ranges adopted, peak 0 B\n",
              pid);
     CHECK(strcmp(err, want) == 0, "stderr with the shim disabled:\n%s", err);
 
@@ -257,9 +260,82 @@ static void test_coverage_passed(void)
     const char *stats[] = {"VMMSHIM_STATS=1", NULL};
     CHECK(child_start(&c, own, stats) == 0, "own_vmm did not start");
     while (fgets(line, sizeof line, c.out)) {}
-    CHECK(child_end(&c, err, sizeof err) == 0 && strstr(err, ": 0 allocations, 0 backed and exportable, 0 passed through") &&
+    CHECK(child_end(&c, err, sizeof err) == 0 &&
+              strstr(err, ": 0 allocations, 0 backed and exportable (0 unpublished), 0 passed through") &&
               strstr(err, "), 2 cuMemMap ranges adopted, peak 6.0 MiB\n"),
           "own_vmm: %s", err);
+}
+
+/* A registry of 1024 records and 1100 allocations: they all work, 1024 are published, and the
+ * 76 the registry has no room for are counted (ps, its JSON, the client library, VMMSHIM_STATS),
+ * with one line said when it filled, not one per allocation.  Ten freed make room for ten more,
+ * and ten beyond those do not fit again: no second line (once per process), 86 unpublished. */
+static void test_registry_full(void)
+{
+    char small[128], line[512], out[16384], err[16384], want[512], pidtxt[16], errs[4096], prog[600];
+    char full[96];
+    snprintf(full, sizeof full, "%s-full", registry);
+    snprintf(small, sizeof small, "VMMSHIM_REGISTRY=%s", full);
+    snprintf(prog, sizeof prog, "%s/progs/many", build);
+    char *argv[] = {prog, "1100", "4096", "hold", NULL};
+    const char *env[] = {small, "VMMSHIM_REGISTRY_CAPACITY=1024", "VMMSHIM_STATS=1", NULL};
+    child c;
+    int pid = 0, made = -1, failed = -1, bad = -1;
+    unsigned long long used = 0;
+    CHECK(child_start(&c, argv, env) == 0, "many did not start");
+    CHECK(sscanf(child_line(&c, "ready", line, sizeof line), "ready %d allocated=%d failures=%d used=%llu bad=%d", &pid,
+                 &made, &failed, &used, &bad) == 5 &&
+              made == 1100 && failed == 0 && bad == 0,
+          "1100 allocations in a registry of 1024 records: %s", line);
+    if (pid <= 0) {
+        child_end(&c, err, sizeof err);
+        shm_unlink(full);
+        return;
+    }
+    vmm_registry *reg = NULL;
+    vmm_registry_info ri;
+    vmm_proc_info pi;
+    CHECK(vmm_open(full, &reg) == VMM_OK && vmm_registry_describe(reg, &ri) == VMM_OK && ri.capacity == 1024,
+          "the small registry: %s (capacity %llu)", vmm_last_error(), reg ? (unsigned long long)ri.capacity : 0ull);
+    CHECK(reg && vmm_find_proc(reg, (uint32_t)pid, &pi) == VMM_OK && pi.stats_known && pi.n_allocs == 1024 &&
+              pi.allocs == 1100 && pi.allocs_backed == 1100 && pi.unpublished == 76,
+          "find_proc: %s: %llu live, %llu made, %llu backed, %llu unpublished", vmm_last_error(),
+          (unsigned long long)pi.n_allocs, (unsigned long long)pi.allocs, (unsigned long long)pi.allocs_backed,
+          (unsigned long long)pi.unpublished);
+
+    char *ps[] = {vmmctl, "--registry", full, "ps", NULL}, *ps_json[] = {vmmctl, "--registry", full, "ps", "--json", NULL};
+    snprintf(pidtxt, sizeof pidtxt, "%7d ", pid);
+    CHECK_EQ(spawn_capture(ps, NULL, out, sizeof out, errs, sizeof errs, 60), 0);
+    CHECK(strstr(out, "   MADE  BACKED   UNPUB CAPTURE ") != NULL, "ps header: %s", out);
+    line_with(out, pidtxt, line, sizeof line);
+    CHECK(strstr(line, " alive    1024    4.0 MiB    4.0 MiB    4.0 MiB    1100    1100      76       0       0       0       0 "),
+          "ps row (1024 published of 1100 backed, 76 unpublished):\n%s", out);
+    CHECK_EQ(spawn_capture(ps_json, NULL, out, sizeof out, errs, sizeof errs, 60), 0);
+    CHECK(strstr(out, "\"allocations_made\": 1100, \"allocations_backed\": 1100, \"allocations_unpublished\": 76, "
+                      "\"passed_capture\": 0, ") != NULL,
+          "ps --json: %s", out);
+
+    child_say(&c, "more");
+    CHECK(sscanf(child_line(&c, "more", line, sizeof line), "more allocated=%d failures=%d bad=%d", &made, &failed, &bad) == 3 &&
+              made == 20 && failed == 0 && bad == 0,
+          "ten freed, twenty more: %s", line);
+    CHECK(reg && vmm_find_proc(reg, (uint32_t)pid, &pi) == VMM_OK && pi.n_allocs == 1024 && pi.allocs_backed == 1120 &&
+              pi.unpublished == 86,
+          "after ten more: %llu live, %llu backed, %llu unpublished", (unsigned long long)pi.n_allocs,
+          (unsigned long long)pi.allocs_backed, (unsigned long long)pi.unpublished);
+    if (reg) vmm_close(reg);
+    child_say(&c, "quit");
+    CHECK_EQ(child_end(&c, err, sizeof err), 0);
+    CHECK(count_of(err, "registry is full") == 1 && count_of(err, "vmmshim: warning:") == 1 &&
+              strstr(err, "vmmshim: warning: the registry is full (1024 records): this and later allocations go "
+                          "unpublished, counted in vmmctl ps (raise VMMSHIM_REGISTRY_CAPACITY)\n"),
+          "one line when the registry filled:\n%s", err);
+    snprintf(want, sizeof want,
+             "vmmshim: stats: pid %d: 1120 allocations, 1120 backed and exportable (86 unpublished), 0 passed through "
+             "(capture 0, device full 0, unsupported 0, disabled 0), 0 cuMemMap ranges adopted, peak 4.0 MiB\n",
+             pid);
+    CHECK(strstr(err, want) && count_of(err, "\n") == 2, "stderr:\n%s\nwant the stats line:\n%s", err, want);
+    shm_unlink(full);
 }
 
 /* The owner's frames file in /dev/shm (layout.h, FRAMES), found by its pid and start time. */
@@ -386,6 +462,7 @@ int main(void)
     test_registry_name();
     test_coverage();
     test_coverage_passed();
+    test_registry_full();
     test_frames();
     shm_unlink(registry);
     CHECK_DONE();

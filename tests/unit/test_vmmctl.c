@@ -594,27 +594,29 @@ int main(void)
     /* the coverage counters, as a shim keeps them in its record; the child's as a layout-2 writer
      * leaves them (not its own): unknown, not zero */
     vmm_reg_proc *self = vmm__reg_self(&w);
-    uint64_t *counters[] = {&self->allocs, &self->allocs_backed, &self->passed_capture, &self->passed_device_full,
-                            &self->passed_unsupported, &self->maps_adopted};
-    const uint64_t values[] = {7, 4, 1, 1, 1, 2};
-    for (int i = 0; i < 6; i++) __atomic_store_n(counters[i], values[i], __ATOMIC_RELAXED);
+    uint64_t *counters[] = {&self->allocs, &self->allocs_backed, &self->unpublished, &self->passed_capture,
+                            &self->passed_device_full, &self->passed_unsupported, &self->maps_adopted};
+    const uint64_t values[] = {7, 4, 3, 1, 1, 1, 2};
+    for (int i = 0; i < 7; i++) __atomic_store_n(counters[i], values[i], __ATOMIC_RELAXED);
     vmm_reg_proc cp;
     uint32_t cidx = 0;
     if (child > 0 && vmm__reg_find_proc(&w, (uint32_t)child, &cp, &cidx) == 0)
         __atomic_store_n(&((vmm_reg_proc *)(w.base + w.hdr->proc_off))[cidx].stats_generation, cp.generation - 1,
                          __ATOMIC_RELAXED);
     RUN(&r, no_env, reg_opt, "ps");
-    CHECK(strstr(r.out, "PEAK") && strstr(r.out, "MADE") && strstr(r.out, "BACKED") && strstr(r.out, "CAPTURE") &&
+    CHECK(strstr(r.out, "PEAK") && strstr(r.out, "MADE") && strstr(r.out, "BACKED") && strstr(r.out, "UNPUB") &&
+              strstr(r.out, "CAPTURE") &&
               strstr(r.out, "FULL") && strstr(r.out, "UNSUPP") && strstr(r.out, "ADOPTED"),
           "ps coverage header: %s", r.out);
     line_with(r.out, "/tmp/vmmshim-tv/broker.sock", line, sizeof line);
-    CHECK(strstr(line, "   3   1.50 GiB   2.01 GiB   1.50 GiB       7       4       1       1       1       2 "),
+    CHECK(strstr(line, "   3   1.50 GiB   2.01 GiB   1.50 GiB       7       4       3       1       1       1       2 "),
           "ps coverage: %s", line);
     line_with(r.out, pidbuf, line, sizeof line);
-    CHECK(strstr(line, "    -       -       -       -       -       -       - ") != NULL, "ps of an older writer: %s", line);
+    CHECK(strstr(line, "    -       -       -       -       -       -       -       - ") != NULL, "ps of an older writer: %s", line);
     RUN(&r, no_env, reg_opt, "ps", "--json");
     CHECK(r.status == 0 && json_array_len(r.out) == 2 &&
-              strstr(r.out, "\"allocations_made\": 7, \"allocations_backed\": 4, \"passed_capture\": 1, "
+              strstr(r.out, "\"allocations_made\": 7, \"allocations_backed\": 4, \"allocations_unpublished\": 3, "
+                            "\"passed_capture\": 1, "
                             "\"passed_device_full\": 1, \"passed_unsupported\": 1, \"maps_adopted\": 2, "
                             "\"peak_bytes_requested\": 1613762560, ") &&
               strstr(r.out, "\"allocations_made\": null, ") && strstr(r.out, "\"peak_bytes_requested\": null, "),

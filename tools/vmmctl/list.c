@@ -162,13 +162,13 @@ typedef struct {
     unsigned alive, dead, unknown, kept;
 } ps_ctx;
 
-/* The coverage counters in ps's order: made, backed, passed for capture, full device, unsupported,
- * adopted ranges. */
-#define N_COVERAGE 6
+/* The coverage counters in ps's order: made, backed, of those unpublished (the registry full),
+ * passed for capture, full device, unsupported, adopted ranges. */
+#define N_COVERAGE 7
 static void coverage_of(const vmm_proc_info *p, uint64_t v[N_COVERAGE])
 {
-    v[0] = p->allocs, v[1] = p->allocs_backed, v[2] = p->passed_capture, v[3] = p->passed_device_full;
-    v[4] = p->passed_unsupported, v[5] = p->maps_adopted;
+    v[0] = p->allocs, v[1] = p->allocs_backed, v[2] = p->unpublished, v[3] = p->passed_capture;
+    v[4] = p->passed_device_full, v[5] = p->passed_unsupported, v[6] = p->maps_adopted;
 }
 
 static int ps_row(void *ctx, const vmm_proc_info *p)
@@ -177,8 +177,9 @@ static int ps_row(void *ctx, const vmm_proc_info *p)
     uint64_t cov[N_COVERAGE];
     coverage_of(p, cov);
     if (c->json) {
-        static const char *const keys[N_COVERAGE] = {"allocations_made",   "allocations_backed", "passed_capture",
-                                                     "passed_device_full", "passed_unsupported", "maps_adopted"};
+        static const char *const keys[N_COVERAGE] = {"allocations_made",   "allocations_backed", "allocations_unpublished",
+                                                     "passed_capture",     "passed_device_full", "passed_unsupported",
+                                                     "maps_adopted"};
         printf("%s\n  {\"pid\": %u, \"state\": \"%s\", \"start_time\": %llu, \"pidns\": %llu, \"uid\": %u, "
                "\"registered_ns\": %llu, \"n_allocs\": %llu, \"bytes_requested\": %llu, \"bytes_mapped\": %llu, ",
                c->n ? "," : "", p->pid, vmm__ctl_owner_name(p->alive, true), (unsigned long long)p->start_time,
@@ -204,9 +205,9 @@ static int ps_row(void *ctx, const vmm_proc_info *p)
             if (p->stats_known) snprintf(n[i], sizeof n[i], "%llu", (unsigned long long)cov[i]);
             else snprintf(n[i], sizeof n[i], "-");
         }
-        printf("%7u %-5s %7llu %10s %10s %10s %7s %7s %7s %7s %7s %7s %-24s %s\n", p->pid, vmm__ctl_owner_name(p->alive, false),
+        printf("%7u %-5s %7llu %10s %10s %10s %7s %7s %7s %7s %7s %7s %7s %-24s %s\n", p->pid, vmm__ctl_owner_name(p->alive, false),
                (unsigned long long)p->n_allocs, vmm__ctl_human(p->bytes_requested, &req), vmm__ctl_human(p->bytes_mapped, &map),
-               p->stats_known ? vmm__ctl_human(p->peak_requested, &peak) : "-", n[0], n[1], n[2], n[3], n[4], n[5],
+               p->stats_known ? vmm__ctl_human(p->peak_requested, &peak) : "-", n[0], n[1], n[2], n[3], n[4], n[5], n[6],
                vmm__ctl_cell(p->broker_path, broker, sizeof broker), vmm__ctl_cell(p->cmdline, cmd, sizeof cmd));
     }
     c->n++;
@@ -236,8 +237,8 @@ int vmm__ctl_cmd_ps(int argc, char **argv)
     if (c.json)
         putchar('[');
     else
-        printf("%7s %-5s %7s %10s %10s %10s %7s %7s %7s %7s %7s %7s %-24s %s\n", "PID", "STATE", "ALLOCS", "REQUESTED",
-               "MAPPED", "PEAK", "MADE", "BACKED", "CAPTURE", "FULL", "UNSUPP", "ADOPTED", "BROKER", "CMD");
+        printf("%7s %-5s %7s %10s %10s %10s %7s %7s %7s %7s %7s %7s %7s %-24s %s\n", "PID", "STATE", "ALLOCS", "REQUESTED",
+               "MAPPED", "PEAK", "MADE", "BACKED", "UNPUB", "CAPTURE", "FULL", "UNSUPP", "ADOPTED", "BROKER", "CMD");
     vmm_status st = vmm_foreach_proc(reg, ps_row, &c);
     vmm_close(reg);
     if (st != VMM_OK) return vmm__ctl_api_error(st);

@@ -125,8 +125,8 @@ class Process:
         self.bytes_mapped = info.bytes_mapped
         # what became of its allocations since it started (vmmctl ps); None: its shim keeps none
         known = bool(info.stats_known)
-        for name in ("allocs", "allocs_backed", "passed_capture", "passed_device_full", "passed_unsupported",
-                     "maps_adopted", "peak_requested"):
+        for name in ("allocs", "allocs_backed", "unpublished", "passed_capture", "passed_device_full",
+                     "passed_unsupported", "maps_adopted", "peak_requested"):
             setattr(self, name, getattr(info, name) if known else None)
 
     def __repr__(self):

@@ -78,6 +78,7 @@ class ProcInfo(ctypes.Structure):
         ("passed_unsupported", c_u64),
         ("maps_adopted", c_u64),
         ("peak_requested", c_u64),
+        ("unpublished", c_u64),
     ]
 
 
