@@ -10,6 +10,7 @@
 
 #include "backing/internal.h"
 #include "core/log.h"
+#include "core/thread.h"
 
 /* The budget of each pool: what cudaMalloc freed may stay empty up to VMMSHIM_CACHE_SIZE bytes;
  * the default pool keeps up to its release threshold reserved, as natively. */
@@ -90,16 +91,8 @@ void vmm__purge_kick_locked(void)
         pthread_cond_signal(&vmm__S.purge_wake);
         vmm__S.purge_state = 2;
     } else if (vmm__S.purge_state == 0) {
-        sigset_t all, old;
-        sigfillset(&all);
-        pthread_sigmask(SIG_SETMASK, &all, &old);
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
         pthread_t t;
-        int rc = pthread_create(&t, &at, purge_main, NULL);
-        pthread_attr_destroy(&at);
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        int rc = vmm__thread_detached(&t, purge_main, NULL);
         if (rc == 0) {
             pthread_setname_np(t, "vmmshim-purge");
             vmm__S.purge_state = 2;

@@ -10,6 +10,7 @@
 #include "broker/protocol.h"
 #include "core/log.h"
 #include "core/options.h"
+#include "core/thread.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -882,20 +883,10 @@ static int start_locked(vmm__broker_export_fn export_fn)
     cfg->have_group = have_group;
     cfg->group = gid;
 
-    /* The thread takes no signals (they belong to the application): block them all while it is
-     * created, so it starts with everything blocked, then restore ours. */
     int wfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK); /* none: background work waits for the next request */
     __atomic_store_n(&g_wake_fd, wfd, __ATOMIC_RELEASE);
-    pthread_attr_t attr;
-    sigset_t all, old;
     pthread_t th;
-    sigfillset(&all);
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    int prc = pthread_create(&th, &attr, broker_thread, cfg);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    pthread_attr_destroy(&attr);
+    int prc = vmm__thread_detached(&th, broker_thread, cfg); /* takes no signals: the application's */
     if (prc != 0) {
         rc = -prc;
         wfd = __atomic_exchange_n(&g_wake_fd, -1, __ATOMIC_ACQ_REL);

@@ -15,6 +15,7 @@
 #include "registry/registry.h"
 
 #include "import/internal.h"
+#include "core/thread.h"
 
 #define OWNER_IDLE_NS (30ull * 1000000000u) /* under the broker's 60 s, so it never closes a kept one first */
 
@@ -413,16 +414,8 @@ static void *reaper_main(void *arg)
 static void reaper_wake_locked(void)
 {
     if (reaper_running || keep_nothing) return;
-    pthread_attr_t attr;
-    sigset_t all, old;
     pthread_t th;
-    sigfillset(&all);
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    reaper_running = pthread_create(&th, &attr, reaper_main, NULL) == 0;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    pthread_attr_destroy(&attr);
+    reaper_running = vmm__thread_detached(&th, reaper_main, NULL) == 0;
 }
 
 vmm_status vmm__import_drop_idle(void)

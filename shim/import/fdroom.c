@@ -11,12 +11,12 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include "broker/protocol.h"
+#include "core/thread.h"
 
 /* The highest fd open now, or -1 when /proc is not there to say. */
 static int highest_fd(void)
@@ -52,16 +52,8 @@ static void *grow(void *arg)
 
 static void start(void)
 {
-    pthread_attr_t attr;
-    sigset_t all, old;
     pthread_t th;
-    sigfillset(&all);
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_sigmask(SIG_SETMASK, &all, &old); /* signals are the application's */
-    if (pthread_create(&th, &attr, grow, NULL) != 0) (void)grow(NULL);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    pthread_attr_destroy(&attr);
+    if (vmm__thread_detached(&th, grow, NULL) != 0) (void)grow(NULL);
 }
 
 void vmm__fd_room_grow(void)
