@@ -514,7 +514,10 @@ static int seg_add(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi)
  * lengths on a host far ahead of its H200: 1.22x its live bytes, native 1.08x).  Instead the
  * segment's memory is mapped at the place the request needs as well: only work queued after the
  * frees can reach it there, and the old place stays mapped, out of use, until its event is
- * reached, then only its mapping goes. */
+ * reached, then only its mapping goes.  An empty segment whose frees are all reached moves too
+ * (its old place unmapped at once) where new memory would raise a keep-all pool past its peak: the
+ * release before growing found it still waiting, and a growth that maps many segments outlasts a
+ * short lag (a GPU 0.2 ms behind: 1.14x the live bytes when only waiting segments moved). */
 
 /* Empty segment s of arena a lies outside [lo, hi), and each free block in it is reached or
  * waits on `stream` alone, in one context (which a new event on the stream needs: a free whose
@@ -618,20 +621,27 @@ static int seg_move(vmm__pool *p, vmm__seg *s, uint64_t lo, vmm__block *pending)
     return 0;
 }
 
+/* A budget as large as the arena: nothing empty ever goes back by itself (PyTorch and CuPy set
+ * the threshold to UINT64_MAX).  Only such a pool needs small segments and a bounded peak: any
+ * other gives its empty segments back whole at synchronizations or after the idle delay, so it
+ * keeps large segments, each one driver call to make. */
+static int keeps_all(const vmm__pool *p) { return p->retain >= p->arena_size; }
+
 /* Map [at, hi) of arena a for a request of `stream` (ordered), the part [guard, hi) of the arena
  * being the request's: an empty segment that fits moves there when one can (the rest is new
  * memory, at most cap a segment).  Returns the end of what was mapped, or at with *rc set. */
 static uint64_t map_one(vmm__pool *p, vmm__arena *a, uint64_t at, uint64_t hi, uint64_t cap, int ordered,
                         uint64_t stream, uint64_t guard, int *rc)
 {
+    uint64_t to = cap && hi - at > cap ? at + cap : hi;
+    int past_peak = keeps_all(p) && p->reserved + (to - at) > p->footprint_high;
     if (ordered && p->ops.seg_move && !p->isolate)
         for (vmm__seg *s = p->empty_head; s; s = s->enext) {
             vmm__block *pending;
-            if (s->size <= hi - at && seg_movable(p, s, a, guard, hi, stream, &pending) && pending &&
+            if (s->size <= hi - at && seg_movable(p, s, a, guard, hi, stream, &pending) && (pending || past_peak) &&
                 seg_move(p, s, at, pending) == 0)
                 return at + s->size;
         }
-    uint64_t to = cap && hi - at > cap ? at + cap : hi;
     if ((*rc = seg_add(p, a, at, to)) == 0) return to;
     return at;
 }
@@ -746,12 +756,6 @@ nomem:
     *err = -ENOMEM;
     return NULL;
 }
-
-/* A budget as large as the arena: nothing empty ever goes back by itself (PyTorch and CuPy set
- * the threshold to UINT64_MAX).  Only such a pool needs small segments and a bounded peak: any
- * other gives its empty segments back whole at synchronizations or after the idle delay, so it
- * keeps large segments, each one driver call to make. */
-static int keeps_all(const vmm__pool *p) { return p->retain >= p->arena_size; }
 
 /* Grow: place the request on unmapped space (after the mapped free block just before it, when
  * that one can take its start) and map what it needs, at least the arena's growth step. */
