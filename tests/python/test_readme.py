@@ -7,8 +7,11 @@ bytes.  The first screen's uses, each line run by bash with `vmmshim` (python -m
 `<!-- use-run-job -->` and `<!-- use-run-see -->`): the job under `vmmshim run`, then `vmmctl list`
 and `ps` showing its allocation; 3 (after `<!-- use-keep -->`): the job SIGKILLs itself under
 `vmmshim run --keep`, the example pid 4242 is replaced by the one the launcher names, and the list,
-dump and release that follow work on the dead job's memory.  (Use 2's examples run in
-test_names.py, with its Python owner.)  Ends with "N passed, N failed"."""
+dump and release that follow work on the dead job's memory; 2 (after `<!-- names-owner -->` and
+`<!-- names-companion -->`): the owner's line in tests/python/named_owner.py under the shim, the
+companion's three lines here with stand-ins for torch (test_to_torch.py's) and the model.  Ends with "N passed, N failed"."""
+import ctypes
+import gc
 import os
 import re
 import shutil
@@ -179,6 +182,73 @@ def use_keep(readme, tmp):
     subprocess.run([str(BUILD / "vmmctl"), "gc"], capture_output=True)
 
 
+class PyOwner(harness.LineProcess):
+    """tests/python/named_owner.py under the shim; ok(src) runs one line of Python there."""
+
+    def __init__(self):
+        super().__init__([sys.executable, str(ROOT / "tests" / "python" / "named_owner.py"), str(PACKAGE)],
+                         harness.preload_env())
+        line = self.readline(60)
+        if not line.startswith("ready "):
+            self.kill()
+            raise RuntimeError(f"the Python owner did not start: {line!r}")
+        self.pid = int(line.split()[1])
+
+    def ok(self, src):
+        status, _, rest = self.command(src).partition(" ")
+        T.check(status == "ok", f"owner: {src}: {status} {rest}")
+        return rest
+
+
+class StandInModel:
+    def __init__(self):
+        self.loaded = None
+
+    def load_state_dict(self, state, assign=False):
+        self.loaded, self.assign = state, assign
+
+
+def words(seed, first, count):
+    """What named_owner.py's fill(p, n, seed) writes: 64-bit words seed * K + index."""
+    K, MASK = 0x9E3779B97F4A7C15, (1 << 64) - 1
+    return b"".join((((seed * K) + k) & MASK).to_bytes(8, "little") for k in range(first, first + count))
+
+
+def use_share(readme):
+    owner, companion = snippet(readme, "names-owner", "python"), snippet(readme, "names-companion", "python")
+    if not T.check(len(owner.splitlines()) == 1 and len(companion.splitlines()) == 3,
+                   f"use 2: the owner's example is one line, the companion's three: {owner!r} {companion!r}"):
+        return
+    own = PyOwner()
+    try:
+        own.ok("P = alloc(1 << 20); fill(P, 1 << 20, 9)")
+        own.ok("model = Model({'fc.weight': CAI(P, (128, 256), '<f4'), 'fc.bias': DL(P + 131072, (128,), (2, 32, 1))})")
+        own.ok(owner.strip())
+        import test_to_torch  # its stand-in for the torch calls open_torch makes
+        sys.modules["torch"] = test_to_torch.make_torch()[0]
+        space = {"vmmshim": vmmshim, "model": StandInModel(), "pid": own.pid}
+        try:
+            exec(compile(companion, "README.md (names-companion)", "exec"), space)
+        except Exception as e:
+            T.check(False, f"use 2: the README's companion raised {type(e).__name__}: {e}")
+            return
+        finally:
+            sys.modules.pop("torch", None)
+        loaded = space["model"].loaded
+        T.check(set(loaded or ()) == {"fc.weight", "fc.bias"} and space["model"].assign, f"use 2: loaded: {loaded}")
+        if loaded and "fc.weight" in loaded and "fc.bias" in loaded:
+            wt = loaded["fc.weight"]
+            T.check(wt.shape == (128, 256) and wt.strides == (256, 1) and wt.dtype == "float32" and
+                    ctypes.string_at(wt.data_ptr(), 64) == words(9, 0, 8), "use 2: fc.weight zero-copy, the owner's bytes")
+            T.check(ctypes.string_at(loaded["fc.bias"].data_ptr(), 16) == words(9, 131072 // 8, 2), "use 2: fc.bias")
+            del wt
+        del loaded
+        space.clear()
+        gc.collect()
+    finally:
+        own.end()
+
+
 def main():
     readme = (ROOT / "README.md").read_text()
     c_src, py_src = snippet(readme, "companion-c", "c"), snippet(readme, "companion-python", "python")
@@ -198,6 +268,7 @@ def main():
                              f"-Wl,-rpath,{BUILD}"], capture_output=True, text=True)
         T.check(cc.returncode == 0, f"the C companion does not build: {cc.stderr[-800:]}")
         use_run(readme, tmp)
+        use_share(readme)
         use_keep(readme, tmp)
         own = Owner("1", "0.25a")
         for i, (address, _, _) in enumerate(own.buffers):
