@@ -18,7 +18,7 @@
 #include <uthash.h>
 
 /* Every block starts on, and is a multiple of, this many bytes: what native cudaMalloc gives
- * (measured on an H100; README.md, "The pool"). */
+ * (measured on an H100; this folder's README.md). */
 #define VMM_POOL_ALIGN 512u
 /* Requests up to this size live in the small arenas, packed; larger ones in the large arenas, so
  * a long-lived small block never pins a segment a large one freed. */

@@ -10,8 +10,8 @@ array, no elements; a bad entry in publish_many); publishing a name again replac
 open_tensors reads the owner's bytes through views of the published dtype, shape and strides,
 importing each chunk once, and open_torch through tensors (a stand-in for torch's calls); names vanish when their memory is freed and when unpublished;
 tensors() of a process not under the shim, of a dead owner; publish outside the shim and with the
-shim disabled; `vmmctl list --names` shows a Python owner's names; and the README's two examples
-run as they stand.  Ends with "N passed, N failed"."""
+shim disabled; `vmmctl list --names` shows a Python owner's names (the README's two examples run in
+test_readme.py, with named_owner.py as their owner).  Ends with "N passed, N failed"."""
 import ctypes
 import gc
 import os
@@ -63,14 +63,6 @@ class PyOwner(harness.LineProcess):
                 f"owner: {src}: wanted {exc} with {reason!r}, got {status} {rest}")
 
 
-class StandInModel:
-    def __init__(self):
-        self.loaded = None
-
-    def load_state_dict(self, state, assign=False):
-        self.loaded, self.assign = state, assign
-
-
 def test_not_under_shim():
     T.raises(vmmshim.NotUnderShim, lambda: vmmshim.publish("w", object()), "publish in a process without the shim",
              "vmmshim.publish: not running under the shim")
@@ -103,7 +95,6 @@ def main():
                     f"vmmctl gc removed it: {gc.stdout} {gc.stderr}")
         finally:
             own.end()
-        readme(reg)
         T.raises(vmmshim.NotFound, lambda: reg.tensors(os.getpid()), "tensors() of a process not under the shim",
                  "does not run under the shim")
         reg.close()
@@ -262,44 +253,6 @@ def _imports():
     counters = type("C", (ctypes.Structure,), {"_fields_": [(n, ctypes.c_ulonglong) for n in names]})()
     lib.fakecuda_counters(ctypes.byref(counters))
     return counters.imports
-
-
-def readme(reg):
-    """The README's two examples as they stand: the owner's line in a Python owner under the shim,
-    the companion's three lines here with stand-ins for torch and the model."""
-    text = (ROOT / "README.md").read_text()
-    owner = re.findall(r"<!-- names-owner -->\n```python\n(.*?)```\n", text, re.S)
-    companion = re.findall(r"<!-- names-companion -->\n```python\n(.*?)```\n", text, re.S)
-    if not T.check(len(owner) == 1 and len(companion) == 1, "README.md has one names-owner and one names-companion block"):
-        return
-    T.check(len(owner[0].splitlines()) == 1 and len(companion[0].splitlines()) == 3,
-            "the owner's example is one line, the companion's three")
-    own = PyOwner()
-    try:
-        own.ok("P = alloc(1 << 20); fill(P, 1 << 20, 9)")
-        own.ok("model = Model({'fc.weight': CAI(P, (128, 256), '<f4'), 'fc.bias': DL(P + 131072, (128,), (2, 32, 1))})")
-        own.ok(owner[0].strip())
-        import test_to_torch  # its stand-in for the torch calls open_torch makes
-        sys.modules["torch"] = test_to_torch.make_torch()[0]
-        space = {"vmmshim": vmmshim, "model": StandInModel(), "pid": own.pid}
-        try:
-            exec(compile(companion[0], "README.md (names-companion)", "exec"), space)
-        except Exception as e:
-            T.check(False, f"the README's companion raised {type(e).__name__}: {e}")
-            return
-        finally:
-            sys.modules.pop("torch", None)
-        loaded = space["model"].loaded
-        T.check(set(loaded) == {"fc.weight", "fc.bias"} and space["model"].assign, f"loaded: {loaded}")
-        wt = loaded["fc.weight"]
-        T.check(wt.shape == (128, 256) and wt.strides == (256, 1) and wt.dtype == "float32" and
-                ctypes.string_at(wt.data_ptr(), 64) == words(9, 0, 8), "fc.weight zero-copy, with the owner's bytes")
-        T.check(ctypes.string_at(loaded["fc.bias"].data_ptr(), 16) == words(9, 131072 // 8, 2), "fc.bias")
-        del wt, loaded
-        space.clear()
-        gc.collect()
-    finally:
-        own.end()
 
 
 if __name__ == "__main__":

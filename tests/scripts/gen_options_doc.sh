@@ -1,8 +1,8 @@
 #!/bin/sh
 # Regenerates the documents that describe the options, from the table in shim/core/options.c,
 # so they cannot drift from the code (test_options fails when they have):
-#   docs-options.md       the README "Options" section, table between the options markers
-#   config/vmmshim.conf   the sample config file, every option commented out at its default
+#   config/docs-options.md  the README "Options" section, table between the options markers
+#   config/vmmshim.conf     the sample config file, every option commented out at its default
 # --readme also replaces the table between the markers in README.md in place.
 # It compiles its own copy of test_options from the core sources alone, so a broken file
 # elsewhere in the tree does not stop it; CC and CFLAGS are honoured.
@@ -54,9 +54,9 @@ TEXT
   echo '<!-- options:end -->'
 } > "$tmp/docs-options.md"
 
-mv "$tmp/docs-options.md" docs-options.md
+mv "$tmp/docs-options.md" config/docs-options.md
 mv "$tmp/vmmshim.conf" config/vmmshim.conf
-echo "gen_options_doc: wrote docs-options.md and config/vmmshim.conf" >&2
+echo "gen_options_doc: wrote config/docs-options.md and config/vmmshim.conf" >&2
 
 if [ "$readme" = yes ]; then
   if ! grep -q '^<!-- options:begin -->$' README.md 2>/dev/null || ! grep -q '^<!-- options:end -->$' README.md; then

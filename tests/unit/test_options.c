@@ -511,7 +511,7 @@ static void test_readme(void)
     size_t mlen = strlen(md);
     CHECK(strlen(b) == mlen - 1 && strncmp(b, md, mlen - 1) == 0,
           "the options table in %s is out of date; run tests/scripts/gen_options_doc.sh and paste "
-          "docs-options.md.\n--- README ---\n%s\n--- generated ---\n%s", path, b, md);
+          "config/docs-options.md.\n--- README ---\n%s\n--- generated ---\n%s", path, b, md);
 }
 
 static void lower(char *s)

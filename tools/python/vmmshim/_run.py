@@ -8,7 +8,7 @@ VMMSHIM_TAG, --config VMMSHIM_CONFIG (made absolute).  Without --keep this proce
 
 --keep: CMD runs as a child, and every process of the job that appears in the registry (CMD and
 its descendants, found every 50 ms) is given to a keeper (`vmmctl keep PID`), so that a crash
-keeps its memory (README: When the job crashes).  A keeper lets go by itself of what exits with
+keeps its memory (tools/vmmctl/README.md: The keeper).  A keeper lets go by itself of what exits with
 status 0; one holding a process that crashed stays after this launcher exits, until
 `vmmctl release PID`.  The keepers' event lines go to a log file (said at the end).  A process
 of the job that ends within ~100 ms of its first allocation may end before it is kept.  Exit
