@@ -140,8 +140,8 @@ $(BUILD)/progs/%: $(BUILD)/obj/tests/progs/%.o $(FAKERT_SO)
 $(BUILD)/progs/callsite: LDFLAGS += -rdynamic
 # An owner naming its tensors: vmm_publish comes from the client library, and from the shim
 # when it runs under it (tests/progs/named.c).
-$(BUILD)/progs/named: $(CLIENT_SO)
-$(BUILD)/progs/named: LDLIBS := -L$(BUILD) -l:libvmmshim-client.so -Wl,-rpath,'$$ORIGIN/..' $(LDLIBS)
+$(BUILD)/progs/named $(BUILD)/progs/tags: $(CLIENT_SO)
+$(BUILD)/progs/named $(BUILD)/progs/tags: LDLIBS := -L$(BUILD) -l:libvmmshim-client.so -Wl,-rpath,'$$ORIGIN/..' $(LDLIBS)
 
 # The checksums the GPU scripts compare with, built here for the GPU machine (tests/gpu/checksums.c).
 $(CHECKSUMS_SO): $(BUILD)/obj/tests/gpu/checksums.o

@@ -239,6 +239,17 @@ vmm_status vmm_unpublish(const char *name);
 /* The calling thread's last failure of the three above, one line; "" when none. */
 const char *vmm_publish_error(void);
 
+/* The calling thread's tag (owner side).  What the shim backs while a thread tag is set carries it
+ * in its record (vmmctl list's TAG) instead of VMMSHIM_TAG, and comes from pools of that tag's own:
+ * a tag's allocations never share a segment with another's, so pausing the tag gives whole
+ * segments back.  NULL or "" clears it.  Returns the previous tag (NULL: none), a string valid for
+ * the life of the process, so that vmm_set_thread_tag(previous) restores it.  A tag of 32 bytes or
+ * more, or a 33rd distinct tag, leaves the thread's tag as it was (one warning line, and
+ * vmm_publish_error() says why).  Not under the shim (the client library's): NULL, nothing set. */
+const char *vmm_set_thread_tag(const char *tag);
+/* The calling thread's tag; NULL when none is set (or not under the shim). */
+const char *vmm_thread_tag(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -14,24 +14,32 @@
 #include "core/options.h"
 #include "registry/keep.h"
 
-/* From dev's pool for the call's kind.  When the device is full, the other pool's empty segments
- * go too, and then the frees still in flight are waited for (outside the lock: a wait under it
- * would stall every thread) before one more try; only then is the device full for the shim. */
-static vmm__block *alloc_locked(device_state *d, size_t size, int ordered, uint64_t stream, int *err)
+/* Every empty segment of d's pools but `keep` goes (the device is full). */
+static void release_others_locked(device_state *d, const vmm__pool *keep)
 {
-    vmm__block *b = vmm__pool_alloc(&d->pool[ordered], size, ordered, stream, err);
+    VMM__FOR_POOLS(d, p, k)
+        if (p != keep) vmm__pool_release(p, 0, 0, UINT64_MAX);
+}
+
+/* From pool p of d (the pair of the caller's tag, of the call's kind).  When the device is full,
+ * the other pools' empty segments go too, and then the frees still in flight are waited for
+ * (outside the lock: a wait under it would stall every thread) before one more try; only then is
+ * the device full for the shim. */
+static vmm__block *alloc_locked(device_state *d, vmm__pool *p, size_t size, int ordered, uint64_t stream, int *err)
+{
+    vmm__block *b = vmm__pool_alloc(p, size, ordered, stream, err);
     if (b || *err != -ENOMEM) return b;
-    vmm__pool_release(&d->pool[!ordered], 0, 0, UINT64_MAX);
-    if ((b = vmm__pool_alloc(&d->pool[ordered], size, ordered, stream, err)) || *err != -ENOMEM) return b;
+    release_others_locked(d, p);
+    if ((b = vmm__pool_alloc(p, size, ordered, stream, err)) || *err != -ENOMEM) return b;
     void *ev[64];
-    unsigned n = vmm__pool_pending_events(&d->pool[0], ev, 64);
-    n += vmm__pool_pending_events(&d->pool[1], ev + n, 64 - n);
+    unsigned n = 0;
+    VMM__FOR_POOLS(d, q, k) n += vmm__pool_pending_events(q, ev + n, 64 - n);
     if (n == 0) return NULL;
     pthread_mutex_unlock(&vmm__S.lock);
     for (unsigned i = 0; i < n; i++) vmm__cu.EventSynchronize((CUevent)ev[i]); /* one recycled meanwhile only waits longer */
     pthread_mutex_lock(&vmm__S.lock);
-    vmm__pool_release(&d->pool[!ordered], 0, 0, UINT64_MAX);
-    return vmm__pool_alloc(&d->pool[ordered], size, ordered, stream, err);
+    release_others_locked(d, p);
+    return vmm__pool_alloc(p, size, ordered, stream, err);
 }
 
 static int kept_by_a_keeper(void)
@@ -50,14 +58,14 @@ int vmm__keep_let_go(void)
 /* alloc_locked, and when the device is full for it and a keeper keeps this process: the keeper
  * may still hold segments given back a moment ago, so ask it to let go (outside the lock; at most
  * VMM__KEEP_LET_GO_MS) and try once more. */
-static vmm__block *alloc_kept_locked(device_state *d, size_t size, int ordered, uint64_t stream, int *err)
+static vmm__block *alloc_kept_locked(device_state *d, vmm__pool *p, size_t size, int ordered, uint64_t stream, int *err)
 {
-    vmm__block *b = alloc_locked(d, size, ordered, stream, err);
+    vmm__block *b = alloc_locked(d, p, size, ordered, stream, err);
     if (b || *err != -ENOMEM || !kept_by_a_keeper()) return b;
     pthread_mutex_unlock(&vmm__S.lock);
     vmm__keep_ring(&vmm__S.reg, VMM__KEEP_LET_GO_MS);
     pthread_mutex_lock(&vmm__S.lock);
-    return vmm__pool_alloc(&d->pool[ordered], size, ordered, stream, err);
+    return vmm__pool_alloc(p, size, ordered, stream, err);
 }
 
 vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream stream, void **ptr)
@@ -78,7 +86,9 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     pthread_mutex_lock(&vmm__S.lock);
     vmm__pools_ready_locked(d);
     int err;
-    vmm__block *b = alloc_kept_locked(d, size, stream_ordered, (uint64_t)(uintptr_t)stream, &err);
+    vmm__pool *pair = vmm__pools_of_locked(d, vmm__thread_tag, 1);
+    if (!pair) pair = d->pool; /* no memory for a tag's pools: its allocation goes with the untagged */
+    vmm__block *b = alloc_kept_locked(d, &pair[stream_ordered], size, stream_ordered, (uint64_t)(uintptr_t)stream, &err);
     if (!b) {
         pthread_mutex_unlock(&vmm__S.lock);
         if (err == -ENOMEM) return VMM__NOMEM;
@@ -102,11 +112,13 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
 /* The arena of one of the shim's pools holding p (allocated, free or not mapped), or NULL. */
 static vmm__arena *arena_containing_locked(uint64_t p)
 {
-    for (int i = 0; i < MAX_DEVICES; i++)
-        for (int k = 0; k < 2 && vmm__S.dev[i].pool_ready; k++) {
-            vmm__arena *a = vmm__pool_arena_at(&vmm__S.dev[i].pool[k], p);
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        if (!vmm__S.dev[i].pool_ready) continue;
+        VMM__FOR_POOLS(&vmm__S.dev[i], q, k) {
+            vmm__arena *a = vmm__pool_arena_at(q, p);
             if (a) return a;
         }
+    }
     return NULL;
 }
 
@@ -244,9 +256,10 @@ void vmm__stream_destroying(CUstream stream)
 {
     if (!vmm__S.ready || !__atomic_load_n(&vmm__sync.unrecorded_due, __ATOMIC_ACQUIRE)) return;
     pthread_mutex_lock(&vmm__S.lock);
-    for (int i = 0; i < MAX_DEVICES; i++)
-        for (int k = 0; k < 2 && vmm__S.dev[i].pool_ready; k++)
-            vmm__pool_record_stream(&vmm__S.dev[i].pool[k], (uint64_t)(uintptr_t)stream);
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        if (!vmm__S.dev[i].pool_ready) continue;
+        VMM__FOR_POOLS(&vmm__S.dev[i], p, k) vmm__pool_record_stream(p, (uint64_t)(uintptr_t)stream);
+    }
     pthread_mutex_unlock(&vmm__S.lock);
 }
 
@@ -282,7 +295,8 @@ size_t vmm__pool_free_bytes_current(void)
     device_state *d = &vmm__S.dev[dev];
     /* what a request could get: empty segments go when a pool must grow or the device is full;
      * free space between live blocks serves only requests that fit there */
-    size_t n = d->pool_ready ? vmm__pool_empty_bytes(&d->pool[0]) + vmm__pool_empty_bytes(&d->pool[1]) : 0;
+    size_t n = 0;
+    if (d->pool_ready) VMM__FOR_POOLS(d, p, k) n += vmm__pool_empty_bytes(p);
     pthread_mutex_unlock(&vmm__S.lock);
     return n;
 }
@@ -328,6 +342,27 @@ int vmm__owned(uint64_t ptr)
     return owned;
 }
 
+/* acc on each mapping of d's pools that peer `bit` reaches through cuMemSetAccess (cudaMalloc's
+ * segments only while the two devices are no peers), in one order, up to `stop` (NULL: all).
+ * Returns the first that refused (*rc its error), or NULL; with `unrestored`, refusals are
+ * counted (each tried twice) and the walk goes on. */
+static vmm__seg *set_access_until(device_state *d, uint64_t bit, const CUmemAccessDesc *acc, const vmm__seg *stop,
+                                  CUresult *rc, unsigned *unrestored)
+{
+    if (!d->pool_ready) return NULL;
+    VMM__FOR_POOLS(d, p, k) {
+        if (k == 0 && (d->peers & bit)) continue;
+        for (vmm__seg *s = p->segs; s; s = s->snext) {
+            if (s == stop) return NULL;
+            if (unrestored) {
+                if (VMM__TWICE(vmm__cu.MemSetAccess(s->base, s->size, acc, 1)) != CUDA_SUCCESS) (*unrestored)++;
+            } else if ((*rc = vmm__cu.MemSetAccess(s->base, s->size, acc, 1)) != CUDA_SUCCESS)
+                return s;
+        }
+    }
+    return NULL;
+}
+
 /* Peer access is granted per mapping with cuMemSetAccess: enabling it in the driver does not
  * cover VMM memory.  accessor may then use owner's chunks, now and in future.  All or nothing: if
  * one chunk refuses, the ones changed before it are set back and the call's error returned, so
@@ -345,17 +380,12 @@ CUresult vmm__peer_access(int accessor, int owner, int enable, int *changed)
     if (was != !!enable) {
         CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = accessor},
                                .flags = enable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE};
-        vmm__seg *s = NULL, *failed = NULL;
-        int k, failed_k = 2;
-        for (k = 0; k < 2 && d->pool_ready && !failed; k++)
-            for (s = d->pool[k].segs; s && !failed && !(k == 0 && (d->peers & bit)); s = s->snext)
-                if ((rc = vmm__cu.MemSetAccess(s->base, s->size, &acc, 1)) != CUDA_SUCCESS) failed = s, failed_k = k;
+        unsigned unrestored = 0;
+        vmm__seg *failed = set_access_until(d, bit, &acc, NULL, &rc, NULL);
         if (failed) {
             acc.flags = was ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
-            unsigned unrestored = 0;
-            for (k = 0; k <= failed_k && k < 2; k++)
-                for (s = d->pool[k].segs; s && s != failed && !(k == 0 && (d->peers & bit)); s = s->snext)
-                    if (VMM__TWICE(vmm__cu.MemSetAccess(s->base, s->size, &acc, 1)) != CUDA_SUCCESS) unrestored++;
+            CUresult ignored;
+            set_access_until(d, bit, &acc, failed, &ignored, &unrestored);
             if (unrestored)
                 vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be set back after a failed %s", accessor,
                          owner, unrestored, enable ? "grant" : "revoke");
@@ -407,6 +437,7 @@ void vmm__device_reset(int dev)
     if (d->pool_ready) {
         vmm__pool_destroy(&d->pool[0]);
         vmm__pool_destroy(&d->pool[1]);
+        vmm__tags_destroy_locked(d);
         d->pool_ready = 0;
     }
     while (d->n_events) vmm__cu.EventDestroy(d->events[--d->n_events]);

@@ -117,6 +117,11 @@ void vmm__stream_destroying(CUstream stream);
  * to let go of what the process gave back (registry/layout.h KEEP) and return 1 (try again once);
  * 0 when nobody keeps it. */
 int vmm__keep_let_go(void);
+/* The calling thread's tag (vmm_set_thread_tag): what it allocates carries the tag, in pools of the
+ * tag's own.  Returns the previous one (NULL: none); *rc 0, or -1 too long / -2 too many tags
+ * (said once in a line), the thread's tag unchanged. */
+const char *vmm__thread_tag_set(const char *name, int *rc);
+const char *vmm__thread_tag_get(void);
 /* The program mapped a range of a handle the shim made exportable (maps_adopted, layout.h). */
 void vmm__count_adopted(void);
 /* True when stream is being captured into a graph. */

@@ -33,8 +33,8 @@ static uint64_t purge_pass_locked(uint64_t now)
     if (__atomic_load_n(&vmm__S.captures, __ATOMIC_ACQUIRE) > 0) return now + (delay ? delay : 1000000u); /* after the capture */
     for (int i = 0; i < MAX_DEVICES; i++) {
         device_state *d = &vmm__S.dev[i];
-        for (int k = 0; k < 2 && d->pool_ready; k++) {
-            vmm__pool *p = &d->pool[k];
+        if (!d->pool_ready) continue;
+        VMM__FOR_POOLS(d, p, k) {
             if (now >= delay) release_locked(p, k, now - delay);
             uint64_t oldest = vmm__pool_oldest_empty(p);
             if (oldest != UINT64_MAX && !settled(p, k) && oldest + delay < next) next = oldest + delay;
@@ -124,19 +124,19 @@ void vmm__synchronized(int whole_context, CUstream stream, uint64_t mark)
     uint64_t still_unrecorded = 0;
     for (int i = 0; i < MAX_DEVICES; i++) {
         device_state *d = &vmm__S.dev[i];
-        for (int k = 0; k < 2 && d->pool_ready && unrecorded; k++) {
+        if (!d->pool_ready) continue;
+        if (unrecorded) VMM__FOR_POOLS(d, p, k) {
             /* the frees this synchronization covers are reached, with no event recorded at all;
              * the legacy stream has two names */
-            vmm__pool *p = &d->pool[k];
             vmm__pool_reached_by_sync(p, whole_context, (uint64_t)(uintptr_t)stream, ctx, mark);
             if (!whole_context && legacy_stream(stream))
                 vmm__pool_reached_by_sync(p, 0, (uint64_t)(uintptr_t)(stream ? NULL : CU_STREAM_LEGACY), ctx, mark);
             still_unrecorded += p->n_unrecorded;
         }
-        for (int k = 0; k < 2 && d->pool_ready; k++) {
+        VMM__FOR_POOLS(d, p, k) {
             if (k == 0 && vmm__S.give_back_ns) continue;
-            release_locked(&d->pool[k], k, UINT64_MAX);
-            left |= !settled(&d->pool[k], k);
+            release_locked(p, k, UINT64_MAX);
+            left |= !settled(p, k);
         }
     }
     if (left) __atomic_store_n(&vmm__sync.sync_due, 1, __ATOMIC_RELAXED); /* frees of streams not synchronized yet */

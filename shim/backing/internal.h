@@ -19,6 +19,8 @@
 
 #define MAX_DEVICES 64
 #define NO_SLOT UINT32_MAX
+/* Distinct thread tags a process may name (vmm_set_thread_tag); each has pools of its own. */
+#define VMM__MAX_TAGS 32
 
 /* A segment as the mechanism knows it (the pool's vmm__seg has its place and size). */
 typedef struct vseg {
@@ -54,6 +56,10 @@ typedef struct device_state {
     size_t granularity;
     uint8_t uuid[16];
     vmm__pool pool[2];          /* [0] synchronous allocations, [1] stream-ordered (the default pool's) */
+    /* The same pair for each thread tag, made at the tag's first allocation on this device: a
+     * tag's allocations never share a segment with another's, so pausing a tag releases whole
+     * segments (tags.c). */
+    vmm__pool *tagged[VMM__MAX_TAGS];
     int pool_ready;
     int custom_pool;            /* the program made another pool current: stream-ordered calls pass */
     uint64_t release_threshold; /* the default pool's, as the program set it */
@@ -118,7 +124,9 @@ typedef struct vmm__state {
     int purge_state;               /* 0 not started, 1 waiting for work, 2 waiting for a deadline, -1 could not start */
     int stopping;                  /* at exit: no more driver calls from the give-back thread */
     uint64_t free_seq;             /* stream-ordered frees so far: orders them against synchronizations */
-    char tag[32];
+    char tag[32];                  /* the process's (VMMSHIM_TAG) */
+    char tags[VMM__MAX_TAGS][32];  /* thread tags named so far (tags.c), never renamed: index + 1 is a tag's number */
+    unsigned n_tags;
     int captures;                  /* streams being captured right now, process-wide (vmm__capture_begun) */
     int unpublished_said;          /* the line about an allocation the registry had no room for is out (records.c) */
     device_state dev[MAX_DEVICES];
@@ -149,9 +157,35 @@ CUevent vmm__event_get_locked(device_state *d);
 /* The bytes of empty memory pool k of d keeps past the give-back delay. */
 uint64_t vmm__retain_of(const device_state *d, int k);
 void vmm__pools_ready_locked(device_state *d);
+/* Make pair ([0] synchronous, [1] stream-ordered) the pools of tag number `tag` on d. */
+void vmm__pair_init_locked(device_state *d, vmm__pool *pair, uint32_t tag);
 device_state *vmm__dev_of_block(const vmm__block *b);
 /* The segments under block b, in address order: the first, their number and their bytes. */
 vmm__seg *vmm__span_of(const vmm__block *b, uint32_t *n, uint64_t *bytes);
+
+/* ---- tags.c: thread tags and their pools ---- */
+/* The calling thread's tag number: 0 none (the process's tag), else vmm__S.tags[n - 1]. */
+extern __thread uint32_t vmm__thread_tag __attribute__((tls_model("initial-exec")));
+/* The number of tag `name` (0 for NULL or ""), named on first use: 0, -1 too long, -2 no room. */
+int vmm__tag_number(const char *name, uint32_t *t);
+/* A device's tagged pools go (its reset). */
+void vmm__tags_destroy_locked(device_state *d);
+/* The pool pair of tag number t on d (0: d->pool), made on first use when make; NULL if not made
+ * (or no memory for it). */
+vmm__pool *vmm__pools_of_locked(device_state *d, uint32_t t, int make);
+/* The name of tag number t (0: the process's tag). */
+static inline const char *vmm__tag_name(uint32_t t) { return t ? vmm__S.tags[t - 1] : vmm__S.tag; }
+/* Which of its pair p is: 0 synchronous (cudaMalloc's), 1 stream-ordered. */
+static inline int vmm__pool_kind(const device_state *d, const vmm__pool *p)
+{
+    return (int)(p - (p->tag ? d->tagged[p->tag - 1] : d->pool));
+}
+/* Every pool pair of device d made so far, the untagged one first (pp points at [0] and [1]). */
+#define VMM__FOR_PAIRS(d, pp)                                                                              \
+    for (uint32_t t_ = 0; t_ <= VMM__MAX_TAGS; t_++)                                                       \
+        for (vmm__pool *pp = t_ ? (d)->tagged[t_ - 1] : (d)->pool; pp; pp = NULL)
+/* Every pool of device d: p, and k its kind (0 synchronous, 1 stream-ordered). */
+#define VMM__FOR_POOLS(d, p, k) VMM__FOR_PAIRS(d, pp_##p) for (int k = 0; k < 2; k++) for (vmm__pool *p = &pp_##p[k]; p; p = NULL)
 
 /* ---- giveback.c: giving memory back after the idle delay and at synchronizations ---- */
 /* A free emptied a segment of p. */

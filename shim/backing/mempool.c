@@ -126,11 +126,14 @@ static int usage_get(int dev, usage *out)
     device_state *d = dev_at(dev);
     if (!d) return 0;
     pthread_mutex_lock(&vmm__S.lock);
-    if (d->pool_ready) { /* the default pool's figures: stream-ordered memory only, as natively */
-        out->reserved = d->pool[1].reserved;
-        out->reserved_high = d->pool[1].reserved_high;
-        out->used = d->pool[1].used;
-        out->used_high = d->pool[1].used_high;
+    /* the default pool's figures: stream-ordered memory only, as natively; a thread tag's pools are
+     * the default pool's too for the program (their high-water marks add up: an upper bound) */
+    if (d->pool_ready) VMM__FOR_POOLS(d, p, k) {
+        if (!k) continue;
+        out->reserved += p->reserved;
+        out->reserved_high += p->reserved_high;
+        out->used += p->used;
+        out->used_high += p->used_high;
     }
     pthread_mutex_unlock(&vmm__S.lock);
     return 1;
@@ -143,8 +146,11 @@ static void reset_high(int dev, int which)
     device_state *d = dev_at(dev);
     if (!d) return;
     pthread_mutex_lock(&vmm__S.lock);
-    if (which == HIGH_RESERVED) d->pool[1].reserved_high = d->pool[1].reserved;
-    else d->pool[1].used_high = d->pool[1].used;
+    if (d->pool_ready) VMM__FOR_POOLS(d, p, k) {
+        if (!k) continue;
+        if (which == HIGH_RESERVED) p->reserved_high = p->reserved;
+        else p->used_high = p->used;
+    }
     pthread_mutex_unlock(&vmm__S.lock);
 }
 
@@ -155,6 +161,20 @@ static void reset_high(int dev, int which)
  * lock, at most TRIM_SETTLE_NS) before it looks again.  A stream still busy then keeps its
  * memory, as natively. */
 #define TRIM_SETTLE_NS 2000000u
+/* A thread tag's stream-ordered pools are trimmed whole first, then the untagged one to what keep
+ * leaves (a trim keeping more than nothing is rare: TrimTo(0) is what frameworks call). */
+static void trim_locked(device_state *d, uint64_t keep)
+{
+    if (!d->pool_ready) return;
+    uint64_t tagged = 0;
+    VMM__FOR_POOLS(d, p, k)
+        if (k && p != &d->pool[1]) {
+            vmm__pool_release(p, 0, 0, UINT64_MAX);
+            tagged += p->reserved;
+        }
+    vmm__pool_release(&d->pool[1], keep > tagged ? keep - tagged : 0, 0, UINT64_MAX);
+}
+
 static void trim(int dev, uint64_t keep)
 {
     device_state *d = dev_at(dev);
@@ -162,15 +182,16 @@ static void trim(int dev, uint64_t keep)
     void *ev[64];
     unsigned n = 0;
     pthread_mutex_lock(&vmm__S.lock);
-    if (d->pool_ready && d->pool[1].n_unrecorded) n = vmm__pool_pending_events(&d->pool[1], ev, 64);
-    if (d->pool_ready) vmm__pool_release(&d->pool[1], keep, 0, UINT64_MAX);
+    if (d->pool_ready) VMM__FOR_POOLS(d, p, k)
+        if (k && p->n_unrecorded) n += vmm__pool_pending_events(p, ev + n, 64 - n);
+    trim_locked(d, keep);
     pthread_mutex_unlock(&vmm__S.lock);
     if (!n) return;
     uint64_t give_up = vmm__now_ns(NULL) + TRIM_SETTLE_NS;
     for (unsigned i = 0; i < n; i++) /* one recycled meanwhile is only looked at longer */
         while (!vmm__event_done(NULL, ev[i]) && vmm__now_ns(NULL) < give_up) sched_yield();
     pthread_mutex_lock(&vmm__S.lock);
-    if (d->pool_ready) vmm__pool_release(&d->pool[1], keep, 0, UINT64_MAX);
+    trim_locked(d, keep);
     pthread_mutex_unlock(&vmm__S.lock);
 }
 
@@ -184,7 +205,8 @@ static void set_release_threshold(int dev, uint64_t bytes)
     if (!d) return;
     pthread_mutex_lock(&vmm__S.lock);
     d->release_threshold = bytes;
-    if (d->pool_ready) d->pool[1].retain = vmm__retain_of(d, 1);
+    if (d->pool_ready) VMM__FOR_POOLS(d, p, k)
+        if (k) p->retain = vmm__retain_of(d, 1);
     /* a lower threshold may put memory past it: gone at the next synchronization, as natively */
     __atomic_store_n(&vmm__sync.sync_due, 1, __ATOMIC_RELAXED);
     vmm__purge_kick_locked();

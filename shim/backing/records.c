@@ -11,8 +11,9 @@
 #include "broker/protocol.h"
 #include "core/log.h"
 
+/* tag: the tag number the allocation carries (its pool's, or the thread's for what is not the pool's). */
 static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream, uint64_t requested,
-                        const vmm__frames *f)
+                        const vmm__frames *f, uint32_t tag)
 {
     memset(d, 0, sizeof *d);
     d->device = (uint32_t)dev;
@@ -21,7 +22,7 @@ static void fill_common(vmm_reg_alloc *d, int dev, uint32_t api, CUstream stream
     d->requested_size = requested;
     d->stream = (uint64_t)(uintptr_t)stream;
     d->exported_fd = -1;
-    memcpy(d->tag, vmm__S.tag, sizeof d->tag);
+    memcpy(d->tag, vmm__tag_name(tag), sizeof d->tag);
     d->n_frames = f->n;
     memcpy(d->frames, f->pc, f->n * sizeof f->pc[0]); /* the rest stays zero: no stack bytes in shared memory */
 }
@@ -60,7 +61,7 @@ void vmm__publish_locked(vmm__block *b, CUstream stream, const vmm__frames *f)
     vmm__seg *first = vmm__span_of(b, &n, &bytes);
     vseg *c = first->mech;
     vmm_reg_alloc d;
-    fill_common(&d, c->dev, b->api, stream, b->requested, f);
+    fill_common(&d, c->dev, b->api, stream, b->requested, f, b->arena->pool->tag);
     d.mapped_size = bytes;
     d.chunk_id = c->id;
     d.chunk_offset = b->addr - first->base;
@@ -133,7 +134,7 @@ void vmm__note_passthrough(vmm__result why, void *ptr, size_t size, uint32_t api
         return;
     }
     vmm_reg_alloc d;
-    fill_common(&d, dev, api, stream, size, &f);
+    fill_common(&d, dev, api, stream, size, &f, vmm__thread_tag);
     d.flags = VMM_REG_F_NOT_EXPORTABLE;
     if (vmm__reg_add(&vmm__S.reg, n->va, size, &d, &n->slot, NULL) != 0) n->slot = NO_SLOT;
     HASH_ADD(hh, vmm__S.notes, va, sizeof(uint64_t), n);
@@ -147,7 +148,7 @@ void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size,
     if (!vmm__S.registry_ok) return;
     vmm__start_broker();
     vmm_reg_alloc d;
-    fill_common(&d, dev, VMM_API_CU_MEM_MAP, NULL, extent, f);
+    fill_common(&d, dev, VMM_API_CU_MEM_MAP, NULL, extent, f, vmm__thread_tag);
     d.mapped_size = handle_size;
     d.chunk_id = chunk_id;
     d.chunk_offset = handle_offset;

@@ -71,7 +71,7 @@ static int seg_create(void *ctx, vmm__seg *ps)
     if ((rc = vmm__cu.MemMap(ps->base, ps->size, 0, h, 0)) != CUDA_SUCCESS) goto undo;
     mapped = 1;
     CUmemAccessDesc acc[MAX_DEVICES];
-    if ((rc = vmm__cu.MemSetAccess(ps->base, ps->size, acc, (size_t)access_list(d, acc, ps->arena->pool == &d->pool[0]))) !=
+    if ((rc = vmm__cu.MemSetAccess(ps->base, ps->size, acc, (size_t)access_list(d, acc, vmm__pool_kind(d, ps->arena->pool) == 0))) !=
         CUDA_SUCCESS)
         goto undo;
     vseg *c = calloc(1, sizeof *c);
@@ -127,7 +127,7 @@ static int seg_move(void *ctx, vmm__seg *from, uint64_t base)
     vseg *c = from->mech;
     if (vmm__cu.MemMap(base, from->size, 0, c->handle, 0) != CUDA_SUCCESS) return -EIO;
     CUmemAccessDesc acc[MAX_DEVICES];
-    if (vmm__cu.MemSetAccess(base, from->size, acc, (size_t)access_list(d, acc, from->arena->pool == &d->pool[0])) != CUDA_SUCCESS) {
+    if (vmm__cu.MemSetAccess(base, from->size, acc, (size_t)access_list(d, acc, vmm__pool_kind(d, from->arena->pool) == 0)) != CUDA_SUCCESS) {
         (void)VMM__TWICE(vmm__cu.MemUnmap(base, from->size));
         return -EIO;
     }
@@ -238,9 +238,8 @@ static uint64_t arena_bytes(device_state *d)
     return ((uint64_t)total + gib - 1) / gib * gib;
 }
 
-void vmm__pools_ready_locked(device_state *d)
+void vmm__pair_init_locked(device_state *d, vmm__pool *pair, uint32_t tag)
 {
-    if (d->pool_ready) return;
     vmm__pool_ops ops = {.ctx = d,
                          .reserve = arena_reserve,
                          .unreserve = arena_unreserve,
@@ -253,9 +252,18 @@ void vmm__pools_ready_locked(device_state *d)
                          .seg_move = seg_move,
                          .unmap_old = unmap_old};
     uint64_t arena = arena_bytes(d);
-    for (int k = 0; k < 2; k++) vmm__pool_init(&d->pool[k], &ops, d->granularity, arena, vmm__retain_of(d, k), vmm__S.isolate);
-    d->pool[0].exact = 1; /* cudaMalloc: natively each allocation is memory of its own, gone at its free */
-    if (!vmm__S.isolate) d->pool[1].seg_max = VMM_POOL_SEG_MAX; /* a pool that is seldom trimmed: holes go back in pieces */
+    for (int k = 0; k < 2; k++) {
+        vmm__pool_init(&pair[k], &ops, d->granularity, arena, vmm__retain_of(d, k), vmm__S.isolate);
+        pair[k].tag = tag;
+    }
+    pair[0].exact = 1; /* cudaMalloc: natively each allocation is memory of its own, gone at its free */
+    if (!vmm__S.isolate) pair[1].seg_max = VMM_POOL_SEG_MAX; /* a pool that is seldom trimmed: holes go back in pieces */
+}
+
+void vmm__pools_ready_locked(device_state *d)
+{
+    if (d->pool_ready) return;
+    vmm__pair_init_locked(d, d->pool, 0);
     d->pool_ready = 1;
 }
 

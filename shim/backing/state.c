@@ -22,6 +22,7 @@
 #include "registry/keep.h"
 
 vmm__driver vmm__cu;
+__thread uint32_t vmm__thread_tag __attribute__((tls_model("initial-exec")));
 vmm__state vmm__S = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* What a synchronization has to do (backing.h): read by the synchronize hooks first. */
@@ -139,11 +140,12 @@ static void at_exit(void)
     }
     if (vmm__opt_bool(VMM__OPT_STATS)) print_coverage(&local_coverage);
     if (vmm__opt_bool(VMM__OPT_VERBOSE))
-        for (int i = 0; i < MAX_DEVICES; i++)
-            for (int k = 0; k < 2 && vmm__S.dev[i].pool_ready; k++) {
-                const vmm__pool *p = &vmm__S.dev[i].pool[k];
-                vmm__log(VMM__LOG_INFO, "device %d %s pool: %llu segments made, %llu given back; peak %llu MiB reserved, %llu MiB used",
-                         i, k ? "stream-ordered" : "synchronous", (unsigned long long)p->segs_made,
+        for (int i = 0; i < MAX_DEVICES; i++) {
+            if (!vmm__S.dev[i].pool_ready) continue;
+            VMM__FOR_POOLS(&vmm__S.dev[i], p, k)
+                vmm__log(VMM__LOG_INFO, "device %d %s pool%s%s: %llu segments made, %llu given back; peak %llu MiB reserved, %llu MiB used",
+                         i, k ? "stream-ordered" : "synchronous", p->tag ? " of tag " : "", p->tag ? vmm__tag_name(p->tag) : "",
+                         (unsigned long long)p->segs_made,
                          (unsigned long long)p->segs_released, (unsigned long long)(p->reserved_high >> 20),
                          (unsigned long long)(p->used_high >> 20));
             }
@@ -166,6 +168,7 @@ static volatile struct {
     note *notes;
     struct {
         vmm__pool pool[2];
+        vmm__pool *tagged[VMM__MAX_TAGS];
         CUevent *events;
     } dev[MAX_DEVICES];
 } inherited;
@@ -189,6 +192,7 @@ static void after_fork_child(void)
     inherited.notes = vmm__S.notes;
     for (int i = 0; i < MAX_DEVICES; i++) {
         memcpy((void *)inherited.dev[i].pool, vmm__S.dev[i].pool, sizeof vmm__S.dev[i].pool);
+        memcpy((void *)inherited.dev[i].tagged, vmm__S.dev[i].tagged, sizeof vmm__S.dev[i].tagged);
         inherited.dev[i].events = vmm__S.dev[i].events;
     }
     vmm__S.by_addr = vmm__S.by_slot = NULL; /* parent's segments leak in the child by design */

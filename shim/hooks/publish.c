@@ -118,3 +118,14 @@ VMM_HOOK vmm_status vmm_unpublish(const char *name)
 }
 
 VMM_HOOK const char *vmm_publish_error(void) { return last_error; }
+
+VMM_HOOK const char *vmm_set_thread_tag(const char *tag)
+{
+    int rc;
+    const char *was = vmm__thread_tag_set(tag, &rc);
+    if (rc == -1) fail(VMM_ERR_INVALID, "vmm_set_thread_tag", "a tag is at most 31 bytes; the thread keeps its tag");
+    else if (rc) fail(VMM_ERR_NOMEM, "vmm_set_thread_tag", "a process names at most 32 thread tags; the thread keeps its tag");
+    return was;
+}
+
+VMM_HOOK const char *vmm_thread_tag(void) { return vmm__thread_tag_get(); }

@@ -960,7 +960,9 @@ void vmm__pool_destroy(vmm__pool *p)
     uint64_t g = p->granule, as = p->arena_size, retain = p->retain;
     uint64_t seg_max = p->seg_max;
     int iso = p->isolate, exact = p->exact;
+    uint32_t tag = p->tag;
     vmm__pool_init(p, &ops, g, as, retain, iso);
     p->exact = exact;
+    p->tag = tag;
     p->seg_max = seg_max;
 }

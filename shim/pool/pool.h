@@ -131,6 +131,7 @@ typedef struct vmm__pool {
     uint64_t footprint_high;             /* reserved_high, but never reset by the program */
     uint64_t n_segs, segs_made, segs_released, segs_moved;
     uint64_t n_unrecorded;               /* events of frees not recorded yet */
+    uint32_t tag;                        /* the caller's own (shim/backing: which tag's pools these are) */
 } vmm__pool;
 
 /* arena_size: address space reserved at a time (more arenas are added when one is full). */

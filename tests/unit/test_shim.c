@@ -136,6 +136,37 @@ static void test_lagging_replay(void)
     }
 }
 
+/* Thread tags (tests/progs/tags.c): what a thread allocates while tagged carries its tag in the
+ * record and lies in segments of that tag's own (never sharing a chunk with untagged memory or
+ * another tag's), whichever API made it; clearing restores the process's tag; a tag too long
+ * changes nothing.  Natively the calls answer NULL and set nothing. */
+static void test_thread_tags(void)
+{
+    char prog[600], out[4096], err[4096];
+    snprintf(prog, sizeof prog, "%s/progs/tags", build);
+    char *argv[] = {prog, NULL};
+    const char *env[] = {preload, NULL};
+    int rc = run(argv, env, out, sizeof out, err, sizeof err);
+    CHECK(rc == 0, "rc %d: %s%s", rc, out, err);
+    CHECK(strstr(out, "first: (null)\ncurrent: kv\nback: kv\nrestored: (null)\n") != NULL, "%s", out);
+    CHECK(strstr(out, "too long: kept (null), now (null), error vmm_set_thread_tag: a tag is at most 31 bytes") != NULL, "%s", out);
+    CHECK(strstr(err, "vmmshim: warning: a thread tag is at most 31 bytes") != NULL, "%s", err);
+    unsigned long long c_un = 0, c_kv = 0, c_kva = 0, c_after = 0, c_opt = 0;
+    const char *l;
+    int got = (l = strstr(out, "untagged tag=- chunk=")) && sscanf(l, "untagged tag=- chunk=%llu", &c_un) == 1;
+    got &= (l = strstr(out, "kv tag=kv chunk=")) && sscanf(l, "kv tag=kv chunk=%llu", &c_kv) == 1;
+    got &= (l = strstr(out, "kv_async tag=kv chunk=")) && sscanf(l, "kv_async tag=kv chunk=%llu", &c_kva) == 1;
+    got &= (l = strstr(out, "after tag=- chunk=")) && sscanf(l, "after tag=- chunk=%llu", &c_after) == 1;
+    got &= (l = strstr(out, "opt tag=opt chunk=")) && sscanf(l, "opt tag=opt chunk=%llu", &c_opt) == 1;
+    CHECK(got, "records and their tags:\n%s", out);
+    CHECK(c_kv != c_un && c_kv != c_opt && c_kva != c_un && c_opt != c_un && c_opt != c_after && c_kv != c_after,
+          "a tag's allocations share no chunk with others: untagged %llu, kv %llu, kv async %llu, after %llu, opt %llu", c_un,
+          c_kv, c_kva, c_after, c_opt);
+    rc = run(argv, NULL, out, sizeof out, err, sizeof err);
+    CHECK(rc == 0 && strstr(out, "current: (null)") && strstr(out, "not running under the shim") && strstr(out, "kv missing"),
+          "natively: rc %d %s", rc, out);
+}
+
 /* One device's cudaMalloc memory copied while another device is current, natively and under
  * the shim (the emulated driver refuses a copy of VMM memory not granted to the current device,
  * as an H100 does). */
@@ -652,6 +683,7 @@ int main(void)
     test_threads();
     test_async_order();
     test_lagging_replay();
+    test_thread_tags();
     test_cross_device_copy();
     test_rtld_next();
     test_fallback_and_strict();

@@ -163,3 +163,12 @@ VMM_PUBLIC vmm_status vmm_unpublish(const char *name)
 }
 
 VMM_PUBLIC const char *vmm_publish_error(void) { return vmm__error_text(); }
+
+VMM_PUBLIC const char *vmm_set_thread_tag(const char *tag)
+{
+    (void)tag;
+    NO_SHIM("vmm_set_thread_tag");
+    return NULL;
+}
+
+VMM_PUBLIC const char *vmm_thread_tag(void) { return NULL; }

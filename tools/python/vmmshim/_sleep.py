@@ -1,0 +1,78 @@
+"""Thread tags in a process running under libvmmshim.so: vmmshim.region(tag), set_thread_tag(tag)
+and thread_tag().  They call the shim's own vmm_set_thread_tag and vmm_thread_tag (found among the
+preloaded library's symbols by ctypes.CDLL(None)), on the calling thread: a Python thread is an OS
+thread, so a region tags what this thread allocates, not what other threads do meanwhile.
+
+What a thread allocates while tagged comes from pools of that tag's own, so the tag's memory never
+shares a segment with anything else.  A caching allocator hands out blocks it cached earlier
+whatever region is active; to get exactly the tensors meant under a tag with PyTorch, allocate them
+inside the region from a memory pool of their own, which makes fresh segments there:
+
+    pool = torch.cuda.MemPool()
+    with vmmshim.region("optim"), torch.cuda.use_mem_pool(pool):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)      # gradients live here, accumulated in place
+        optimizer.step()                      # the first step makes the optimizer's state here
+
+(then `optimizer.zero_grad(set_to_none=False)`, so backward, which runs on autograd's threads,
+writes into those gradients instead of allocating new ones)."""
+import contextlib
+import ctypes
+import threading
+
+from . import _lib
+from ._errors import InvalidArgument, NotUnderShim
+
+_lock = threading.Lock()
+_fns = None
+
+
+def _functions():
+    global _fns
+    with _lock:
+        if _fns is None:
+            try:
+                here = ctypes.CDLL(None)
+                fns = (here.vmm_set_thread_tag, here.vmm_thread_tag, here.vmm_publish_error)
+            except (OSError, AttributeError):
+                raise NotUnderShim("vmmshim: not running under the shim: start the program with `vmmshim run --` "
+                                   "or LD_PRELOAD=/path/to/libvmmshim.so", _lib.NO_SHIM) from None
+            for f in fns:
+                f.restype = ctypes.c_char_p
+            fns[0].argtypes = [ctypes.c_char_p]
+            fns[1].argtypes = fns[2].argtypes = []
+            _fns = fns
+        return _fns
+
+
+def thread_tag():
+    """The calling thread's tag, or None."""
+    t = _functions()[1]()
+    return t.decode() if t is not None else None
+
+
+def set_thread_tag(tag):
+    """Tag what the calling thread allocates from now on (None clears it); returns the previous tag.
+    InvalidArgument when the shim refused it (32 bytes or more, or a 33rd distinct tag): the thread
+    keeps its tag."""
+    set_, get, error = _functions()
+    if tag is not None and not isinstance(tag, str):
+        raise TypeError(f"a tag is a str or None, not {type(tag).__name__}")
+    raw = tag.encode() if tag else None
+    was = set_(raw)
+    now = get()
+    if now != raw:
+        raise InvalidArgument((error() or b"").decode("utf-8", "replace").replace("vmm_set_thread_tag", "vmmshim.set_thread_tag"),
+                              _lib.INVALID)
+    return was.decode() if was is not None else None
+
+
+@contextlib.contextmanager
+def region(tag):
+    """`with vmmshim.region("kv_cache"):` tags what this thread allocates inside, then restores the
+    thread's previous tag (regions nest)."""
+    was = set_thread_tag(tag)
+    try:
+        yield
+    finally:
+        set_thread_tag(was)
