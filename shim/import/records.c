@@ -68,6 +68,8 @@ const char *vmm__status_text(vmm_status status)
     case VMM_ERR_NOMEM: return "out of memory";
     case VMM_ERR_IO: return "I/O error";
     case VMM_ERR_NO_SHIM: return "not running under the shim (libvmmshim.so)";
+    case VMM_ERR_PAUSED: return "the owner paused this memory (vmm_pause)";
+    case VMM_ERR_STATE: return "not in the state the call needs (paused already, or not paused)";
     }
     return "unknown status";
 }
@@ -242,7 +244,8 @@ static void alloc_info_from(vmm_alloc_info *o, uint64_t slot, const vmm_reg_allo
     o->chunk_id = a->chunk_id;
     o->chunk_offset = a->chunk_offset;
     o->extent = a->extent;
-    o->flags = a->flags & (VMM_REG_F_NOT_EXPORTABLE | VMM_REG_F_SHARED_CHUNK | VMM_REG_F_MULTI_HANDLE | VMM_REG_F_KEPT);
+    o->flags = a->flags & (VMM_REG_F_NOT_EXPORTABLE | VMM_REG_F_SHARED_CHUNK | VMM_REG_F_MULTI_HANDLE | VMM_REG_F_KEPT |
+                           VMM_REG_F_PAUSED);
     /* a record of an older layout has zeros at n_handles: one handle */
     o->n_handles = (a->flags & VMM_REG_F_MULTI_HANDLE) && a->n_handles > 1 ? a->n_handles : 1;
     o->tag[sizeof o->tag - 1] = 0;
@@ -480,6 +483,12 @@ vmm_status vmm__read_slot(vmm_registry *reg, uint64_t slot, vmm_alloc_info *out)
 }
 
 /* The registry still shows this very allocation, live, at its place in its chunk. */
+vmm_status vmm__paused(const vmm_alloc_info *a)
+{
+    return set_error(VMM_ERR_PAUSED, "pid %u paused the memory at 0x%llx (vmm_pause): import it once its owner resumes it",
+                     a->pid, (unsigned long long)a->address);
+}
+
 vmm_status vmm__record_unchanged(vmm_registry *reg, const vmm_alloc_info *a)
 {
     vmm_alloc_info now;
@@ -491,6 +500,7 @@ vmm_status vmm__record_unchanged(vmm_registry *reg, const vmm_alloc_info *a)
         return set_error(VMM_ERR_STALE, "allocation was freed (generation %llu is gone)",
                          (unsigned long long)a->generation);
     if (st != VMM_OK) return st;
+    if (now.flags & VMM_ALLOC_PAUSED) return vmm__paused(a);
     if (now.chunk_id != a->chunk_id || now.chunk_offset != a->chunk_offset || now.mapped_size != a->mapped_size)
         return set_error(VMM_ERR_STALE, "the registry places this allocation at offset %llu of chunk %llu (%llu bytes), "
                                         "not as described",

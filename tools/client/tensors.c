@@ -163,3 +163,21 @@ VMM_PUBLIC vmm_status vmm_unpublish(const char *name)
 }
 
 VMM_PUBLIC const char *vmm_publish_error(void) { return vmm__error_text(); }
+
+VMM_PUBLIC vmm_status vmm_pause_ex(const char *tag, unsigned flags, vmm_sleep_report *report, size_t report_size)
+{
+    (void)tag, (void)flags, (void)report, (void)report_size;
+    return NO_SHIM("vmm_pause");
+}
+
+VMM_PUBLIC vmm_status vmm_resume_ex(const char *tag, vmm_sleep_report *report, size_t report_size)
+{
+    (void)tag, (void)report, (void)report_size;
+    return NO_SHIM("vmm_resume");
+}
+
+VMM_PUBLIC vmm_status vmm_pause(const char *tag, unsigned flags) { return vmm_pause_ex(tag, flags, NULL, 0); }
+
+VMM_PUBLIC vmm_status vmm_resume(const char *tag) { return vmm_resume_ex(tag, NULL, 0); }
+
+VMM_PUBLIC const char *vmm_sleep_error(void) { return vmm__error_text(); }

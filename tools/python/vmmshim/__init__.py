@@ -29,11 +29,11 @@ import time
 
 from . import _dlpack, _dtypes, _lib
 from ._errors import (BY_STATUS, Access, Busy, Corrupt, CudaError, Error, InvalidArgument, IOFailure, LibraryNotFound,
-                      NotFound, NotUnderShim, OutOfMemory, OwnerDead, Stale, VersionMismatch)
+                      NotFound, NotUnderShim, OutOfMemory, OwnerDead, Paused, Stale, VersionMismatch, WrongState)
 from ._owner import publish, publish_many, unpublish
 from ._torch import to_torch
-from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, KIND_BROKER, KIND_FABRIC,
-                   KIND_PIDFD, OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, OWNER_UNKNOWN)
+from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_PAUSED, ALLOC_SHARED_CHUNK, KIND_BROKER,
+                   KIND_FABRIC, KIND_PIDFD, OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, OWNER_UNKNOWN)
 
 __version__ = "0.1.0"
 
@@ -41,8 +41,9 @@ __all__ = ["Registry", "Allocation", "Process", "Tensor", "Buffer", "View", "pub
            "drop_idle", "to_torch",
            "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
            "Access", "Corrupt", "VersionMismatch", "Busy", "Stale", "OwnerDead", "CudaError", "OutOfMemory",
-           "IOFailure", "NotUnderShim", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN", "OWNER_KEPT", "KIND_BROKER",
-           "KIND_PIDFD", "KIND_FABRIC", "ALLOC_NOT_EXPORTABLE", "ALLOC_SHARED_CHUNK", "ALLOC_MULTI_HANDLE", "ALLOC_KEPT"]
+           "IOFailure", "NotUnderShim", "Paused", "WrongState", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN",
+           "OWNER_KEPT", "KIND_BROKER", "KIND_PIDFD", "KIND_FABRIC", "ALLOC_NOT_EXPORTABLE", "ALLOC_SHARED_CHUNK",
+           "ALLOC_MULTI_HANDLE", "ALLOC_KEPT", "ALLOC_PAUSED"]
 
 # kept: the owner has exited, and a keeper (vmmctl keep) holds its memory and serves it as the owner did
 _OWNER_NAMES = {OWNER_DEAD: "dead", OWNER_ALIVE: "alive", OWNER_KEPT: "kept"}
