@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "backing/internal.h"
+#include "backing/sleep.h"
 #include "core/log.h"
 #include "core/options.h"
 #include "registry/keep.h"
@@ -201,6 +202,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     HASH_DELETE(hh, vmm__S.by_addr, b);
     vmm__retract_locked(b); /* out of the registry before the memory can be reused */
     b->live = 0;
+    if (b->arena->paused) vmm__sleep_forget_locked(b); /* beside arena->pool, which the free reads below */
     device_state *d = vmm__dev_of_block(b);
     vmm__pool *pool = b->arena->pool;
     CUevent ev = NULL;
@@ -349,13 +351,13 @@ CUresult vmm__peer_access(int accessor, int owner, int enable, int *changed)
         int k, failed_k = 2;
         for (k = 0; k < 2 && d->pool_ready && !failed; k++)
             for (s = d->pool[k].segs; s && !failed && !(k == 0 && (d->peers & bit)); s = s->snext)
-                if ((rc = vmm__cu.MemSetAccess(s->base, s->size, &acc, 1)) != CUDA_SUCCESS) failed = s, failed_k = k;
+                if (!((vseg *)s->mech)->paused && (rc = vmm__cu.MemSetAccess(s->base, s->size, &acc, 1)) != CUDA_SUCCESS) failed = s, failed_k = k;
         if (failed) {
             acc.flags = was ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
             unsigned unrestored = 0;
             for (k = 0; k <= failed_k && k < 2; k++)
                 for (s = d->pool[k].segs; s && s != failed && !(k == 0 && (d->peers & bit)); s = s->snext)
-                    if (VMM__TWICE(vmm__cu.MemSetAccess(s->base, s->size, &acc, 1)) != CUDA_SUCCESS) unrestored++;
+                    if (!((vseg *)s->mech)->paused && VMM__TWICE(vmm__cu.MemSetAccess(s->base, s->size, &acc, 1)) != CUDA_SUCCESS) unrestored++;
             if (unrestored)
                 vmm__log(VMM__LOG_WARNING, "peer access %d->%d: %u mappings could not be set back after a failed %s", accessor,
                          owner, unrestored, enable ? "grant" : "revoke");
@@ -393,6 +395,7 @@ void vmm__device_reset(int dev)
         HASH_DELETE(hh, vmm__S.by_addr, b);
         vmm__retract_locked(b);
         b->live = 0;
+        if (b->arena->paused) vmm__sleep_forget_locked(b);
     }
     note *n, *nt;
     HASH_ITER(hh, vmm__S.notes, n, nt) {

@@ -2,7 +2,7 @@
  * lock (vmm__S), the driver's entry points (vmm__cu), and the functions one file makes for
  * another.  The files stand on floors, and each calls only the floors below its own
  * (tests/scripts/circles.py checks): state.c at the bottom; segment.c; giveback.c and export.c;
- * records.c; then the entry points, backing.c and mempool.c.  adopt.c and preexport.c use
+ * records.c; sleep.c (pause and resume); then the entry points, backing.c and mempool.c.  adopt.c and preexport.c use
  * backing.h only, and nothing here calls them: adopt.c hands its export to export.c, and
  * preexport.c forgets its queue in a fork child by itself. */
 #ifndef VMM_BACKING_INTERNAL_H
@@ -33,13 +33,16 @@ typedef struct vseg {
      * `dead`: the last of them releases its handle and frees it. */
     unsigned exporting;
     int dead;
+    /* Paused (sleep.c): the handle is released and nothing is mapped at the segment's place; its
+     * reservation stays, and resume maps a fresh handle there under a new id. */
+    int paused;
     uint64_t id;
     uint8_t fabric[64];
 } vseg;
 
 /* An allocation the real allocator made, which the shim only notes in the registry. */
 typedef struct note {
-    uint64_t va;
+    uint64_t va, size;
     uint32_t slot;
     int dev;
     UT_hash_handle hh;
@@ -94,6 +97,11 @@ typedef struct vmm__driver {
     CUresult (*EventDestroy)(CUevent);
     CUresult (*StreamSynchronize)(CUstream);
     CUresult (*StreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
+    /* sleep.c's copies; optional (NULL: a pause with keep is refused) */
+    CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
+    CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
+    CUresult (*MemHostAlloc)(void **, size_t, unsigned);
+    CUresult (*MemFreeHost)(void *);
 } vmm__driver;
 
 typedef struct vmm__state {
@@ -152,6 +160,10 @@ void vmm__pools_ready_locked(device_state *d);
 device_state *vmm__dev_of_block(const vmm__block *b);
 /* The segments under block b, in address order: the first, their number and their bytes. */
 vmm__seg *vmm__span_of(const vmm__block *b, uint32_t *n, uint64_t *bytes);
+/* The access a segment of pool synchronous_pool ? 0 : 1 of d is mapped with: the descriptors' count. */
+int vmm__access_list(device_state *d, CUmemAccessDesc *acc, int synchronous_pool);
+/* Export a fresh segment's handle as the options say (pidfd's fd, fabric). */
+void vmm__export_seg(vseg *c);
 
 /* ---- giveback.c: giving memory back after the idle delay and at synchronizations ---- */
 /* A free emptied a segment of p. */
