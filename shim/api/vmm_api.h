@@ -129,6 +129,8 @@ typedef struct vmm_proc_info {
     uint64_t peak_requested;     /* highest bytes_requested since it started */
     uint64_t unpublished;        /* of allocs_backed, those the registry was too full to publish
                                     (0 for an owner whose shim predates the count) */
+    uint64_t bytes_paused;       /* of bytes_mapped, the extents of its allocations paused now (vmm_pause):
+                                    summed over its records flagged VMM_ALLOC_PAUSED as they were read */
 } vmm_proc_info;
 
 typedef struct vmm_registry_info {

@@ -176,6 +176,26 @@ int main(void)
     CHECK(st == VMM_ERR_PAUSED, "the broker's answer for a paused segment: %d: %s", (int)st, vmm_last_error());
     (void)imp;
 
+    /* the readers: the process's paused bytes, vmmctl's list and ps */
+    vmm_proc_info proc;
+    CHECK(vmm_find_proc(reg, (uint32_t)g_pid, &proc) == VMM_OK && proc.bytes_paused == proc.bytes_mapped &&
+              proc.bytes_paused >= live_bytes,
+          "paused bytes %llu of %llu mapped", (unsigned long long)proc.bytes_paused, (unsigned long long)proc.bytes_mapped);
+    char ctl[600], pid_text[16], out[8192], err[2048];
+    snprintf(ctl, sizeof ctl, "%s/vmmctl", g_build);
+    snprintf(pid_text, sizeof pid_text, "%d", (int)g_pid);
+    char *list_argv[] = {ctl, "list", "--pid", pid_text, NULL}, *ps_argv[] = {ctl, "ps", NULL},
+         *json_argv[] = {ctl, "ps", "--json", NULL};
+    CHECK(spawn_capture(list_argv, NULL, out, sizeof out, err, sizeof err, 30) == 0 && strstr(out, " paused ") &&
+              strstr(out, "of it paused"),
+          "vmmctl list does not show the paused state: %s%s", out, err);
+    CHECK(spawn_capture(ps_argv, NULL, out, sizeof out, err, sizeof err, 30) == 0 && strstr(out, "PAUSED"),
+          "vmmctl ps has no PAUSED column: %s%s", out, err);
+    char want[64];
+    snprintf(want, sizeof want, "\"bytes_paused\": %llu", (unsigned long long)proc.bytes_paused);
+    CHECK(spawn_capture(json_argv, NULL, out, sizeof out, err, sizeof err, 30) == 0 && strstr(out, want),
+          "vmmctl ps --json lacks %s: %s%s", want, out, err);
+
     /* pause twice: a clear no-op */
     p = sleep_cmd("P 0");
     CHECK(!p.ok && p.status == VMM_ERR_STATE, "a second pause: %s", p.line);
@@ -209,6 +229,8 @@ int main(void)
           (unsigned long long)info.chunk_id, (unsigned long long)before.chunk_id);
     p = sleep_cmd("R");
     CHECK(!p.ok && p.status == VMM_ERR_STATE, "a resume of what is not paused: %s", p.line);
+    CHECK(vmm_find_proc(reg, (uint32_t)g_pid, &proc) == VMM_OK && proc.bytes_paused == 0, "paused bytes %llu after the resume",
+          (unsigned long long)proc.bytes_paused);
     CHECK(import_first_word(reg, a_addr, &st) == word(101, 0) && st == VMM_OK, "import after the resume: %d: %s", (int)st,
           vmm_last_error());
 

@@ -101,6 +101,7 @@ class Allocation:
         self.shared_chunk = bool(info.flags & ALLOC_SHARED_CHUNK)
         self.n_handles = info.n_handles  # > 1: its chunk is that many handles back to back
         self.multi_handle = bool(info.flags & ALLOC_MULTI_HANDLE)
+        self.paused = bool(info.flags & ALLOC_PAUSED)  # its owner paused it (vmm_pause): import it once resumed
         self.exportable = bool(info.handle_kinds & (KIND_BROKER | KIND_PIDFD)) and not info.flags & ALLOC_NOT_EXPORTABLE
 
     def __repr__(self):
@@ -124,6 +125,7 @@ class Process:
         self.n_allocs = info.n_allocs
         self.bytes_requested = info.bytes_requested
         self.bytes_mapped = info.bytes_mapped
+        self.bytes_paused = info.bytes_paused  # of bytes_mapped, paused now (vmm_pause)
         # what became of its allocations since it started (vmmctl ps); None: its shim keeps none
         known = bool(info.stats_known)
         for name in ("allocs", "allocs_backed", "unpublished", "passed_capture", "passed_device_full",

@@ -79,6 +79,7 @@ class ProcInfo(ctypes.Structure):
         ("maps_adopted", c_u64),
         ("peak_requested", c_u64),
         ("unpublished", c_u64),
+        ("bytes_paused", c_u64),
     ]
 
 
