@@ -247,7 +247,8 @@ vmm_status vmm_unpublish(const char *name);
 const char *vmm_publish_error(void);
 
 /* ---- Sleep and wake (the owner side: the shim defines these functions) ---- */
-/* vmm_pause flags.  Neither: the contents are kept in pinned host memory. */
+/* vmm_pause flags.  Neither: the contents are kept in host memory (pinned for allocations of 1 MiB or
+ * more, pageable below). */
 enum {
     VMM_PAUSE_DISCARD = 1u << 0, /* nothing is copied: resumed memory holds undefined bytes (a KV cache) */
     VMM_PAUSE_FILE = 1u << 1     /* the contents go to an unlinked file in VMMSHIM_PAUSE_DIR */
