@@ -27,7 +27,10 @@ typedef enum vmm_status {
     VMM_ERR_CUDA = 9,       /* a CUDA driver call failed (the message names it) */
     VMM_ERR_NOMEM = 10,
     VMM_ERR_IO = 11,
-    VMM_ERR_NO_SHIM = 12    /* owner side: this process does not run under an active libvmmshim.so */
+    VMM_ERR_NO_SHIM = 12,   /* owner side: this process does not run under an active libvmmshim.so */
+    VMM_ERR_PAUSED = 13,    /* the owner paused this memory (vmm_pause): it can be imported once resumed */
+    VMM_ERR_STATE = 14      /* owner side: not in the state the call needs (vmm_pause of paused memory,
+                               vmm_resume of memory not paused); nothing changed */
 } vmm_status;
 
 /* Liveness of an owner, judged by pid and process start time (never pid alone).  KEPT: it has
@@ -96,8 +99,10 @@ enum {
     VMM_ALLOC_NOT_EXPORTABLE = 1u << 0, /* made by the real allocator (device full, stream capture) */
     VMM_ALLOC_SHARED_CHUNK = 1u << 1,   /* its chunk may hold other allocations of the same owner */
     VMM_ALLOC_MULTI_HANDLE = 1u << 2,   /* its chunk is n_handles handles back to back (broker only) */
-    VMM_ALLOC_KEPT = 1u << 3            /* its owner died and a keeper holds its memory (owner_alive says
+    VMM_ALLOC_KEPT = 1u << 3,           /* its owner died and a keeper holds its memory (owner_alive says
                                            VMM_OWNER_KEPT while that keeper lives) */
+    VMM_ALLOC_PAUSED = 1u << 4          /* its owner paused its memory (vmm_pause): an import fails with
+                                           VMM_ERR_PAUSED until the owner resumes it */
 };
 
 typedef struct vmm_proc_info {
@@ -124,6 +129,8 @@ typedef struct vmm_proc_info {
     uint64_t peak_requested;     /* highest bytes_requested since it started */
     uint64_t unpublished;        /* of allocs_backed, those the registry was too full to publish
                                     (0 for an owner whose shim predates the count) */
+    uint64_t bytes_paused;       /* of bytes_mapped, the extents of its allocations paused now (vmm_pause):
+                                    summed over its records flagged VMM_ALLOC_PAUSED as they were read */
 } vmm_proc_info;
 
 typedef struct vmm_registry_info {
@@ -249,6 +256,33 @@ const char *vmm_publish_error(void);
 const char *vmm_set_thread_tag(const char *tag);
 /* The calling thread's tag; NULL when none is set (or not under the shim). */
 const char *vmm_thread_tag(void);
+
+/* ---- Sleep and wake (the owner side: the shim defines these functions) ---- */
+/* vmm_pause flags.  Neither: the contents are kept in host memory (pinned for allocations of 1 MiB or
+ * more, pageable below). */
+enum {
+    VMM_PAUSE_DISCARD = 1u << 0, /* nothing is copied: resumed memory holds undefined bytes (a KV cache) */
+    VMM_PAUSE_FILE = 1u << 1     /* the contents go to an unlinked file in VMMSHIM_PAUSE_DIR */
+};
+
+/* What one vmm_pause_ex / vmm_resume_ex did.  The call fills the first report_size bytes, so a
+ * caller built against an older, shorter struct gets what it knows; fields are only ever appended. */
+typedef struct vmm_sleep_report {
+    uint64_t bytes_released; /* pause: physical bytes given back to the device; resume: bytes mapped again */
+    uint64_t bytes_kept;     /* pause: contents copied to host memory or the file; resume: copied back */
+    uint64_t bytes_not_shim; /* this process's device memory the shim does not own, left on the device
+                                (allocations of the real allocator: during a capture, with the device full) */
+    uint64_t ns;             /* how long the call took */
+    uint64_t segments;       /* physical handles released (pause) or made (resume) */
+    uint64_t allocations;    /* live allocations paused or resumed */
+} vmm_sleep_report;
+
+vmm_status vmm_pause(const char *tag, unsigned flags);
+vmm_status vmm_resume(const char *tag);
+vmm_status vmm_pause_ex(const char *tag, unsigned flags, vmm_sleep_report *report, size_t report_size);
+vmm_status vmm_resume_ex(const char *tag, vmm_sleep_report *report, size_t report_size);
+/* The calling thread's last failure of the four above, one line; "" when none. */
+const char *vmm_sleep_error(void);
 
 #ifdef __cplusplus
 }

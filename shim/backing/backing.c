@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "backing/internal.h"
+#include "backing/sleep.h"
 #include "core/log.h"
 #include "core/options.h"
 #include "registry/keep.h"
@@ -213,6 +214,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     HASH_DELETE(hh, vmm__S.by_addr, b);
     vmm__retract_locked(b); /* out of the registry before the memory can be reused */
     b->live = 0;
+    if (b->arena->paused) vmm__sleep_forget_locked(b); /* beside arena->pool, which the free reads below */
     device_state *d = vmm__dev_of_block(b);
     vmm__pool *pool = b->arena->pool;
     CUevent ev = NULL;
@@ -354,6 +356,7 @@ static vmm__seg *set_access_until(device_state *d, uint64_t bit, const CUmemAcce
         if (k == 0 && (d->peers & bit)) continue;
         for (vmm__seg *s = p->segs; s; s = s->snext) {
             if (s == stop) return NULL;
+            if (((vseg *)s->mech)->paused) continue; /* no mapping now: resume maps it with the access of then */
             if (unrestored) {
                 if (VMM__TWICE(vmm__cu.MemSetAccess(s->base, s->size, acc, 1)) != CUDA_SUCCESS) (*unrestored)++;
             } else if ((*rc = vmm__cu.MemSetAccess(s->base, s->size, acc, 1)) != CUDA_SUCCESS)
@@ -423,6 +426,7 @@ void vmm__device_reset(int dev)
         HASH_DELETE(hh, vmm__S.by_addr, b);
         vmm__retract_locked(b);
         b->live = 0;
+        if (b->arena->paused) vmm__sleep_forget_locked(b);
     }
     note *n, *nt;
     HASH_ITER(hh, vmm__S.notes, n, nt) {

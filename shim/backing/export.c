@@ -92,6 +92,10 @@ static int broker_export_many(uint64_t slot, uint64_t generation, const uint8_t 
         if (first >= n) rc = -ERANGE;
         for (; s && rc == 0 && *n_here < max && i < n; i++, s = i < n ? vmm__pool_seg_at(b->arena, g, s->base + s->size) : NULL) {
             if (i < first) continue;
+            if (((vseg *)s->mech)->paused) { /* released by vmm_pause: nothing to hand out until resumed */
+                rc = VMM_BROKER_PAUSED;
+                break;
+            }
             fds[*n_here] = -1;
             int kept = seg_fd_kept_locked(s->mech, &fds[*n_here]);
             if (kept < 0) {

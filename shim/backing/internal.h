@@ -2,7 +2,7 @@
  * lock (vmm__S), the driver's entry points (vmm__cu), and the functions one file makes for
  * another.  The files stand on floors, and each calls only the floors below its own
  * (tests/scripts/circles.py checks): state.c at the bottom; segment.c; giveback.c and export.c;
- * records.c; then the entry points, backing.c and mempool.c.  adopt.c and preexport.c use
+ * records.c; sleep.c (pause and resume); then the entry points, backing.c and mempool.c.  adopt.c and preexport.c use
  * backing.h only, and nothing here calls them: adopt.c hands its export to export.c, and
  * preexport.c forgets its queue in a fork child by itself. */
 #ifndef VMM_BACKING_INTERNAL_H
@@ -35,13 +35,16 @@ typedef struct vseg {
      * `dead`: the last of them releases its handle and frees it. */
     unsigned exporting;
     int dead;
+    /* Paused (sleep.c): the handle is released and nothing is mapped at the segment's place; its
+     * reservation stays, and resume maps a fresh handle there under a new id. */
+    int paused;
     uint64_t id;
     uint8_t fabric[64];
 } vseg;
 
 /* An allocation the real allocator made, which the shim only notes in the registry. */
 typedef struct note {
-    uint64_t va;
+    uint64_t va, size;
     uint32_t slot;
     int dev;
     UT_hash_handle hh;
@@ -100,6 +103,11 @@ typedef struct vmm__driver {
     CUresult (*EventDestroy)(CUevent);
     CUresult (*StreamSynchronize)(CUstream);
     CUresult (*StreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
+    /* sleep.c's copies; optional (NULL: a pause with keep is refused) */
+    CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
+    CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
+    CUresult (*MemHostAlloc)(void **, size_t, unsigned);
+    CUresult (*MemFreeHost)(void *);
 } vmm__driver;
 
 typedef struct vmm__state {
@@ -162,12 +170,18 @@ void vmm__pair_init_locked(device_state *d, vmm__pool *pair, uint32_t tag);
 device_state *vmm__dev_of_block(const vmm__block *b);
 /* The segments under block b, in address order: the first, their number and their bytes. */
 vmm__seg *vmm__span_of(const vmm__block *b, uint32_t *n, uint64_t *bytes);
+/* The access a segment of pool synchronous_pool ? 0 : 1 of d is mapped with: the descriptors' count. */
+int vmm__access_list(device_state *d, CUmemAccessDesc *acc, int synchronous_pool);
+/* Export a fresh segment's handle as the options say (pidfd's fd, fabric). */
+void vmm__export_seg(vseg *c);
 
 /* ---- tags.c: thread tags and their pools ---- */
 /* The calling thread's tag number: 0 none (the process's tag), else vmm__S.tags[n - 1]. */
 extern __thread uint32_t vmm__thread_tag __attribute__((tls_model("initial-exec")));
 /* The number of tag `name` (0 for NULL or ""), named on first use: 0, -1 too long, -2 no room. */
 int vmm__tag_number(const char *name, uint32_t *t);
+/* The number of tag `name` if a thread named it, else 0. */
+uint32_t vmm__tag_find(const char *name);
 /* A device's tagged pools go (its reset). */
 void vmm__tags_destroy_locked(device_state *d);
 /* The pool pair of tag number t on d (0: d->pool), made on first use when make; NULL if not made

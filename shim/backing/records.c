@@ -118,6 +118,7 @@ void vmm__note_passthrough(vmm__result why, void *ptr, size_t size, uint32_t api
     note *n = calloc(1, sizeof *n);
     if (!n) return;
     n->va = (uint64_t)(uintptr_t)ptr;
+    n->size = size;
     n->slot = NO_SLOT;
     CUcontext ctx;
     int dev = vmm__current_device(&ctx, 0);

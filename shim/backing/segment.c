@@ -14,7 +14,7 @@
 #include "core/log.h"
 #include "registry/keep.h"
 
-static void export_seg(vseg *c)
+void vmm__export_seg(vseg *c)
 {
     if (vmm__S.export_pidfd) {
         int fd = -1;
@@ -44,7 +44,7 @@ static void seg_undo(CUdeviceptr va, uint64_t size, CUmemGenericAllocationHandle
  * cudaErrorInvalidValue): so cudaMalloc's segments are granted to every device that can reach
  * this one, besides the ones peer access was enabled for.  The stream-ordered pool's follow the
  * default pool's access instead (cudaMemPoolSetAccess), as natively. */
-static int access_list(device_state *d, CUmemAccessDesc *acc, int synchronous_pool)
+int vmm__access_list(device_state *d, CUmemAccessDesc *acc, int synchronous_pool)
 {
     int n = 0;
     uint64_t accessors = __atomic_load_n(&d->accessors, __ATOMIC_ACQUIRE) | (1ull << d->index) | (synchronous_pool ? d->peers : 0);
@@ -71,7 +71,7 @@ static int seg_create(void *ctx, vmm__seg *ps)
     if ((rc = vmm__cu.MemMap(ps->base, ps->size, 0, h, 0)) != CUDA_SUCCESS) goto undo;
     mapped = 1;
     CUmemAccessDesc acc[MAX_DEVICES];
-    if ((rc = vmm__cu.MemSetAccess(ps->base, ps->size, acc, (size_t)access_list(d, acc, vmm__pool_kind(d, ps->arena->pool) == 0))) !=
+    if ((rc = vmm__cu.MemSetAccess(ps->base, ps->size, acc, (size_t)vmm__access_list(d, acc, vmm__pool_kind(d, ps->arena->pool) == 0))) !=
         CUDA_SUCCESS)
         goto undo;
     vseg *c = calloc(1, sizeof *c);
@@ -84,7 +84,7 @@ static int seg_create(void *ctx, vmm__seg *ps)
     c->exported_fd = -1;
     c->broker_fd = -1;
     c->id = vmm__new_chunk_id();
-    export_seg(c);
+    vmm__export_seg(c);
     ps->mech = c;
     return 0;
 undo:
@@ -98,6 +98,10 @@ static void seg_destroy(void *ctx, vmm__seg *ps)
 {
     (void)ctx;
     vseg *c = ps->mech;
+    if (c->paused) { /* emptied while paused: its handle went at the pause, nothing is mapped */
+        free(c);
+        return;
+    }
     if (c->exported_fd >= 0) close(c->exported_fd); /* its records were retracted before */
     if (c->broker_fd >= 0) {
         close(c->broker_fd);
@@ -127,7 +131,7 @@ static int seg_move(void *ctx, vmm__seg *from, uint64_t base)
     vseg *c = from->mech;
     if (vmm__cu.MemMap(base, from->size, 0, c->handle, 0) != CUDA_SUCCESS) return -EIO;
     CUmemAccessDesc acc[MAX_DEVICES];
-    if (vmm__cu.MemSetAccess(base, from->size, acc, (size_t)access_list(d, acc, vmm__pool_kind(d, from->arena->pool) == 0)) != CUDA_SUCCESS) {
+    if (vmm__cu.MemSetAccess(base, from->size, acc, (size_t)vmm__access_list(d, acc, vmm__pool_kind(d, from->arena->pool) == 0)) != CUDA_SUCCESS) {
         (void)VMM__TWICE(vmm__cu.MemUnmap(base, from->size));
         return -EIO;
     }

@@ -65,6 +65,12 @@ static int load_driver(char *why, size_t len)
              LOAD(EventRecord, cuEventRecord) && LOAD(EventQuery, cuEventQuery) &&
              LOAD(EventSynchronize, cuEventSynchronize) && LOAD(EventDestroy, cuEventDestroy) &&
              LOAD(StreamSynchronize, cuStreamSynchronize) && LOAD(StreamIsCapturing, cuStreamIsCapturing);
+    if (ok) { /* sleep.c's, not needed to back allocations */
+        LOAD(MemcpyDtoH, cuMemcpyDtoH);
+        LOAD(MemcpyHtoD, cuMemcpyHtoD);
+        LOAD(MemHostAlloc, cuMemHostAlloc);
+        LOAD(MemFreeHost, cuMemFreeHost);
+    }
     if (!ok) {
         snprintf(why, len, "libcuda.so.1 lacks the VMM entry points");
         return -1;

@@ -22,6 +22,8 @@ static uint32_t lookup(const char *name)
     return 0;
 }
 
+uint32_t vmm__tag_find(const char *name) { return name && *name ? lookup(name) : 0; }
+
 int vmm__tag_number(const char *name, uint32_t *t)
 {
     *t = 0;

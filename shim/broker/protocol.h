@@ -53,6 +53,7 @@
  * so a peer reads them first.  A broker that predates v2 answers a v2 request with -EPROTO. */
 #ifndef VMM_BROKER_PROTOCOL_H
 #define VMM_BROKER_PROTOCOL_H
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -62,6 +63,9 @@
 #define VMM_BROKER_VERSION3 3u       /* vmm_broker_request3: a batch of runs, a stream of replies */
 /* fds in one v2 or v3 reply: 64 ints of SCM_RIGHTS stay far under the kernel's 253 per message */
 #define VMM_BROKER_MAX_FDS 64u
+/* A reply's status when the owner paused the allocation's memory (vmm_pause): no handle exists
+ * until it resumes; "host is down" is the errno nearest to asleep. */
+#define VMM_BROKER_PAUSED (-EHOSTDOWN)
 /* entries in one v3 request: 16 + 40 * 2048 bytes (80 KiB) stays well under a socket's default
  * send buffer (~208 KiB), the most one datagram can be; a peer wanting more sends several */
 #define VMM_BROKER_MAX_ENTRIES 2048u
@@ -79,7 +83,7 @@ typedef struct vmm_broker_request {
 
 typedef struct vmm_broker_reply {
     uint32_t magic;
-    int32_t status;       /* 0, or a negative errno: -ESTALE, -ENOENT, -EACCES, -EPROTO, ... */
+    int32_t status;       /* 0, or a negative errno: -ESTALE, -ENOENT, -EACCES, -EPROTO, VMM_BROKER_PAUSED, ... */
     uint64_t mapped_size;
     uint32_t device;
     uint32_t export_ns;   /* how long the owner took to export the fd (saturating): for profiles */

@@ -119,6 +119,9 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
     OPT(STATS, T_BOOL, "0", 0, 0, NULL, NULL,
         "At exit, print one line: allocations made, how many were backed, how many passed through "
         "and why, the peak requested."),
+    OPT(PAUSE_DIR, T_STRING, "", 0, 0, NULL, check_abs_path,
+        "Directory of the unlinked file `vmm_pause(tag, VMM_PAUSE_FILE)` keeps paused contents in; empty means "
+        "`$TMPDIR` or `/tmp`."),
 };
 
 typedef struct {

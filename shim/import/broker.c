@@ -299,6 +299,7 @@ vmm_status vmm__reply_failed(const vmm_alloc_info *a, int32_t status)
         return set_err(VMM_ERR_ACCESS, "owner's broker refused this uid (%u); the owner's VMMSHIM_BROKER_GROUP "
                                        "decides who else may import",
                        (unsigned)geteuid());
+    case VMM_BROKER_PAUSED: return vmm__paused(a);
     case -EPROTO: return set_err(VMM_ERR_IO, "owner pid %u's broker rejected the request (protocol mismatch)", a->pid);
     case -EPROTONOSUPPORT:
         return set_err(VMM_ERR_IO, "owner pid %u's broker: the allocation spans several handles, which a one-handle "

@@ -139,6 +139,7 @@ chunk_key vmm__key_of(const vmm_alloc_info *a)
         k.by_slot = 1;
         k.id = a->slot;
         k.generation = a->generation;
+        k.first = a->chunk_id; /* a resume (vmm_resume) maps fresh handles under new ids, same slot */
     }
     return k;
 }
@@ -146,7 +147,7 @@ chunk_key vmm__key_of(const vmm_alloc_info *a)
 bool vmm__same_key(const chunk_key *x, const chunk_key *y)
 {
     return x->pid == y->pid && x->by_slot == y->by_slot && x->start_time == y->start_time && x->pidns == y->pidns &&
-           x->id == y->id && x->generation == y->generation && x->mapped_size == y->mapped_size;
+           x->id == y->id && x->generation == y->generation && x->mapped_size == y->mapped_size && x->first == y->first;
 }
 
 static chunk **bucket_of(const chunk_key *k)

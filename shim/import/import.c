@@ -177,6 +177,7 @@ static vmm_status import_chunk(vmm_registry *reg, const vmm_alloc_info *alloc, v
 /* Can vmm_import map this record's chunk?  Its reason when not. */
 vmm_status vmm__importable(vmm_registry *reg, const vmm_alloc_info *alloc)
 {
+    if (alloc->flags & VMM_ALLOC_PAUSED) return vmm__paused(alloc);
     NEED(alloc->mapped_size != 0, "alloc->mapped_size is 0");
     uint64_t span = alloc->extent > alloc->requested_size ? alloc->extent : alloc->requested_size;
     NEED(alloc->chunk_offset < alloc->mapped_size && span <= alloc->mapped_size - alloc->chunk_offset,

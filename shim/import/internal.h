@@ -90,6 +90,8 @@ typedef struct owner_ref {
 
 int vmm__owner_liveness(const vmm_alloc_info *a);
 vmm_status vmm__owner_dead(const vmm_alloc_info *a);
+/* The owner paused a's memory: VMM_ERR_PAUSED, with its one-line reason. */
+vmm_status vmm__paused(const vmm_alloc_info *a);
 /* A pidfd of the allocation's owner, or -1 (it is not the owner, or no pidfd_open). */
 int vmm__owner_pidfd(const vmm_alloc_info *a);
 bool vmm__owner_exited(const owner_ref *o);
@@ -159,6 +161,7 @@ typedef struct chunk_key {
     uint32_t by_slot; /* 1: id is the record's slot and generation its generation (chunk_id 0) */
     uint64_t start_time, pidns;
     uint64_t id, generation, mapped_size;
+    uint64_t first; /* by_slot: the first handle's chunk_id */
 } chunk_key;
 
 /* A mapping no vmm_imported holds stays mapped ("idle") while its owner still holds the chunk, so

@@ -60,6 +60,7 @@ vmm_status vmm__range_walk(vmm_registry *reg, range_plan *p)
                            "(an exited one's records stay until vmmctl gc)",
                            (unsigned long long)at, p->pid);
         if (a.owner_alive == VMM_OWNER_DEAD) return vmm__owner_dead(&a);
+        if (a.flags & VMM_ALLOC_PAUSED) return vmm__paused(&a);
         if (!(a.handle_kinds & (VMM_KIND_BROKER | VMM_KIND_PIDFD)))
             return set_err(VMM_ERR_ACCESS, "the range reaches pid %u's allocation at 0x%llx, which %s", p->pid,
                            (unsigned long long)a.address,

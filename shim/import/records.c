@@ -68,6 +68,8 @@ const char *vmm__status_text(vmm_status status)
     case VMM_ERR_NOMEM: return "out of memory";
     case VMM_ERR_IO: return "I/O error";
     case VMM_ERR_NO_SHIM: return "not running under the shim (libvmmshim.so)";
+    case VMM_ERR_PAUSED: return "the owner paused this memory (vmm_pause)";
+    case VMM_ERR_STATE: return "not in the state the call needs (paused already, or not paused)";
     }
     return "unknown status";
 }
@@ -242,7 +244,8 @@ static void alloc_info_from(vmm_alloc_info *o, uint64_t slot, const vmm_reg_allo
     o->chunk_id = a->chunk_id;
     o->chunk_offset = a->chunk_offset;
     o->extent = a->extent;
-    o->flags = a->flags & (VMM_REG_F_NOT_EXPORTABLE | VMM_REG_F_SHARED_CHUNK | VMM_REG_F_MULTI_HANDLE | VMM_REG_F_KEPT);
+    o->flags = a->flags & (VMM_REG_F_NOT_EXPORTABLE | VMM_REG_F_SHARED_CHUNK | VMM_REG_F_MULTI_HANDLE | VMM_REG_F_KEPT |
+                           VMM_REG_F_PAUSED);
     /* a record of an older layout has zeros at n_handles: one handle */
     o->n_handles = (a->flags & VMM_REG_F_MULTI_HANDLE) && a->n_handles > 1 ? a->n_handles : 1;
     o->tag[sizeof o->tag - 1] = 0;
@@ -373,7 +376,50 @@ typedef struct {
     bool found;
     vmm_proc_info *best;
     vmm__reg_wait wait;
+    uint64_t *paused;  /* per proc slot: the paused records' extents (NULL: none anywhere, or no memory) */
+    uint64_t *paused_start; /* the owner's start_time those records name */
 } proc_walk;
+
+/* The paused bytes of each owner are no field of its record (layout.h, PAUSED): one walk over the
+ * records sums them by proc slot. */
+typedef struct {
+    uint64_t *bytes, *start;
+    uint32_t cap;
+    bool any;
+} paused_sum;
+
+static int paused_visit(void *ctx, uint64_t slot, const vmm_reg_alloc *rec, int read_rc)
+{
+    (void)slot;
+    paused_sum *s = ctx;
+    if (read_rc != 0 || rec->state != VMM_REG_LIVE || !(rec->flags & VMM_REG_F_PAUSED) || rec->proc_index >= s->cap) return 0;
+    if (s->bytes[rec->proc_index] && s->start[rec->proc_index] != rec->start_time) return 0; /* an earlier owner's */
+    s->start[rec->proc_index] = rec->start_time;
+    s->bytes[rec->proc_index] += rec->extent;
+    s->any = true;
+    return 0;
+}
+
+static void paused_prepare(proc_walk *w)
+{
+    uint32_t cap = w->r->hdr->proc_capacity;
+    paused_sum s = {.bytes = calloc(cap ? cap : 1, sizeof *s.bytes), .start = calloc(cap ? cap : 1, sizeof *s.start),
+                    .cap = cap};
+    if (s.bytes && s.start) vmm__reg_for_each(w->r, paused_visit, &s);
+    if (!s.any) {
+        free(s.bytes);
+        free(s.start);
+        s.bytes = s.start = NULL;
+    }
+    w->paused = s.bytes;
+    w->paused_start = s.start;
+}
+
+static void paused_done(proc_walk *w)
+{
+    free(w->paused);
+    free(w->paused_start);
+}
 
 static int proc_visit(void *ctx, uint32_t index, uint64_t claim)
 {
@@ -385,6 +431,7 @@ static int proc_visit(void *ctx, uint32_t index, uint64_t claim)
     if (vmm__read_claimed_proc(w->r, index, claim, &p, &pid, &alive, &w->wait) != 0) return 0;
     vmm_proc_info info;
     proc_info_from(&info, &p, pid, alive);
+    if (w->paused && w->paused_start[index] == p.start_time) info.bytes_paused = w->paused[index];
     if (w->want_pid) {
         /* A dead process's slot may outlive it until gc, and its pid be reused: prefer the
          * living one. */
@@ -398,7 +445,9 @@ static int proc_visit(void *ctx, uint32_t index, uint64_t claim)
 vmm_status vmm__foreach_proc(vmm_registry *reg, vmm_proc_fn fn, void *ctx)
 {
     proc_walk w = {.r = &reg->r, .fn = fn, .ctx = ctx};
+    paused_prepare(&w);
     vmm__scan_claims(&reg->r, proc_visit, &w);
+    paused_done(&w);
     return VMM_OK;
 }
 
@@ -406,7 +455,9 @@ vmm_status vmm__find_proc(vmm_registry *reg, uint32_t pid, vmm_proc_info *out)
 {
     vmm_proc_info best;
     proc_walk w = {.r = &reg->r, .want_pid = pid, .best = &best};
+    paused_prepare(&w);
     vmm__scan_claims(&reg->r, proc_visit, &w);
+    paused_done(&w);
     if (!w.found) return set_error(VMM_ERR_NOT_FOUND, "registry %s: no process %u in it", reg->r.name, pid);
     *out = best;
     return VMM_OK;
@@ -480,6 +531,12 @@ vmm_status vmm__read_slot(vmm_registry *reg, uint64_t slot, vmm_alloc_info *out)
 }
 
 /* The registry still shows this very allocation, live, at its place in its chunk. */
+vmm_status vmm__paused(const vmm_alloc_info *a)
+{
+    return set_error(VMM_ERR_PAUSED, "pid %u paused the memory at 0x%llx (vmm_pause): import it once its owner resumes it",
+                     a->pid, (unsigned long long)a->address);
+}
+
 vmm_status vmm__record_unchanged(vmm_registry *reg, const vmm_alloc_info *a)
 {
     vmm_alloc_info now;
@@ -491,6 +548,7 @@ vmm_status vmm__record_unchanged(vmm_registry *reg, const vmm_alloc_info *a)
         return set_error(VMM_ERR_STALE, "allocation was freed (generation %llu is gone)",
                          (unsigned long long)a->generation);
     if (st != VMM_OK) return st;
+    if (now.flags & VMM_ALLOC_PAUSED) return vmm__paused(a);
     if (now.chunk_id != a->chunk_id || now.chunk_offset != a->chunk_offset || now.mapped_size != a->mapped_size)
         return set_error(VMM_ERR_STALE, "the registry places this allocation at offset %llu of chunk %llu (%llu bytes), "
                                         "not as described",

@@ -34,6 +34,10 @@ static void bin_insert(vmm__pool *p, vmm__block *b)
 {
     vmm__pool_bins *bins = bins_of(p, b);
     int c = b->cls = class_of(b->size);
+    if (b->arena->paused) { /* kept out of every bin: never found for a new allocation */
+        b->fprev = b->fnext = NULL;
+        return;
+    }
     b->fprev = NULL;
     b->fnext = bins->head[c]; /* newest first: the block just freed is the one reused next */
     if (b->fnext) b->fnext->fprev = b;
@@ -44,6 +48,10 @@ static void bin_insert(vmm__pool *p, vmm__block *b)
 static void bin_remove(vmm__pool *p, vmm__block *b)
 {
     vmm__pool_bins *bins = bins_of(p, b);
+    if (b->arena->paused) {
+        b->fprev = b->fnext = NULL;
+        return;
+    }
     if (b->fprev) b->fprev->fnext = b->fnext;
     else bins->head[b->cls] = b->fnext;
     if (b->fnext) b->fnext->fprev = b->fprev;
@@ -920,6 +928,52 @@ void vmm__pool_init(vmm__pool *p, const vmm__pool_ops *ops, uint64_t granule, ui
     p->arena_size = round_up(arena_size > p->granule ? arena_size : p->granule, p->granule);
     p->retain = retain;
     p->isolate = isolate;
+}
+
+void vmm__pool_settle(vmm__pool *p)
+{
+    FOR_PENDING(p, b)
+        if (b->event) event_clear(p, b);
+    while (p->retired) { /* every free that pinned an old place is reached: each goes now */
+        vmm__block *r = p->retired;
+        p->retired = r->fnext;
+        r->fnext = NULL;
+        vmm__arena *a = r->arena;
+        retired_done(p, r);
+        if (!a->n_segs && !a->n_retired) arena_drop(p, a, 1);
+    }
+}
+
+uint64_t vmm__pool_release_arena(vmm__pool *p, vmm__arena *a, int *dropped)
+{
+    uint64_t given = 0;
+    *dropped = 0;
+    for (vmm__seg *s = p->segs, *next; s; s = next) {
+        next = s->snext;
+        if (s->arena != a || s->n_live) continue;
+        int last = a->n_segs == 1 && !a->n_retired; /* the arena goes with it */
+        uint64_t got = release_idle(p, s);
+        given += got;
+        if (got && last) {
+            *dropped = 1;
+            break;
+        }
+    }
+    return given;
+}
+
+void vmm__pool_set_paused(vmm__pool *p, vmm__arena *a, int paused)
+{
+    if (!a->paused == !paused) return;
+    if (paused) {
+        for (vmm__block *b = a->first; b; b = b->next)
+            if (b->free) bin_remove(p, b);
+        a->paused = 1;
+    } else {
+        a->paused = 0;
+        for (vmm__block *b = a->first; b; b = b->next)
+            if (b->free) bin_insert(p, b);
+    }
 }
 
 void vmm__pool_destroy(vmm__pool *p)

@@ -54,6 +54,7 @@ typedef struct vmm__block {
     int live;
     int retired;                         /* a moved segment's old place, still mapped until its event is reached */
     void *ctx;                           /* the context it was made in: cudaFree syncs that */
+    void *kept;                          /* while its arena is paused: where its contents are (sleep.c) */
     uint8_t alloc_id[16];
     UT_hash_handle hh, hs;               /* caller's tables: by address, by registry slot */
 } vmm__block;
@@ -70,11 +71,14 @@ typedef struct vmm__seg {
 
 struct vmm__arena {
     struct vmm__pool *pool;
+    int small;
+    /* paused (shim/backing/sleep.c): its free blocks are in no bin, so nothing is placed here.
+     * Beside `pool`, so a free's check of it reads the 16 bytes it reads already. */
+    int paused;
     uint64_t base, size;
     vmm__seg **seg;                      /* per granule page: the segment mapped there, or NULL */
     vmm__block **blk;                    /* per granule page: the block holding the page's first byte */
     vmm__block *first;
-    int small;
     uint32_t n_segs;                     /* none left: the arena's address space goes back too */
     uint32_t n_retired;                  /* ... once no moved segment's old place is mapped either */
     vmm__arena *next;
@@ -176,6 +180,15 @@ vmm__arena *vmm__pool_arena_at(const vmm__pool *p, uint64_t addr);
 vmm__seg *vmm__pool_seg_at(const vmm__arena *a, uint64_t granule, uint64_t addr);
 /* The block (free or not) holding addr in arena a, or NULL. */
 vmm__block *vmm__pool_block_at(const vmm__arena *a, uint64_t granule, uint64_t addr);
+/* Pausing (shim/backing/sleep.c), with the device idle: every free counts as reached (the caller
+ * synchronized), and every old place of a moved segment is unmapped. */
+void vmm__pool_settle(vmm__pool *p);
+/* Give back every empty segment of arena a (paused or not): the bytes given back; *dropped set
+ * when a itself went with its last segment. */
+uint64_t vmm__pool_release_arena(vmm__pool *p, vmm__arena *a, int *dropped);
+/* Arena a is paused (its free blocks leave the bins: nothing new is placed in it) or resumed
+ * (they come back). */
+void vmm__pool_set_paused(vmm__pool *p, vmm__arena *a, int paused);
 /* Give back everything (a device reset, or a test's end); blocks still allocated are dropped. */
 void vmm__pool_destroy(vmm__pool *p);
 #endif

@@ -92,6 +92,18 @@
  * one handle: such a record offers VMM_HANDLE_BROKER only.  A reader of an older version sees
  * mapped_size larger than the one handle it gets, and its import fails: it must not guess.
  *
+ * PAUSED (layout version 7): the owner paused the allocation's memory (vmm_pause): its physical
+ * handles are released, its address stays reserved in the owner.  The owner sets
+ * VMM_REG_F_PAUSED and clears handle_kinds and exported_fd in one seq-protected write; the record
+ * stays live (same slot, generation and alloc_id: names published on it stay).  A reader must
+ * not import it (the broker refuses its segments with -EHOSTDOWN).  At resume the owner clears
+ * the flag, restores handle_kinds (and exported_fd, fabric) and writes a new chunk_id, in one
+ * write: the memory under it is new, so a mapping an importer cached under the old chunk_id must
+ * not serve it.  A reader of an older version sees handle_kinds 0 while paused (not exportable)
+ * and a new chunk_id afterwards.  The process's paused bytes are no field of its record (every
+ * byte of vmm_reg_proc is taken, and a larger record would raise compat_version): a reader sums
+ * the extents of its records flagged paused.
+ *
  * FINDING (pid, address) without scanning: a record's level is g = max(8, ceil(log2(extent)));
  * its key is (address rounded down to 2^g) | g, and the index holds one entry per bound record,
  * under vmm_reg_hash(pid, key).  Since extent <= 2^g, the allocation covering A, if any, starts in
@@ -201,8 +213,9 @@
  * since writers of both versions may share one segment, each record says for itself
  * (stats_generation).  4: MULTI-HANDLE records (n_handles at 320, in bytes that were reserved).
  * 5: KEEP (keeper_pid at 500 of the proc record, VMM_REG_F_KEPT, the keep files).  6: the
- * unpublished counter at 504 of the proc record (COVERAGE), in bytes that were reserved. */
-#define VMM_REG_VERSION 6u
+ * unpublished counter at 504 of the proc record (COVERAGE), in bytes that were reserved.  7:
+ * VMM_REG_F_PAUSED (PAUSED); no offset moved. */
+#define VMM_REG_VERSION 7u
 #define VMM_REG_COMPAT_VERSION 2u /* 2: one record per pooled allocation, index by level */
 #define VMM_REG_CHUNK_RECORDS 64u
 #define VMM_REG_MIN_LEVEL 8u  /* 256 bytes */
@@ -238,7 +251,8 @@ enum {
     VMM_REG_F_NOT_EXPORTABLE = 1u << 0, /* passed through (e.g. during stream capture) */
     VMM_REG_F_SHARED_CHUNK = 1u << 1,   /* its chunk may hold other allocations of the same owner */
     VMM_REG_F_MULTI_HANDLE = 1u << 2,   /* its chunk is n_handles handles back to back (MULTI-HANDLE) */
-    VMM_REG_F_KEPT = 1u << 3            /* its owner died and a keeper holds its memory (KEEP) */
+    VMM_REG_F_KEPT = 1u << 3,           /* its owner died and a keeper holds its memory (KEEP) */
+    VMM_REG_F_PAUSED = 1u << 4          /* its owner paused its memory (PAUSED): nothing to import until resumed */
 };
 
 /* vmm_reg_alloc.api: the call that made the allocation */

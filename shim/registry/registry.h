@@ -74,6 +74,12 @@ int vmm__reg_unbind(vmm__reg *r, uint32_t slot);
 int vmm__reg_add(vmm__reg *r, uint64_t address, uint64_t extent, const vmm_reg_alloc *d, uint32_t *slot,
                  vmm_reg_alloc *published);
 int vmm__reg_remove(vmm__reg *r, uint32_t slot);
+/* A live record's memory was paused (VMM_REG_F_PAUSED set; the handle fields as given: a paused
+ * one offers none) or resumed (flag cleared, and chunk_id, when not 0, names the fresh handle, so
+ * an importer's cache never serves a mapping of the released one).  Seq protocol; -EINVAL when
+ * slot is not a live record of this process. */
+int vmm__reg_set_paused(vmm__reg *r, uint32_t slot, int paused, uint64_t chunk_id, uint32_t handle_kinds,
+                        int32_t exported_fd, const uint8_t *fabric);
 
 /* Readers.  Return 0, -ENOENT, -EAGAIN (a writer is mid-write, or died mid-write), -EINVAL. */
 int vmm__reg_read_alloc(const vmm__reg *r, uint64_t slot, vmm_reg_alloc *out);

@@ -400,6 +400,25 @@ int vmm__reg_remove(vmm__reg *r, uint32_t slot)
     return 0;
 }
 
+int vmm__reg_set_paused(vmm__reg *r, uint32_t slot, int paused, uint64_t chunk_id, uint32_t handle_kinds,
+                        int32_t exported_fd, const uint8_t *fabric)
+{
+    if (!r->attached || !owns_slot(r, slot)) return -EINVAL;
+    vmm_reg_alloc *a = rec_at(r, slot);
+    if (__atomic_load_n(&a->state, __ATOMIC_RELAXED) != VMM_REG_LIVE) return -EINVAL;
+    uint32_t flags = __atomic_load_n(&a->flags, __ATOMIC_RELAXED);
+    uint64_t fab[8] = {0};
+    if (fabric) memcpy(fab, fabric, sizeof fab);
+    seq_begin(&a->seq);
+    __atomic_store_n(&a->flags, paused ? flags | VMM_REG_F_PAUSED : flags & ~(uint32_t)VMM_REG_F_PAUSED, SEQ_WORD_STORE);
+    __atomic_store_n(&a->handle_kinds, handle_kinds, SEQ_WORD_STORE);
+    __atomic_store_n(&a->exported_fd, (handle_kinds & VMM_HANDLE_PIDFD) ? exported_fd : -1, SEQ_WORD_STORE);
+    if (chunk_id) __atomic_store_n(&a->chunk_id, chunk_id, SEQ_WORD_STORE);
+    copy_words_in(a->fabric, fab, sizeof fab);
+    seq_end(&a->seq);
+    return 0;
+}
+
 int vmm__reg_retract(vmm__reg *r, uint32_t slot)
 {
     if (!r->attached || !owns_slot(r, slot)) return -EINVAL;

@@ -19,6 +19,16 @@
  *                    "ok <slowest call in us> <pairs>"
  *   "x <code>"       exit(code), answering nothing (tests/unit/test_keep.c: how an owner ended)
  *   "s"              raises SIGSEGV, as a crash would (no handler of its own)
+ *   "P <flags> [tag]" vmm_pause_ex (the shim's; no tag: NULL, every allocation); answers "ok <bytes
+ *                    released> <kept> <not the shim's> <segments> <allocations>", or "error <status> <why>"
+ *   "R [tag]"        vmm_resume_ex; answers as "P"
+ *   "v <index> <seed>" reads the buffer back (cudaMemcpy) and compares it with what "w" wrote;
+ *                    answers "ok" or "error mismatch at word <k>"
+ *   "m"              answers "ok <physical bytes> <handles> <host allocations>": the emulated
+ *                    driver's live counts in this process
+ *   "b <bytes>"      the emulated device's memory budget (fakecuda_set_budget); answers "ok"
+ *   "F"              forks a child that exits at once (through exit(), the shim's exit path); answers
+ *                    "ok <its exit status>"
  *   "q"              exits
  * A failure answers "error <what>". */
 #include <cuda_runtime_api.h>
@@ -29,6 +39,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "vmmshim.h"
 #include "../fakecuda/fakecuda.h"
@@ -36,6 +48,23 @@
 #define MAX_BUFS 256
 
 static void *sym_of(const char *name) { return dlsym(RTLD_DEFAULT, name); }
+
+typedef vmm_status (*pause_fn)(const char *, unsigned, vmm_sleep_report *, size_t);
+typedef vmm_status (*resume_fn)(const char *, vmm_sleep_report *, size_t);
+
+/* Answer a pause's or resume's outcome. */
+static void sleep_answer(vmm_status st, const vmm_sleep_report *r)
+{
+    if (st == VMM_OK)
+        printf("ok %llu %llu %llu %llu %llu\n", (unsigned long long)r->bytes_released, (unsigned long long)r->bytes_kept,
+               (unsigned long long)r->bytes_not_shim, (unsigned long long)r->segments, (unsigned long long)r->allocations);
+    else {
+        void *sym = dlsym(RTLD_DEFAULT, "vmm_sleep_error");
+        const char *(*why)(void) = NULL;
+        memcpy(&why, &sym, sizeof why);
+        printf("error %d %s\n", (int)st, why ? why() : "");
+    }
+}
 
 static double now_us(void)
 {
@@ -139,6 +168,59 @@ int main(void)
                 pairs++;
             }
             if (e == cudaSuccess) printf("ok %.0f %llu\n", slowest, pairs);
+        } else if (line[0] == 'P' && sscanf(line + 1, "%llu", &a) == 1) {
+            char tag[64];
+            int has_tag = sscanf(line + 1, "%*u %63s", tag) == 1;
+            void *sym = sym_of("vmm_pause_ex");
+            pause_fn pause = NULL;
+            memcpy(&pause, &sym, sizeof pause);
+            vmm_sleep_report r = {0};
+            sleep_answer(pause ? pause(has_tag ? tag : NULL, (unsigned)a, &r, sizeof r) : VMM_ERR_NO_SHIM, &r);
+        } else if (line[0] == 'R') {
+            char tag[64];
+            int has_tag = sscanf(line + 1, "%63s", tag) == 1;
+            void *sym = sym_of("vmm_resume_ex");
+            resume_fn resume = NULL;
+            memcpy(&resume, &sym, sizeof resume);
+            vmm_sleep_report r = {0};
+            sleep_answer(resume ? resume(has_tag ? tag : NULL, &r, sizeof r) : VMM_ERR_NO_SHIM, &r);
+        } else if (line[0] == 'v' && sscanf(line + 1, "%llu %llu", &a, &b) == 2 && a < (unsigned long long)n) {
+            size_t words = size[a] / 8, bad = words;
+            uint64_t *h = malloc(words * 8);
+            e = h ? cudaMemcpy(h, buf[a], words * 8, cudaMemcpyDeviceToHost) : cudaErrorMemoryAllocation;
+            for (size_t k = 0; e == cudaSuccess && k < words && bad == words; k++)
+                if (h[k] != b * 0x9e3779b97f4a7c15ull + k) bad = k;
+            free(h);
+            if (e == cudaSuccess && bad == words) printf("ok\n");
+            else if (e == cudaSuccess) printf("error mismatch at word %zu\n", bad);
+        } else if (line[0] == 'm') {
+            void *sym = sym_of("fakecuda_counters");
+            fakecuda_counters_fn counters = NULL;
+            memcpy(&counters, &sym, sizeof counters);
+            struct fakecuda_counters c = {0};
+            if (counters) {
+                counters(&c);
+                printf("ok %llu %llu %llu\n", c.phys_bytes_live, c.handles_live, c.host_allocs_live);
+            } else {
+                printf("error no emulated driver\n");
+            }
+        } else if (line[0] == 'b' && sscanf(line + 1, "%llu", &a) == 1) {
+            void *sym = sym_of("fakecuda_set_budget");
+            fakecuda_set_budget_fn set_budget = NULL;
+            memcpy(&set_budget, &sym, sizeof set_budget);
+            if (set_budget) {
+                set_budget(a);
+                printf("ok\n");
+            } else {
+                printf("error no emulated driver\n");
+            }
+        } else if (line[0] == 'F') {
+            fflush(stdout);
+            pid_t child = fork();
+            if (child == 0) exit(0);
+            int wst = 0;
+            if (child > 0 && waitpid(child, &wst, 0) == child) printf("ok %d\n", WIFEXITED(wst) ? WEXITSTATUS(wst) : 128 + WTERMSIG(wst));
+            else printf("error fork\n");
         } else if (line[0] == 'd' && sscanf(line + 1, "%llu", &a) == 1) {
             e = cudaSetDevice((int)a);
             if (e == cudaSuccess) printf("ok\n");

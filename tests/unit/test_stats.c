@@ -170,7 +170,7 @@ static void test_coverage(void)
     snprintf(pidtxt, sizeof pidtxt, "%7d ", pid);
     CHECK_EQ(ctl(out, sizeof out, "ps", NULL), 0);
     line_with(out, pidtxt, line, sizeof line);
-    CHECK(strstr(line, " alive       4    3.5 MiB    3.5 MiB    3.5 MiB       4       2       0       1       1       0       0 "),
+    CHECK(strstr(line, " alive       4    3.5 MiB    3.5 MiB          -    3.5 MiB       4       2       0       1       1       0       0 "),
           "ps row (4 live, 3.5 MiB requested and held, peak 3.5 MiB; made 4, backed 2 (none unpublished), 1 captured, "
           "1 full):\n%s",
           out);
@@ -217,7 +217,7 @@ static void test_coverage_passed(void)
         snprintf(pidtxt, sizeof pidtxt, "%7d ", pid);
         ctl(out, sizeof out, "ps", NULL);
         line_with(out, pidtxt, line, sizeof line);
-        CHECK(strstr(line, " alive       0        0 B        0 B        0 B       2       0       0       0       0       2       0 "),
+        CHECK(strstr(line, " alive       0        0 B        0 B          -        0 B       2       0       0       0       0       2       0 "),
               "ps row without VMM:\n%s", out);
         child_say(&c, "quit");
     }
@@ -308,7 +308,7 @@ static void test_registry_full(void)
     CHECK_EQ(spawn_capture(ps, NULL, out, sizeof out, errs, sizeof errs, 60), 0);
     CHECK(strstr(out, "   MADE  BACKED   UNPUB CAPTURE ") != NULL, "ps header: %s", out);
     line_with(out, pidtxt, line, sizeof line);
-    CHECK(strstr(line, " alive    1024    4.0 MiB    4.0 MiB    4.0 MiB    1100    1100      76       0       0       0       0 "),
+    CHECK(strstr(line, " alive    1024    4.0 MiB    4.0 MiB          -    4.0 MiB    1100    1100      76       0       0       0       0 "),
           "ps row (1024 published of 1100 backed, 76 unpublished):\n%s", out);
     CHECK_EQ(spawn_capture(ps_json, NULL, out, sizeof out, errs, sizeof errs, 60), 0);
     CHECK(strstr(out, "\"allocations_made\": 1100, \"allocations_backed\": 1100, \"allocations_unpublished\": 76, "

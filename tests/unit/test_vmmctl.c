@@ -609,7 +609,7 @@ int main(void)
               strstr(r.out, "FULL") && strstr(r.out, "UNSUPP") && strstr(r.out, "ADOPTED"),
           "ps coverage header: %s", r.out);
     line_with(r.out, "/tmp/vmmshim-tv/broker.sock", line, sizeof line);
-    CHECK(strstr(line, "   3   1.50 GiB   2.01 GiB   1.50 GiB       7       4       3       1       1       1       2 "),
+    CHECK(strstr(line, "   3   1.50 GiB   2.01 GiB          -   1.50 GiB       7       4       3       1       1       1       2 "),
           "ps coverage: %s", line);
     line_with(r.out, pidbuf, line, sizeof line);
     CHECK(strstr(line, "    -       -       -       -       -       -       -       - ") != NULL, "ps of an older writer: %s", line);

@@ -172,3 +172,21 @@ VMM_PUBLIC const char *vmm_set_thread_tag(const char *tag)
 }
 
 VMM_PUBLIC const char *vmm_thread_tag(void) { return NULL; }
+
+VMM_PUBLIC vmm_status vmm_pause_ex(const char *tag, unsigned flags, vmm_sleep_report *report, size_t report_size)
+{
+    (void)tag, (void)flags, (void)report, (void)report_size;
+    return NO_SHIM("vmm_pause");
+}
+
+VMM_PUBLIC vmm_status vmm_resume_ex(const char *tag, vmm_sleep_report *report, size_t report_size)
+{
+    (void)tag, (void)report, (void)report_size;
+    return NO_SHIM("vmm_resume");
+}
+
+VMM_PUBLIC vmm_status vmm_pause(const char *tag, unsigned flags) { return vmm_pause_ex(tag, flags, NULL, 0); }
+
+VMM_PUBLIC vmm_status vmm_resume(const char *tag) { return vmm_resume_ex(tag, NULL, 0); }
+
+VMM_PUBLIC const char *vmm_sleep_error(void) { return vmm__error_text(); }

@@ -298,6 +298,36 @@ vmm_status vmm_import_copy(const vmm_imported *imp, uint64_t offset, uint64_t le
  * (the calling thread's last failure of those three, one line; "" when none) -- are declared
  * above, with the types: the shim defines them too. */
 
+/* ---- Sleep and wake (owner side) -------------------------------------------------------------
+ * In a process running under libvmmshim.so, vmm_pause gives the physical memory under a tag's
+ * allocations back to the device and keeps their addresses reserved; vmm_resume maps fresh memory
+ * at exactly those addresses, with the same access (peer access and the default pool's grants),
+ * and copies the kept contents back bit for bit.  Pointers, tensors and captured CUDA graphs stay
+ * valid across the pair.  Like vmm_publish, the shim defines them and the client library's stand-ins
+ * answer VMM_ERR_NO_SHIM; the reason for a failure is in vmm_sleep_error() (one line, per thread).
+ *
+ * tag NULL: every allocation the shim backs in this process; the process's tag (VMMSHIM_TAG) is the
+ * same today; another tag: VMM_ERR_NOT_FOUND.  vmm_pause first waits for the devices (synchronizes
+ * the contexts the allocations were made in), then copies the live allocations' bytes out (unless
+ * VMM_PAUSE_DISCARD; VMM_PAUSE_FILE: into an unlinked file in VMMSHIM_PAUSE_DIR, else pinned host
+ * memory for allocations of 1 MiB or more and pageable below), then releases every handle under
+ * them and the pools' empty ones: the memory is back on the device when the call returns.  The
+ * program must not queue work that touches paused memory; it may allocate (new memory, elsewhere)
+ * and free (a paused allocation's copy goes at its free) while paused.  Memory the shim does not
+ * own stays, and the report says how much.
+ * Results: VMM_OK; VMM_ERR_STATE for a pause when some of the tag's memory is paused already (resume
+ * first), or a resume when none is: nothing changes, a clear no-op; VMM_ERR_BUSY while a stream is
+ * being captured (waiting for the device would break the capture); VMM_ERR_NOMEM when the host copy
+ * cannot be made, or at resume when the device is full: then nothing changes, the memory stays
+ * paused with its copy (a later resume succeeds once memory is free) and a one-line error is
+ * logged; VMM_ERR_IO (a driver call or the file failed); VMM_ERR_INVALID (bad flags).
+ * While paused, the registry records stay live, flagged VMM_ALLOC_PAUSED, and a companion's import
+ * fails with VMM_ERR_PAUSED; after the resume it imports the new memory (the records name new
+ * chunk ids).  A companion that still holds an import keeps the old memory alive: the device gets
+ * it back only once it lets go.  vmm_pause_ex and vmm_resume_ex fill the first report_size bytes of
+ * *report (vmm_sleep_report; NULL or 0: nothing).  The functions and types are declared above, with
+ * the shim's part of the API. */
+
 /* COMPANION SIDE: the names a living owner publishes now, each checked against the live
  * allocation it lies in (a name whose allocation was freed, or whose owner died, is never
  * given).  Import them with vmm_import_many (address, nbytes). */

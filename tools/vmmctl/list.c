@@ -21,7 +21,7 @@
 typedef struct {
     uint32_t pid; /* 0: every process */
     bool json, all, names;
-    uint64_t now, n, requested, mapped, hidden;
+    uint64_t now, n, requested, mapped, hidden, paused;
     vmm_registry *reg;
     uint32_t kept[64], n_kept; /* kept processes met, named after the table */
     uint32_t last_kept, last_keeper;
@@ -59,14 +59,16 @@ static int list_row(void *ctx, const vmm_alloc_info *a)
                "\"owner_start_time\": %llu, \"owner_pidns\": %llu, \"device\": %u, \"device_uuid\": \"%s\", "
                "\"address\": %llu, \"address_hex\": \"0x%llx\", \"requested_size\": %llu, \"mapped_size\": %llu, "
                "\"chunk_id\": %llu, \"chunk_offset\": %llu, \"extent\": %llu, \"shared_chunk\": %s, "
-               "\"n_handles\": %u, \"stream\": %llu, \"created_ns\": %llu, \"age_s\": %llu, \"api\": \"%s\", \"handle_kinds\": [",
+               "\"n_handles\": %u, \"paused\": %s, \"stream\": %llu, \"created_ns\": %llu, \"age_s\": %llu, \"api\": \"%s\", "
+               "\"handle_kinds\": [",
                c->n ? "," : "", id, (unsigned long long)a->slot, (unsigned long long)a->generation, a->pid,
                vmm__ctl_owner_name(a->owner_alive, true), (unsigned long long)a->owner_start_time,
                (unsigned long long)a->owner_pidns, a->device, uuid, (unsigned long long)a->address,
                (unsigned long long)a->address, (unsigned long long)a->requested_size,
                (unsigned long long)a->mapped_size, (unsigned long long)a->chunk_id,
                (unsigned long long)a->chunk_offset, (unsigned long long)vmm__ctl_held_bytes(a),
-               a->flags & VMM_ALLOC_SHARED_CHUNK ? "true" : "false", a->n_handles, (unsigned long long)a->stream,
+               a->flags & VMM_ALLOC_SHARED_CHUNK ? "true" : "false", a->n_handles,
+               a->flags & VMM_ALLOC_PAUSED ? "true" : "false", (unsigned long long)a->stream,
                (unsigned long long)a->created_ns,
                (unsigned long long)vmm__ctl_age_s(a->created_ns, c->now), vmm__ctl_api_name(a->api));
         const char *sep = "";
@@ -92,12 +94,15 @@ static int list_row(void *ctx, const vmm_alloc_info *a)
         printf("%7u %3u 0x%012llx %10s %10s %-15s %-19s %-5s %7s %-16s %s\n", a->pid, a->device,
                (unsigned long long)a->address, vmm__ctl_human(a->requested_size, &req),
                vmm__ctl_human(vmm__ctl_held_bytes(a), &map), vmm__ctl_api_name(a->api),
-               vmm__ctl_kinds_text(a->handle_kinds, kinds, sizeof kinds), vmm__ctl_owner_name(a->owner_alive, false),
+               /* paused memory offers no handle until resumed: the column says why */
+               a->flags & VMM_ALLOC_PAUSED ? "paused" : vmm__ctl_kinds_text(a->handle_kinds, kinds, sizeof kinds),
+               vmm__ctl_owner_name(a->owner_alive, false),
                age, vmm__ctl_cell(a->tag, tag, sizeof tag), id + 16);
     }
     c->n++;
     c->requested += a->requested_size;
     c->mapped += vmm__ctl_held_bytes(a);
+    if (a->flags & VMM_ALLOC_PAUSED) c->paused += vmm__ctl_held_bytes(a);
     return 0;
 }
 
@@ -140,9 +145,11 @@ int vmm__ctl_cmd_list(int argc, char **argv)
     if (c.json) {
         printf("%s]\n", c.n ? "\n" : "");
     } else {
-        hbuf req, map;
-        printf("%llu allocation%s, %s requested, %s mapped\n", (unsigned long long)c.n, c.n == 1 ? "" : "s",
-               vmm__ctl_human(c.requested, &req), vmm__ctl_human(c.mapped, &map));
+        hbuf req, map, paused;
+        char paused_text[48] = "";
+        if (c.paused) snprintf(paused_text, sizeof paused_text, ", %s of it paused", vmm__ctl_human(c.paused, &paused));
+        printf("%llu allocation%s, %s requested, %s mapped%s\n", (unsigned long long)c.n, c.n == 1 ? "" : "s",
+               vmm__ctl_human(c.requested, &req), vmm__ctl_human(c.mapped, &map), paused_text);
         for (uint32_t i = 0; i < c.n_kept; i++) vmm__ctl_keeper_line(reg, c.kept[i]);
         if (c.hidden)
             printf("(%llu more of dead processes not shown: `vmmctl list --all` shows them, `vmmctl gc` reclaims "
@@ -181,11 +188,12 @@ static int ps_row(void *ctx, const vmm_proc_info *p)
                                                      "passed_capture",     "passed_device_full", "passed_unsupported",
                                                      "maps_adopted"};
         printf("%s\n  {\"pid\": %u, \"state\": \"%s\", \"start_time\": %llu, \"pidns\": %llu, \"uid\": %u, "
-               "\"registered_ns\": %llu, \"n_allocs\": %llu, \"bytes_requested\": %llu, \"bytes_mapped\": %llu, ",
+               "\"registered_ns\": %llu, \"n_allocs\": %llu, \"bytes_requested\": %llu, \"bytes_mapped\": %llu, "
+               "\"bytes_paused\": %llu, ",
                c->n ? "," : "", p->pid, vmm__ctl_owner_name(p->alive, true), (unsigned long long)p->start_time,
                (unsigned long long)p->pidns, p->uid, (unsigned long long)p->registered_ns,
                (unsigned long long)p->n_allocs, (unsigned long long)p->bytes_requested,
-               (unsigned long long)p->bytes_mapped);
+               (unsigned long long)p->bytes_mapped, (unsigned long long)p->bytes_paused);
         /* null: an owner whose shim does not keep them */
         char v[24] = "null";
         for (int i = 0; i < N_COVERAGE; i++) {
@@ -199,14 +207,15 @@ static int ps_row(void *ctx, const vmm_proc_info *p)
         vmm__ctl_json_str(stdout, p->cmdline);
         putchar('}');
     } else {
-        hbuf req, map, peak;
+        hbuf req, map, peak, paused;
         char broker[sizeof p->broker_path], cmd[sizeof p->cmdline], n[N_COVERAGE][24];
         for (int i = 0; i < N_COVERAGE; i++) {
             if (p->stats_known) snprintf(n[i], sizeof n[i], "%llu", (unsigned long long)cov[i]);
             else snprintf(n[i], sizeof n[i], "-");
         }
-        printf("%7u %-5s %7llu %10s %10s %10s %7s %7s %7s %7s %7s %7s %7s %-24s %s\n", p->pid, vmm__ctl_owner_name(p->alive, false),
-               (unsigned long long)p->n_allocs, vmm__ctl_human(p->bytes_requested, &req), vmm__ctl_human(p->bytes_mapped, &map),
+        printf("%7u %-5s %7llu %10s %10s %10s %10s %7s %7s %7s %7s %7s %7s %7s %-24s %s\n", p->pid,
+               vmm__ctl_owner_name(p->alive, false), (unsigned long long)p->n_allocs, vmm__ctl_human(p->bytes_requested, &req),
+               vmm__ctl_human(p->bytes_mapped, &map), p->bytes_paused ? vmm__ctl_human(p->bytes_paused, &paused) : "-",
                p->stats_known ? vmm__ctl_human(p->peak_requested, &peak) : "-", n[0], n[1], n[2], n[3], n[4], n[5], n[6],
                vmm__ctl_cell(p->broker_path, broker, sizeof broker), vmm__ctl_cell(p->cmdline, cmd, sizeof cmd));
     }
@@ -237,8 +246,8 @@ int vmm__ctl_cmd_ps(int argc, char **argv)
     if (c.json)
         putchar('[');
     else
-        printf("%7s %-5s %7s %10s %10s %10s %7s %7s %7s %7s %7s %7s %7s %-24s %s\n", "PID", "STATE", "ALLOCS", "REQUESTED",
-               "MAPPED", "PEAK", "MADE", "BACKED", "UNPUB", "CAPTURE", "FULL", "UNSUPP", "ADOPTED", "BROKER", "CMD");
+        printf("%7s %-5s %7s %10s %10s %10s %10s %7s %7s %7s %7s %7s %7s %7s %-24s %s\n", "PID", "STATE", "ALLOCS",
+               "REQUESTED", "MAPPED", "PAUSED", "PEAK", "MADE", "BACKED", "UNPUB", "CAPTURE", "FULL", "UNSUPP", "ADOPTED", "BROKER", "CMD");
     vmm_status st = vmm_foreach_proc(reg, ps_row, &c);
     vmm_close(reg);
     if (st != VMM_OK) return vmm__ctl_api_error(st);

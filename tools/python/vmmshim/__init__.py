@@ -29,22 +29,23 @@ import time
 
 from . import _dlpack, _dtypes, _lib
 from ._errors import (BY_STATUS, Access, Busy, Corrupt, CudaError, Error, InvalidArgument, IOFailure, LibraryNotFound,
-                      NotFound, NotUnderShim, OutOfMemory, OwnerDead, Stale, VersionMismatch)
+                      NotFound, NotUnderShim, OutOfMemory, OwnerDead, Paused, Stale, VersionMismatch, WrongState)
 from ._owner import publish, publish_many, unpublish
-from ._sleep import region, set_thread_tag, thread_tag
+from ._sleep import SleepReport, pause, region, resume, set_thread_tag, thread_tag
 from ._torch import to_torch
-from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, KIND_BROKER, KIND_FABRIC,
-                   KIND_PIDFD, OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, OWNER_UNKNOWN)
+from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_PAUSED, ALLOC_SHARED_CHUNK, KIND_BROKER,
+                   KIND_FABRIC, KIND_PIDFD, OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, OWNER_UNKNOWN)
 
 __version__ = "0.1.0"
 
 __all__ = ["Registry", "Allocation", "Process", "Tensor", "Buffer", "View", "publish", "publish_many", "unpublish",
-           "region", "set_thread_tag", "thread_tag",
+           "region", "set_thread_tag", "thread_tag", "pause", "resume", "SleepReport",
            "drop_idle", "to_torch",
            "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
            "Access", "Corrupt", "VersionMismatch", "Busy", "Stale", "OwnerDead", "CudaError", "OutOfMemory",
-           "IOFailure", "NotUnderShim", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN", "OWNER_KEPT", "KIND_BROKER",
-           "KIND_PIDFD", "KIND_FABRIC", "ALLOC_NOT_EXPORTABLE", "ALLOC_SHARED_CHUNK", "ALLOC_MULTI_HANDLE", "ALLOC_KEPT"]
+           "IOFailure", "NotUnderShim", "Paused", "WrongState", "OWNER_DEAD", "OWNER_ALIVE", "OWNER_UNKNOWN",
+           "OWNER_KEPT", "KIND_BROKER", "KIND_PIDFD", "KIND_FABRIC", "ALLOC_NOT_EXPORTABLE", "ALLOC_SHARED_CHUNK",
+           "ALLOC_MULTI_HANDLE", "ALLOC_KEPT", "ALLOC_PAUSED"]
 
 # kept: the owner has exited, and a keeper (vmmctl keep) holds its memory and serves it as the owner did
 _OWNER_NAMES = {OWNER_DEAD: "dead", OWNER_ALIVE: "alive", OWNER_KEPT: "kept"}
@@ -102,6 +103,7 @@ class Allocation:
         self.shared_chunk = bool(info.flags & ALLOC_SHARED_CHUNK)
         self.n_handles = info.n_handles  # > 1: its chunk is that many handles back to back
         self.multi_handle = bool(info.flags & ALLOC_MULTI_HANDLE)
+        self.paused = bool(info.flags & ALLOC_PAUSED)  # its owner paused it (vmm_pause): import it once resumed
         self.exportable = bool(info.handle_kinds & (KIND_BROKER | KIND_PIDFD)) and not info.flags & ALLOC_NOT_EXPORTABLE
 
     def __repr__(self):
@@ -125,6 +127,7 @@ class Process:
         self.n_allocs = info.n_allocs
         self.bytes_requested = info.bytes_requested
         self.bytes_mapped = info.bytes_mapped
+        self.bytes_paused = info.bytes_paused  # of bytes_mapped, paused now (vmm_pause)
         # what became of its allocations since it started (vmmctl ps); None: its shim keeps none
         known = bool(info.stats_known)
         for name in ("allocs", "allocs_backed", "unpublished", "passed_capture", "passed_device_full",

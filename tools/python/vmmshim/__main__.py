@@ -81,7 +81,8 @@ def _json_row(a, now, kept_by=None):
             f'"device": {a.device}, "device_uuid": "{a.device_uuid}", "address": {a.address}, '
             f'"address_hex": "0x{a.address:x}", "requested_size": {a.size}, "mapped_size": {a.mapped_size}, '
             f'"chunk_id": {a.chunk_id}, "chunk_offset": {a.chunk_offset}, "extent": {_held(a)}, '
-            f'"shared_chunk": {"true" if a.shared_chunk else "false"}, "n_handles": {a.n_handles}, "stream": {a.stream}, '
+            f'"shared_chunk": {"true" if a.shared_chunk else "false"}, "n_handles": {a.n_handles}, '
+            f'"paused": {"true" if a.paused else "false"}, "stream": {a.stream}, '
             f'"created_ns": {a.created_ns}, "age_s": {age}, "api": "{a.api}", "handle_kinds": [{kinds}], '
             f'"exported_fd": {a.exported_fd}, "kept_by": {"null" if kept_by is None else kept_by}, '
             f'"frames": [{frames}], "tag": {_json_str(a._info.tag)}}}')
@@ -91,8 +92,9 @@ def _table_row(a, now):
     age = (now - a.created_ns) // 1_000_000_000 if a.created_ns and a.created_ns < now else 0
     tag = "".join("?" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch for ch in a.tag) or "-"
     owner = {OWNER_ALIVE: "alive", OWNER_DEAD: "dead", OWNER_KEPT: "kept"}.get(a.owner_alive, "?")
+    kinds = "paused" if a.paused else ",".join(_kinds(a.handle_kinds)) or "-"  # paused memory offers no handle
     return (f"{a.pid:7} {a.device:3} 0x{a.address:012x} {_human(a.size):>10} {_human(_held(a)):>10} {a.api:<15} "
-            f"{','.join(_kinds(a.handle_kinds)) or '-':<19} {owner:<5} {str(age) + 's':>7} {tag:<16} {a.id[16:]}")
+            f"{kinds:<19} {owner:<5} {str(age) + 's':>7} {tag:<16} {a.id[16:]}")
 
 
 def _list(args):
@@ -109,8 +111,9 @@ def _list(args):
              f"{'OWNER':<5} {'AGE':>7} {'TAG':<16} ID"]
     lines += [_table_row(a, now) for a in shown]
     n = len(shown)
+    paused = sum(_held(a) for a in shown if a.paused)
     lines.append(f"{n} allocation{'' if n == 1 else 's'}, {_human(sum(a.size for a in shown))} requested, "
-                 f"{_human(sum(_held(a) for a in shown))} mapped")
+                 f"{_human(sum(_held(a) for a in shown))} mapped" + (f", {_human(paused)} of it paused" * bool(paused)))
     hidden = len(allocs) - n
     if hidden:
         lines.append(f"({hidden} more of dead processes not shown: `python -m vmmshim list --all` shows them, "

@@ -72,10 +72,21 @@ class NotUnderShim(Error):
     status = 12
 
 
+class Paused(Error):
+    """The owner paused this memory (vmm_pause): import it once the owner resumes it."""
+    status = 13
+
+
+class WrongState(Error):
+    """Owner side: a pause of memory paused already, or a resume of memory not paused (a no-op)."""
+    status = 14
+
+
 # Tracebacks name them as the package exports them: vmmshim.NotFound.
 for _cls in (Error, LibraryNotFound, InvalidArgument, NotFound, Access, Corrupt, VersionMismatch, Busy, Stale,
-             OwnerDead, CudaError, OutOfMemory, IOFailure, NotUnderShim):
+             OwnerDead, CudaError, OutOfMemory, IOFailure, NotUnderShim, Paused, WrongState):
     _cls.__module__ = "vmmshim"
 
 BY_STATUS = {cls.status: cls for cls in (InvalidArgument, NotFound, Access, Corrupt, VersionMismatch, Busy, Stale,
-                                         OwnerDead, CudaError, OutOfMemory, IOFailure, NotUnderShim)}
+                                         OwnerDead, CudaError, OutOfMemory, IOFailure, NotUnderShim, Paused,
+                                         WrongState)}

@@ -13,12 +13,12 @@ from ._errors import LibraryNotFound
 c_u8, c_u32, c_u64, c_i32, c_int = ctypes.c_uint8, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int
 
 # vmm_status
-OK, INVALID, NOT_FOUND, ACCESS, CORRUPT, VERSION, BUSY, STALE, OWNER_DEAD, CUDA, NOMEM, IO, NO_SHIM = range(13)
+OK, INVALID, NOT_FOUND, ACCESS, CORRUPT, VERSION, BUSY, STALE, OWNER_DEAD, CUDA, NOMEM, IO, NO_SHIM, PAUSED, STATE = range(15)
 
 # KEPT: the owner has exited and a keeper (vmmctl keep) holds the memory and serves its imports
 OWNER_DEAD, OWNER_ALIVE, OWNER_UNKNOWN, OWNER_KEPT = 0, 1, 2, 3
 KIND_BROKER, KIND_PIDFD, KIND_FABRIC = 1, 2, 4
-ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, ALLOC_MULTI_HANDLE, ALLOC_KEPT = 1, 2, 4, 8
+ALLOC_NOT_EXPORTABLE, ALLOC_SHARED_CHUNK, ALLOC_MULTI_HANDLE, ALLOC_KEPT, ALLOC_PAUSED = 1, 2, 4, 8, 16
 
 # vmm_alloc_info.api, named as vmmctl names them
 API_NAMES = {1: "cudaMalloc", 2: "cudaMallocAsync", 3: "cuMemAlloc", 4: "cuMemAllocAsync",
@@ -79,6 +79,7 @@ class ProcInfo(ctypes.Structure):
         ("maps_adopted", c_u64),
         ("peak_requested", c_u64),
         ("unpublished", c_u64),
+        ("bytes_paused", c_u64),
     ]
 
 

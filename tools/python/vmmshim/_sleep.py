@@ -1,5 +1,5 @@
-"""Thread tags in a process running under libvmmshim.so: vmmshim.region(tag), set_thread_tag(tag)
-and thread_tag().  They call the shim's own vmm_set_thread_tag and vmm_thread_tag (found among the
+"""Sleep and wake in a process running under libvmmshim.so: vmmshim.pause(tag), resume(tag), and
+the thread tags that say what a tag holds: region(tag), set_thread_tag(tag) and thread_tag().  They call the shim's own vmm_set_thread_tag and vmm_thread_tag (found among the
 preloaded library's symbols by ctypes.CDLL(None)), on the calling thread: a Python thread is an OS
 thread, so a region tags what this thread allocates, not what other threads do meanwhile.
 
@@ -76,3 +76,75 @@ def region(tag):
         yield
     finally:
         set_thread_tag(was)
+
+
+class SleepReport(ctypes.Structure):
+    """What one pause or resume did (vmm_sleep_report): bytes_released (pause: given back to the
+    device; resume: mapped again), bytes_kept (copied out or back), bytes_not_shim (this process's
+    device memory the shim does not own, left on the device), ns, segments, allocations."""
+    _fields_ = [("bytes_released", ctypes.c_uint64), ("bytes_kept", ctypes.c_uint64),
+                ("bytes_not_shim", ctypes.c_uint64), ("ns", ctypes.c_uint64), ("segments", ctypes.c_uint64),
+                ("allocations", ctypes.c_uint64)]
+
+    @property
+    def seconds(self):
+        return self.ns / 1e9
+
+    def __repr__(self):
+        return (f"<SleepReport released {self.bytes_released} kept {self.bytes_kept} not_shim {self.bytes_not_shim} "
+                f"in {self.ns / 1e6:.3f} ms, {self.allocations} allocations, {self.segments} segments>")
+
+
+_sleep_fns = None
+
+PAUSE_DISCARD, PAUSE_FILE = 1, 2
+
+
+def _sleep_functions():
+    global _sleep_fns
+    with _lock:
+        if _sleep_fns is None:
+            try:
+                here = ctypes.CDLL(None)
+                fns = (here.vmm_pause_ex, here.vmm_resume_ex, here.vmm_sleep_error)
+            except (OSError, AttributeError):
+                raise NotUnderShim("vmmshim: not running under the shim: start the program with `vmmshim run --` "
+                                   "or LD_PRELOAD=/path/to/libvmmshim.so", _lib.NO_SHIM) from None
+            report = ctypes.POINTER(SleepReport)
+            fns[0].restype, fns[0].argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_uint, report, ctypes.c_size_t]
+            fns[1].restype, fns[1].argtypes = ctypes.c_int, [ctypes.c_char_p, report, ctypes.c_size_t]
+            fns[2].restype, fns[2].argtypes = ctypes.c_char_p, []
+            _sleep_fns = fns
+        return _sleep_fns
+
+
+def _sleep_check(status, error, who):
+    if status != _lib.OK:
+        from ._errors import BY_STATUS, Error
+        reason = (error() or b"").decode("utf-8", "replace")
+        head, sep, rest = reason.partition(": ")
+        if sep and head.startswith("vmm_"):
+            reason = f"{who}: {rest}"
+        raise BY_STATUS.get(status, Error)(reason, status)
+
+
+def pause(tag=None, keep=True, to_file=False):
+    """Give this process's GPU memory under `tag` (None: all of it) back to the device, keeping the
+    address reservations.  It waits for the device first.  keep: the contents are copied to pinned
+    host memory (to_file: to an unlinked file in VMMSHIM_PAUSE_DIR) and come back at resume; keep=False
+    discards them (a KV cache).  Returns a SleepReport; raises (vmmshim.Error subclasses) with the
+    shim's one-line reason, e.g. when it is paused already."""
+    p, _, error = _sleep_functions()
+    flags = (0 if keep else PAUSE_DISCARD) | (PAUSE_FILE if keep and to_file else 0)
+    r = SleepReport()
+    _sleep_check(p(tag.encode() if tag else None, flags, ctypes.byref(r), ctypes.sizeof(r)), error, "vmmshim.pause")
+    return r
+
+
+def resume(tag=None):
+    """Fresh device memory at exactly the old addresses, with the same access, and the kept contents
+    copied back; raises with the shim's reason (the device full: nothing is lost, resume again later)."""
+    _, r_, error = _sleep_functions()
+    r = SleepReport()
+    _sleep_check(r_(tag.encode() if tag else None, ctypes.byref(r), ctypes.sizeof(r)), error, "vmmshim.resume")
+    return r

@@ -1,0 +1,76 @@
+/* Sleep and wake, the owner side (vmmshim.h: vmm_pause, vmm_resume, their _ex forms and
+ * vmm_sleep_error), exported by the shim beside vmm_publish.  Forwarding only: the mechanism is
+ * shim/backing/sleep.c's.  The client library defines the same names, answering VMM_ERR_NO_SHIM;
+ * a preloaded shim's come first in symbol lookup. */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "api/vmm_api.h"
+#include "backing/sleep.h"
+
+#define VMM_HOOK __attribute__((visibility("default")))
+
+static _Thread_local char last_error[512];
+
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static vmm_status status_of(int rc)
+{
+    switch (-rc) {
+    case 0: return VMM_OK;
+    case ENODEV: return VMM_ERR_NO_SHIM;
+    case EINVAL: return VMM_ERR_INVALID;
+    case ENOENT: return VMM_ERR_NOT_FOUND;
+    case EALREADY: return VMM_ERR_STATE;
+    case EBUSY: return VMM_ERR_BUSY;
+    case ENOSPC:
+    case ENOMEM: return VMM_ERR_NOMEM;
+    default: return VMM_ERR_IO;
+    }
+}
+
+/* The caller's report gets the first report_size bytes of ours: a caller built against a shorter,
+ * older struct gets the fields it knows. */
+static vmm_status finish(const char *fn, int rc, const char *why, const vmm__sleep_out *o, uint64_t t0,
+                         vmm_sleep_report *report, size_t report_size)
+{
+    if (rc) snprintf(last_error, sizeof last_error, "%s: %s", fn, why);
+    else last_error[0] = 0;
+    if (report && report_size) {
+        vmm_sleep_report r = {.bytes_released = o->released, .bytes_kept = o->kept, .bytes_not_shim = o->not_shim,
+                              .ns = now_ns() - t0, .segments = o->segments, .allocations = o->allocations};
+        memcpy(report, &r, report_size < sizeof r ? report_size : sizeof r);
+    }
+    return status_of(rc);
+}
+
+VMM_HOOK vmm_status vmm_pause_ex(const char *tag, unsigned flags, vmm_sleep_report *report, size_t report_size)
+{
+    uint64_t t0 = now_ns();
+    vmm__sleep_out o;
+    char why[400];
+    int rc = vmm__sleep_pause(tag, flags, &o, why, sizeof why);
+    return finish("vmm_pause", rc, why, &o, t0, report, report_size);
+}
+
+VMM_HOOK vmm_status vmm_resume_ex(const char *tag, vmm_sleep_report *report, size_t report_size)
+{
+    uint64_t t0 = now_ns();
+    vmm__sleep_out o;
+    char why[400];
+    int rc = vmm__sleep_resume(tag, &o, why, sizeof why);
+    return finish("vmm_resume", rc, why, &o, t0, report, report_size);
+}
+
+VMM_HOOK vmm_status vmm_pause(const char *tag, unsigned flags) { return vmm_pause_ex(tag, flags, NULL, 0); }
+
+VMM_HOOK vmm_status vmm_resume(const char *tag) { return vmm_resume_ex(tag, NULL, 0); }
+
+VMM_HOOK const char *vmm_sleep_error(void) { return last_error; }
