@@ -269,16 +269,19 @@ static int unpinned_locked(const char *tag)
     return -EBUSY;
 }
 
-/* What state the chosen pools are in: *any_pools, *paused (an arena paused), *live (arenas). */
-static void survey_locked(const char *tag, int *any_pools, int *paused)
+/* What state the chosen pools are in: *any_pools, *paused (an arena paused), *awake (one not). */
+static void survey_locked(const char *tag, int *any_pools, int *paused, int *awake)
 {
-    *any_pools = *paused = 0;
+    *any_pools = *paused = *awake = 0;
     for (int i = 0; i < MAX_DEVICES; i++) {
         vmm__pool *pools[MAX_POOLS];
         int np = pools_of(&vmm__S.dev[i], tag, pools, MAX_POOLS);
         *any_pools |= np > 0;
         for (int k = 0; k < np; k++)
-            for (vmm__arena *a = pools[k]->arenas; a; a = a->next) *paused |= a->paused;
+            for (vmm__arena *a = pools[k]->arenas; a; a = a->next) {
+                *paused |= a->paused;
+                *awake |= !a->paused;
+            }
     }
 }
 
@@ -375,11 +378,13 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
         return say(why, len, -EBUSY, "a stream is being captured: waiting for the device would break the capture");
     wait_for_devices(tag); /* no queued work may touch memory about to go */
     pthread_mutex_lock(&vmm__S.lock);
-    int any, paused, rc = unpinned_locked(tag);
-    survey_locked(tag, &any, &paused);
+    int any, paused, awake, rc = unpinned_locked(tag);
+    survey_locked(tag, &any, &paused, &awake);
     if (rc) say(why, len, rc, "the broker kept exporting a segment for 2 s");
     else if (!any) rc = say(why, len, -ENOENT, "no memory is tagged \"%s\"", tag ? tag : "");
-    else if (paused) rc = say(why, len, -EALREADY, "already paused: resume first");
+    /* what is paused already stays so (a tag paused before a pause of everything): only when
+     * nothing is left awake is the call a no-op */
+    else if (paused && !awake) rc = say(why, len, -EALREADY, "already paused: resume first");
     sleep_file *f = NULL;
     if (!rc && (flags & VMM_PAUSE_FILE) && !(f = file_open(why, len))) rc = -EIO;
     stage st = {0};
@@ -392,7 +397,7 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
             vmm__pool_settle(pools[k]); /* the device was waited for: every free is reached */
             for (vmm__arena *a = pools[k]->arenas, *next; a && !rc; a = next) {
                 next = a->next;
-                rc = pause_arena(pools[k], a, flags, f, &file_end, &st, out, why, len);
+                if (!a->paused) rc = pause_arena(pools[k], a, flags, f, &file_end, &st, out, why, len);
             }
         }
     }
@@ -434,7 +439,7 @@ static int remap_seg(device_state *d, vmm__seg *s)
         return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
     }
     /* the access it would get now: peer grants made while paused count too */
-    if ((rc = vmm__cu.MemSetAccess(s->base, s->size, acc, (size_t)vmm__access_list(d, acc, s->arena->pool == &d->pool[0]))) !=
+    if ((rc = vmm__cu.MemSetAccess(s->base, s->size, acc, (size_t)vmm__access_list(d, acc, vmm__pool_kind(d, s->arena->pool) == 0))) !=
         CUDA_SUCCESS) {
         (void)VMM__TWICE(vmm__cu.MemUnmap(s->base, s->size));
         (void)VMM__TWICE(vmm__cu.MemRelease(h));
@@ -477,8 +482,8 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
     *why = 0;
     if (!vmm__S.ready) return say(why, len, -ENODEV, "the shim is not active in this process");
     pthread_mutex_lock(&vmm__S.lock);
-    int any, paused, rc = 0;
-    survey_locked(tag, &any, &paused);
+    int any, paused, awake, rc = 0;
+    survey_locked(tag, &any, &paused, &awake);
     if (!any) rc = say(why, len, -ENOENT, "no memory is tagged \"%s\"", tag ? tag : "");
     else if (!paused) rc = say(why, len, -EALREADY, "not paused");
     /* first everything is mapped, so that a full device changes nothing */

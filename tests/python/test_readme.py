@@ -249,6 +249,50 @@ def use_share(readme):
         own.end()
 
 
+# A stand-in torch for the sleep snippet: torch.empty(n, dtype=torch.uint8, device="cuda") is a
+# cudaMalloc through the emulated runtime, under the shim.
+SLEEP_CHILD = r'''
+import ctypes, json, os, sys, types
+sys.path.insert(0, sys.argv[1])
+import vmmshim
+rt = ctypes.CDLL("libcudart.so.13")
+rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+def empty(n, dtype=None, device=None):
+    p = ctypes.c_void_p()
+    assert device == "cuda" and rt.cudaMalloc(ctypes.byref(p), n) == 0
+    return p.value
+torch = types.SimpleNamespace(empty=empty, uint8="uint8")
+base = ctypes.c_void_p()
+assert rt.cudaMalloc(ctypes.byref(base), 3 << 20) == 0
+n_bytes = 4 << 20
+reports = []
+real_pause, real_resume = vmmshim.pause, vmmshim.resume
+vmmshim.pause = lambda *a, **k: reports.append(("pause", a, real_pause(*a, **k).bytes_released))
+vmmshim.resume = lambda *a, **k: reports.append(("resume", a, real_resume(*a, **k).bytes_released))
+exec(sys.argv[2])
+reg = vmmshim.Registry()
+print(json.dumps({"reports": reports, "tag": reg.find(os.getpid(), kv_cache).tag,
+                  "paused": [reg.find(os.getpid(), p).paused for p in (kv_cache, base.value)]}))
+'''
+
+
+def use_sleep(readme):
+    src = snippet(readme, "use-sleep", "python")
+    run = subprocess.run([sys.executable, "-c", SLEEP_CHILD, str(PACKAGE), src], capture_output=True, text=True,
+                         env=harness.preload_env(), timeout=120)
+    T.check(run.returncode == 0, f"use 4 under the shim: rc {run.returncode} {run.stdout[-500:]}{run.stderr[-1500:]}")
+    if run.returncode != 0:
+        return
+    import json
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    kinds = [(r[0], r[1]) for r in out["reports"]]
+    T.check(kinds == [("pause", ["kv_cache"]), ("pause", []), ("resume", [])], f"use 4's calls: {out['reports']}")
+    released = [r[2] for r in out["reports"]]
+    T.check(len(released) == 3 and released[0] >= 4 << 20 and released[1] >= 3 << 20 and
+            released[2] >= released[0] + released[1], f"use 4's bytes released and mapped again: {released}")
+    T.check(out["tag"] == "kv_cache" and out["paused"] == [False, False], f"use 4: tag {out['tag']!r}, paused {out['paused']}")
+
+
 def main():
     readme = (ROOT / "README.md").read_text()
     c_src, py_src = snippet(readme, "companion-c", "c"), snippet(readme, "companion-python", "python")
@@ -270,6 +314,7 @@ def main():
         use_run(readme, tmp)
         use_share(readme)
         use_keep(readme, tmp)
+        use_sleep(readme)
         own = Owner("1", "0.25a")
         for i, (address, _, _) in enumerate(own.buffers):
             want = pattern(i, 0, 16).hex() + "\n"
