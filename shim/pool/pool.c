@@ -1,20 +1,10 @@
 /* The pool's policy (pool.h says what it decides; README.md why these numbers). */
 #include "pool/pool.h"
+#include "pool/event.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* A free's event, shared by the pieces a pending free block is split into: each piece holds a
- * reference, and the mechanism gets the event back when the last one lets go.  e NULL: not
- * recorded yet (vmm__pool_free_unrecorded); sctx and seq say where to record it and which
- * synchronizations cover it. */
-struct vmm__ev {
-    void *e, *sctx;
-    uint64_t seq;
-    uint32_t refs;
-    vmm__ev *next;
-};
 
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 static uint64_t end_of(const vmm__block *b) { return b->addr + b->size; }
@@ -82,75 +72,6 @@ static void block_recycle(vmm__pool *p, vmm__block *b)
 {
     b->fnext = p->spare;
     p->spare = b;
-}
-
-/* ---- events ---- */
-
-static vmm__ev *ev_alloc(vmm__pool *p)
-{
-    vmm__ev *ev = p->spare_ev;
-    if (ev) p->spare_ev = ev->next;
-    else if (!(ev = malloc(sizeof *ev))) return NULL;
-    memset(ev, 0, sizeof *ev);
-    ev->refs = 1;
-    return ev;
-}
-
-static vmm__ev *ev_wrap(vmm__pool *p, void *e)
-{
-    if (!e) return NULL;
-    vmm__ev *ev = ev_alloc(p);
-    if (!ev) {
-        /* No memory even for 40 bytes: the free is treated as complete (as a synchronous one). */
-        p->ops.event_release(p->ops.ctx, e);
-        return NULL;
-    }
-    ev->e = e;
-    return ev;
-}
-
-static void ev_put(vmm__pool *p, vmm__ev *ev)
-{
-    if (!ev || --ev->refs) return;
-    if (ev->e) p->ops.event_release(p->ops.ctx, ev->e);
-    else p->n_unrecorded--;
-    ev->next = p->spare_ev;
-    p->spare_ev = ev;
-}
-
-/* Record ev now: 1 done, 0 not now, -1 its stream is gone (its frees count as reached). */
-static int ev_record(vmm__pool *p, vmm__ev *ev, uint64_t stream)
-{
-    if (ev->e) return 1;
-    int r = p->ops.event_record(p->ops.ctx, stream, ev->sctx, &ev->e);
-    if (r > 0) p->n_unrecorded--;
-    return r;
-}
-
-static void event_clear(vmm__pool *p, vmm__block *b)
-{
-    ev_put(p, b->event);
-    b->event = NULL;
-    b->stream = 0;
-}
-
-static int reached(vmm__pool *p, vmm__block *b)
-{
-    if (!b->event) return 1;
-    int r = ev_record(p, b->event, b->stream); /* someone needs to know now */
-    if (r == 0) return 0;
-    if (r > 0 && !p->ops.event_done(p->ops.ctx, b->event->e)) return 0;
-    event_clear(p, b);
-    return 1;
-}
-
-/* May `stream` (any stream when !ordered) use free block b now?  Its own stream may at once:
- * work it queues runs after the free.  Others only once the free's event was reached. */
-static int usable(vmm__pool *p, vmm__block *b, int ordered, uint64_t stream)
-{
-    if (!b->event) return 1;
-    if (ordered && b->stream == stream) return 1;
-    return reached(p, b);
 }
 
 /* ---- pages: which segment is mapped at, and which block holds, each granule of an arena ---- */
@@ -229,8 +150,8 @@ static vmm__block *join(vmm__pool *p, vmm__block *l, vmm__block *r, vmm__ev *ev,
 {
     vmm__block *keep = l->size >= r->size ? l : r, *gone = keep == l ? r : l;
     if (ev) ev->refs++;
-    ev_put(p, l->event);
-    ev_put(p, r->event);
+    vmm__ev_put(p, l->event);
+    vmm__ev_put(p, r->event);
     own_pages(p, keep, gone->addr, end_of(gone));
     vmm__block *prev = l->prev, *next = r->next;
     keep->addr = l->addr;
@@ -252,7 +173,7 @@ static vmm__block *join(vmm__pool *p, vmm__block *l, vmm__block *r, vmm__ev *ev,
 static int compatible(vmm__pool *p, vmm__block *a, vmm__block *b)
 {
     if (!a->free || a->backed != b->backed) return 0;
-    if (a->event && a->event->e) reached(p, a); /* never records one: a free must stay cheap */
+    if (a->event && a->event->e) vmm__ev_reached(p, a); /* never records one: a free must stay cheap */
     return !a->event || !b->event || (a->stream == b->stream && a->event->sctx == b->event->sctx);
 }
 
@@ -323,7 +244,7 @@ static int seg_idle(vmm__pool *p, vmm__seg *s)
 {
     vmm__arena *a = s->arena;
     for (vmm__block *b = a->blk[page_of(p, a, s->base)]; b && b->addr < s->base + s->size; b = b->next)
-        if (!b->free || !reached(p, b)) return 0;
+        if (!b->free || !vmm__ev_reached(p, b)) return 0;
     return 1;
 }
 
@@ -411,7 +332,7 @@ static void arena_drop(vmm__pool *p, vmm__arena *a, int keep_va)
     for (vmm__block *b = a->first, *n; b; b = n) {
         n = b->next;
         bin_remove(p, b);
-        ev_put(p, b->event);
+        vmm__ev_put(p, b->event);
         b->event = NULL;
         block_recycle(p, b);
     }
@@ -560,7 +481,7 @@ static int spares(vmm__pool *p, int n)
 static void retired_done(vmm__pool *p, vmm__block *r)
 {
     p->ops.unmap_old(p->ops.ctx, r->addr, r->size);
-    ev_put(p, r->event);
+    vmm__ev_put(p, r->event);
     r->event = NULL;
     r->stream = 0;
     r->retired = 0;
@@ -597,15 +518,15 @@ static int seg_move(vmm__pool *p, vmm__seg *s, uint64_t lo, vmm__block *pending)
     if (spares(p, 6) != 0) return -ENOMEM; /* the cuts below cannot fail half-way */
     /* one event recorded now on the stream covers every free in the segment */
     if (pending && p->ops.event_record(p->ops.ctx, pending->stream, pending->event->sctx, &e) <= 0) return -EAGAIN;
-    vmm__ev *ev = ev_wrap(p, e);
+    vmm__ev *ev = vmm__ev_wrap(p, e);
     if (e && !ev) return -ENOMEM;
     if (p->ops.seg_move(p->ops.ctx, s, lo) != 0) {
-        ev_put(p, ev);
+        vmm__ev_put(p, ev);
         return -EIO;
     }
     /* the old place: its free blocks become one retired block, out of every bin */
     vmm__block *inner = gather(p, a, old, old + size); /* cannot fail: spares */
-    ev_put(p, inner->event);
+    vmm__ev_put(p, inner->event);
     inner->event = ev;
     inner->stream = ev ? stream : 0;
     inner->free = 0;
@@ -707,7 +628,7 @@ static int fits(vmm__pool *p, vmm__block *b, uint64_t need, uint64_t align, int 
         if (b->size != need || s->base != b->addr || s->size != need) return 0;
     }
     if (b->backed && p->exact && !b->arena->small && pins_empty_tail(p, b, round_up(b->addr, align) + need)) return 0;
-    return !b->backed || usable(p, b, ordered, stream);
+    return !b->backed || vmm__ev_usable(p, b, ordered, stream);
 }
 
 static vmm__block *find_free(vmm__pool *p, int small, int backed, uint64_t need, uint64_t align, int ordered,
@@ -746,7 +667,7 @@ static vmm__block *carve(vmm__pool *p, vmm__block *b, uint64_t start, uint64_t n
                 b = l;
             }
         }
-        event_clear(p, b); /* usable by the caller, so nothing of what it takes is waited for */
+        vmm__ev_clear(p, b); /* usable by the caller, so nothing of what it takes is waited for */
         got = got ? join(p, got, b, NULL, 0) : b;
         if (end_of(got) >= end) break;
         b = got->next;
@@ -781,7 +702,7 @@ static vmm__block *grow(vmm__pool *p, int small, uint64_t need, uint64_t align, 
     vmm__arena *a = u->arena;
     vmm__block *l = u->prev;
     uint64_t lo = u->addr, u_end = end_of(u), start = round_up(u->addr, align);
-    if (!p->isolate && l && l->free && l->backed && usable(p, l, ordered, stream) && round_up(l->addr, align) < lo &&
+    if (!p->isolate && l && l->free && l->backed && vmm__ev_usable(p, l, ordered, stream) && round_up(l->addr, align) < lo &&
         round_up(l->addr, align) + need > lo) /* else l alone holds it, and was refused (pins_empty_tail) */
         start = round_up(l->addr, align);
     uint64_t hi = round_up(start + need, p->granule);
@@ -864,12 +785,12 @@ static int free_with(vmm__pool *p, vmm__block *b, uint64_t stream, vmm__ev *ev)
 
 int vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event)
 {
-    return free_with(p, b, stream, ev_wrap(p, event));
+    return free_with(p, b, stream, vmm__ev_wrap(p, event));
 }
 
 int vmm__pool_free_unrecorded(vmm__pool *p, vmm__block *b, uint64_t stream, void *stream_ctx, uint64_t seq)
 {
-    vmm__ev *ev = ev_alloc(p);
+    vmm__ev *ev = vmm__ev_alloc(p);
     if (!ev) {
         void *e = NULL;
         /* no memory for the note: record now, or as a last resort count the free complete */
@@ -894,14 +815,14 @@ void vmm__pool_reached_by_sync(vmm__pool *p, int any_stream, uint64_t stream, vo
     FOR_PENDING(p, b)
         if (b->event && !b->event->e && b->event->seq < before_seq && b->event->sctx == stream_ctx &&
             (any_stream || b->stream == stream))
-            event_clear(p, b);
+            vmm__ev_clear(p, b);
 }
 
 void vmm__pool_record_stream(vmm__pool *p, uint64_t stream)
 {
     if (!p->n_unrecorded) return;
     FOR_PENDING(p, b)
-        if (b->event && !b->event->e && b->stream == stream && ev_record(p, b->event, b->stream) < 0) event_clear(p, b);
+        if (b->event && !b->event->e && b->stream == stream && vmm__ev_record(p, b->event, b->stream) < 0) vmm__ev_clear(p, b);
 }
 
 uint64_t vmm__pool_oldest_empty(const vmm__pool *p) { return p->empty_head ? p->empty_head->empty_since : UINT64_MAX; }
@@ -913,7 +834,7 @@ unsigned vmm__pool_pending_events(vmm__pool *p, void **events, unsigned max)
     unsigned n = 0;
     FOR_PENDING(p, b) {
         if (n == max) break;
-        if (b->event && ev_record(p, b->event, b->stream) < 0) event_clear(p, b);
+        if (b->event && vmm__ev_record(p, b->event, b->stream) < 0) vmm__ev_clear(p, b);
         if (b->event && b->event->e) events[n++] = b->event->e;
     }
     return n;
@@ -933,7 +854,7 @@ void vmm__pool_init(vmm__pool *p, const vmm__pool_ops *ops, uint64_t granule, ui
 void vmm__pool_settle(vmm__pool *p)
 {
     FOR_PENDING(p, b)
-        if (b->event) event_clear(p, b);
+        if (b->event) vmm__ev_clear(p, b);
     while (p->retired) { /* every free that pinned an old place is reached: each goes now */
         vmm__block *r = p->retired;
         p->retired = r->fnext;
@@ -991,7 +912,7 @@ void vmm__pool_destroy(vmm__pool *p)
         p->arenas = a->next;
         for (vmm__block *b = a->first, *n; b; b = n) {
             n = b->next;
-            ev_put(p, b->event);
+            vmm__ev_put(p, b->event);
             free(b);
         }
         p->ops.unreserve(p->ops.ctx, a->base, a->size);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "pool/event.c"
 #include "pool/pool.c"
 
 #define MiB (1ull << 20)
