@@ -53,6 +53,7 @@ static int g_batch_fds[BROKER_MAX_CONNS][VMM_BROKER_MAX_FDS];
 static int g_atexit_done;
 static int g_wake_fd = -1;                     /* eventfd: vmm__broker_wake has the thread run g_idle */
 static vmm__broker_idle_fn g_idle;
+static vmm__broker_control_fn g_control;       /* v4 requests; NULL: answered -EOPNOTSUPP */
 static int g_warned_start;
 
 /* Everything the thread needs, fixed before it starts. */
@@ -663,6 +664,30 @@ static bool serve_v3(const broker_cfg *cfg, broker_conn *c, const uint8_t *raw, 
     return batch_pump(cfg, c, now);
 }
 
+/* v4: pause or resume, run here on the broker thread (every peer waits meanwhile, as for an
+ * export: the owner's memory is what they would import anyway).  The backing's control function
+ * decides; the broker checks only the form. */
+static void serve_v4(int sock, const vmm_broker_request4 *q)
+{
+    vmm_broker_reply4 rep;
+    memset(&rep, 0, sizeof rep);
+    vmm__broker_control_fn control = __atomic_load_n(&g_control, __ATOMIC_ACQUIRE);
+    if ((q->op != VMM_BROKER_OP_PAUSE && q->op != VMM_BROKER_OP_RESUME) ||
+        memchr(q->tag, 0, sizeof q->tag) == NULL) {
+        rep.status = -EINVAL;
+        snprintf(rep.why, sizeof rep.why, "malformed control request (op %u)", (unsigned)q->op);
+    } else if (!control) {
+        rep.status = -EOPNOTSUPP;
+        snprintf(rep.why, sizeof rep.why, "this broker pauses nothing (a keeper, or no memory of the shim's pools yet)");
+    } else
+        control(q, &rep);
+    rep.magic = VMM_BROKER_MAGIC;
+    rep.version = VMM_BROKER_VERSION4;
+    rep.op = q->op;
+    rep.why[sizeof rep.why - 1] = 0;
+    send_datagram(sock, &rep, sizeof rep, NULL, 0);
+}
+
 /* The longest datagram a peer may send: a full v3 batch. */
 #define BROKER_MAX_REQUEST (sizeof(vmm_broker_request3) + VMM_BROKER_MAX_ENTRIES * sizeof(vmm_broker_entry3))
 
@@ -673,7 +698,8 @@ static bool serve_request(const broker_cfg *cfg, broker_conn *c)
         vmm_broker_request req;
         vmm_broker_request2 req2;
         vmm_broker_request3 req3;
-        uint8_t raw[sizeof(vmm_broker_request2) + 64];
+        vmm_broker_request4 req4;
+        uint8_t raw[sizeof(vmm_broker_request4) + 64];
     } in;
     memset(&in, 0, sizeof in);
     /* MSG_TRUNC: the datagram's real length, so an oversized one is caught; any fds a peer
@@ -720,6 +746,11 @@ static bool serve_request(const broker_cfg *cfg, broker_conn *c)
     if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION2 &&
         (size_t)n == sizeof(vmm_broker_request2)) {
         serve_v2(cfg, c->fd, &in.req2);
+        return true;
+    }
+    if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION4 &&
+        (size_t)n == sizeof(vmm_broker_request4)) {
+        serve_v4(c->fd, &in.req4);
         return true;
     }
     send_reply(c->fd, -EPROTO, 0, 0, -1, 0);
@@ -962,6 +993,8 @@ void vmm__broker_forget_after_fork(void)
 }
 
 void vmm__broker_set_idle(vmm__broker_idle_fn fn) { __atomic_store_n(&g_idle, fn, __ATOMIC_RELEASE); }
+
+void vmm__broker_set_control(vmm__broker_control_fn fn) { __atomic_store_n(&g_control, fn, __ATOMIC_RELEASE); }
 
 void vmm__broker_wake(void)
 {
