@@ -39,6 +39,7 @@
 #include "api/vmm_api.h"
 #include "backing/internal.h"
 #include "backing/sleep.h"
+#include "broker/broker.h"
 #include "broker/protocol.h"
 #include "core/log.h"
 #include "core/options.h"
@@ -552,3 +553,43 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
     }
     return 0;
 }
+
+/* ---- from outside the process (protocol v4, on the broker thread) ---- */
+
+static uint64_t mono_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* A peer with an import's rights asks to pause or resume.  The safety rule: only the program
+ * knows whether it will launch kernels on the memory meanwhile (one that does crashes), so it must
+ * opt in (VMMSHIM_REMOTE_PAUSE=1); without it a pause and a resume alike are refused and nothing
+ * is touched.  With it this is exactly an in-process vmm_pause (devices waited for first); the
+ * broker thread holds no lock and pins no segment here, so the pause's own waits cannot wait for
+ * it, and an in-process pause at the same time is serialized by vmm__S.lock. */
+static void remote_control(const vmm_broker_request4 *q, vmm_broker_reply4 *rep)
+{
+    if (!vmm__opt_bool(VMM__OPT_REMOTE_PAUSE)) {
+        rep->status = -EPERM;
+        snprintf(rep->why, sizeof rep->why, "pid %d does not accept remote pause: it must opt in with "
+                 "VMMSHIM_REMOTE_PAUSE=1 (a kernel touching paused memory would crash it)", (int)getpid());
+        return;
+    }
+    uint64_t t0 = mono_ns();
+    vmm__sleep_out o;
+    const char *tag = q->tag[0] ? q->tag : NULL;
+    int rc = q->op == VMM_BROKER_OP_PAUSE ? vmm__sleep_pause(tag, q->flags, &o, rep->why, sizeof rep->why)
+                                          : vmm__sleep_resume(tag, &o, rep->why, sizeof rep->why);
+    rep->status = rc;
+    if (rc == 0) rep->why[0] = 0;
+    rep->bytes_released = o.released;
+    rep->bytes_kept = o.kept;
+    rep->bytes_not_shim = o.not_shim;
+    rep->segments = o.segments;
+    rep->allocations = o.allocations;
+    rep->ns = mono_ns() - t0;
+}
+
+void vmm__sleep_serve_remote(void) { vmm__broker_set_control(remote_control); }

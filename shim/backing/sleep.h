@@ -25,6 +25,10 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
 /* 0, or: -ENODEV; -ENOENT; -EALREADY nothing of it is paused; -ENOMEM the device is full: nothing
  * changed, the memory stays paused with its contents, and a later resume may succeed; -EIO. */
 int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t len);
+/* Hands the broker the control function that serves pause and resume from outside the process
+ * (protocol v4), refused unless VMMSHIM_REMOTE_PAUSE=1.  An atomic store: called once, from the
+ * face's constructor (shim/hooks/pause.c), so that the allocation path gains nothing. */
+void vmm__sleep_serve_remote(void);
 /* vmm__S.lock held: a live allocation of a paused arena is being freed: its kept contents go. */
 void vmm__sleep_forget_locked(vmm__block *b);
 #endif

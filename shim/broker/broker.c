@@ -6,6 +6,7 @@
  * judged by SO_PEERCRED: the same uid as this process, or a member of VMMSHIM_BROKER_GROUP.
  * See README.md in this directory for the design and its threats. */
 #include "broker/broker.h"
+#include "broker/dir.h"
 
 #include "broker/protocol.h"
 #include "core/log.h"
@@ -36,7 +37,6 @@
 #define BROKER_IDLE_MS 60000 /* a connection without a request for this long is closed */
 #define BROKER_BACKLOG 64
 #define BROKER_MAX_GROUPS 1024
-#define BROKER_STALE_SCAN_MAX 4096 /* directory entries looked at when removing stale sockets */
 
 enum { ST_IDLE = 0, ST_STARTING = 1, ST_RUNNING = 2 };
 
@@ -53,7 +53,7 @@ static int g_batch_fds[BROKER_MAX_CONNS][VMM_BROKER_MAX_FDS];
 static int g_atexit_done;
 static int g_wake_fd = -1;                     /* eventfd: vmm__broker_wake has the thread run g_idle */
 static vmm__broker_idle_fn g_idle;
-static int g_warned_start;
+static vmm__broker_control_fn g_control;       /* v4 requests; NULL: answered -EOPNOTSUPP */
 
 /* Everything the thread needs, fixed before it starts. */
 typedef struct broker_cfg {
@@ -68,185 +68,6 @@ typedef struct broker_cfg {
 static broker_cfg g_cfg;
 
 /* ---- helpers ---- */
-
-/* A broker that cannot start is retried on later allocations: say why once. */
-#define warn_start(...)                                                                            \
-    do {                                                                                           \
-        if (!__atomic_exchange_n(&g_warned_start, 1, __ATOMIC_RELAXED))                            \
-            vmm__log(VMM__LOG_WARNING, __VA_ARGS__);                                               \
-    } while (0)
-
-/* A group named by number or by name; 0 = ok. */
-static int resolve_group(const char *name, gid_t *gid)
-{
-    char *end;
-    errno = 0;
-    unsigned long n = strtoul(name, &end, 10);
-    if (*name && *end == 0 && errno == 0 && n < (unsigned long)UINT32_MAX) {
-        *gid = (gid_t)n;
-        return 0;
-    }
-    struct group gr, *res = NULL;
-    char buf[4096];
-    if (getgrnam_r(name, &gr, buf, sizeof buf, &res) != 0 || !res) return -ENOENT;
-    *gid = res->gr_gid;
-    return 0;
-}
-
-/* The broker directory: the option, else $XDG_RUNTIME_DIR/vmmshim, else /tmp/vmmshim-<uid>. */
-static int choose_dir(char *dir, size_t len)
-{
-    const char *opt = vmm__opt_str(VMM__OPT_BROKER_DIR);
-    int n;
-    if (opt && *opt) {
-        n = snprintf(dir, len, "%s", opt);
-    } else {
-        const char *xdg = getenv("XDG_RUNTIME_DIR");
-        if (xdg && xdg[0] == '/' && access(xdg, W_OK | X_OK) == 0)
-            n = snprintf(dir, len, "%s/vmmshim", xdg);
-        else
-            n = snprintf(dir, len, "/tmp/vmmshim-%u", (unsigned)geteuid());
-    }
-    if (n < 0 || (size_t)n >= len) return -ENAMETOOLONG;
-    /* strip trailing slashes (but keep "/") */
-    while (n > 1 && dir[n - 1] == '/') dir[--n] = 0;
-    return 0;
-}
-
-/* chmod through an O_PATH descriptor: the very inode we checked, whatever happens to the name.
- * /proc/self/fd is the way (fchmod refuses O_PATH); without /proc, chmod the name and check
- * through the descriptor that it was this inode that changed. */
-static int chmod_opath(int pfd, const char *dir, mode_t mode)
-{
-    char link[64];
-    snprintf(link, sizeof link, "/proc/self/fd/%d", pfd);
-    if (chmod(link, mode) != 0) {
-        if (errno != ENOENT) return -errno;
-        if (chmod(dir, mode) != 0) return -errno;
-    }
-    struct stat st;
-    if (fstat(pfd, &st) != 0) return -errno;
-    return (st.st_mode & 07777) == mode ? 0 : -EAGAIN;
-}
-
-/* Create (or accept) the directory and open it.  Refuses a symlink, a non-directory, a
- * directory owned by another user, and one that others may write to.  Returns a directory fd
- * (readable when we may read it, else O_PATH: good for the *at calls either way). */
-static int open_dir(const char *dir, bool have_group, gid_t gid)
-{
-    mode_t want = have_group ? 0750 : 0700;
-    bool created = false;
-    char eb[96];
-    if (mkdir(dir, want) == 0) {
-        created = true;
-    } else if (errno != EEXIST) {
-        int e = errno;
-        warn_start("broker: cannot create directory %s: %s", dir, vmm__strerror(e, eb, sizeof eb));
-        return -e;
-    }
-    struct stat ls, st;
-    if (lstat(dir, &ls) != 0) {
-        int e = errno;
-        warn_start("broker: cannot stat directory %s: %s", dir, vmm__strerror(e, eb, sizeof eb));
-        return -e;
-    }
-    if (S_ISLNK(ls.st_mode) || !S_ISDIR(ls.st_mode)) {
-        warn_start("broker: %s %s; refusing it", dir, S_ISLNK(ls.st_mode) ? "is a symlink" : "is not a directory");
-        return -ENOTDIR;
-    }
-    /* O_PATH: needs no permission on the directory itself, which the umask may have left at
-     * 0000 for now. */
-    int pfd = open(dir, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (pfd < 0) {
-        int e = errno;
-        warn_start("broker: cannot open directory %s: %s", dir, vmm__strerror(e, eb, sizeof eb));
-        return -e;
-    }
-    /* the directory we opened must be the one we checked (no swap in between) */
-    if (fstat(pfd, &st) != 0 || st.st_dev != ls.st_dev || st.st_ino != ls.st_ino || !S_ISDIR(st.st_mode)) {
-        close(pfd);
-        warn_start("broker: directory %s changed while being opened; refusing it", dir);
-        return -EAGAIN;
-    }
-    if (st.st_uid != geteuid()) {
-        close(pfd);
-        warn_start("broker: directory %s is owned by uid %u, not by this user; refusing it", dir, (unsigned)st.st_uid);
-        return -EACCES;
-    }
-    if (st.st_mode & 0022) {
-        close(pfd);
-        warn_start("broker: directory %s has mode %03o (writable by others); refusing it", dir,
-                   (unsigned)(st.st_mode & 0777));
-        return -EACCES;
-    }
-    /* Ours: set group and mode explicitly (mkdir applied the umask); never call umask(). */
-    if (have_group && st.st_gid != gid && fchownat(pfd, "", (uid_t)-1, gid, AT_EMPTY_PATH) != 0) {
-        int e = errno;
-        close(pfd);
-        warn_start("broker: cannot give directory %s to the broker group: %s", dir, vmm__strerror(e, eb, sizeof eb));
-        return -e;
-    }
-    if ((created || have_group) && (st.st_mode & 07777) != want) {
-        int rc = chmod_opath(pfd, dir, want);
-        if (rc) {
-            close(pfd);
-            warn_start("broker: cannot chmod directory %s: %s", dir, vmm__strerror(-rc, eb, sizeof eb));
-            return rc;
-        }
-    }
-    int fd = openat(pfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return pfd; /* e.g. an existing 0300 directory: no stale-socket scan then */
-    close(pfd);
-    return fd;
-}
-
-/* Is there a listener on this socket?  A non-blocking connect answers at once. */
-static bool socket_has_listener(const char *path)
-{
-    struct sockaddr_un sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sun_family = AF_UNIX;
-    if (strlen(path) >= sizeof sa.sun_path) return true; /* cannot tell: keep it */
-    memcpy(sa.sun_path, path, strlen(path) + 1);
-    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (s < 0) return true;
-    int rc = connect(s, (struct sockaddr *)&sa, sizeof sa);
-    int e = errno;
-    close(s);
-    return rc == 0 || (e != ECONNREFUSED && e != ENOENT);
-}
-
-/* Best effort: remove "<pid>.sock" files whose pid is gone and nobody listens on. */
-static void remove_stale(int dirfd, const char *dir)
-{
-    int fd = dup(dirfd);
-    if (fd < 0) return;
-    DIR *d = fdopendir(fd);
-    if (!d) {
-        close(fd);
-        return;
-    }
-    pid_t self = getpid();
-    struct dirent *de;
-    for (int seen = 0; seen < BROKER_STALE_SCAN_MAX && (de = readdir(d)) != NULL; seen++) {
-        const char *n = de->d_name;
-        char *end;
-        if (n[0] < '1' || n[0] > '9') continue;
-        errno = 0;
-        unsigned long pid = strtoul(n, &end, 10);
-        if (errno || strcmp(end, ".sock") != 0 || pid > INT32_MAX || (pid_t)pid == self) continue;
-        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* alive (or not ours to judge) */
-        struct stat st;
-        if (fstatat(dirfd, n, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISSOCK(st.st_mode) || st.st_uid != geteuid())
-            continue;
-        /* The pid may be alive in another pid namespace sharing this directory: a listener says so. */
-        char full[PATH_MAX];
-        if (snprintf(full, sizeof full, "%s/%s", dir, n) >= (int)sizeof full) continue;
-        if (socket_has_listener(full)) continue;
-        (void)unlinkat(dirfd, n, 0);
-    }
-    closedir(d);
-}
 
 static void at_exit_unlink(void)
 {
@@ -663,6 +484,30 @@ static bool serve_v3(const broker_cfg *cfg, broker_conn *c, const uint8_t *raw, 
     return batch_pump(cfg, c, now);
 }
 
+/* v4: pause or resume, run here on the broker thread (every peer waits meanwhile, as for an
+ * export: the owner's memory is what they would import anyway).  The backing's control function
+ * decides; the broker checks only the form. */
+static void serve_v4(int sock, const vmm_broker_request4 *q)
+{
+    vmm_broker_reply4 rep;
+    memset(&rep, 0, sizeof rep);
+    vmm__broker_control_fn control = __atomic_load_n(&g_control, __ATOMIC_ACQUIRE);
+    if ((q->op != VMM_BROKER_OP_PAUSE && q->op != VMM_BROKER_OP_RESUME) ||
+        memchr(q->tag, 0, sizeof q->tag) == NULL) {
+        rep.status = -EINVAL;
+        snprintf(rep.why, sizeof rep.why, "malformed control request (op %u)", (unsigned)q->op);
+    } else if (!control) {
+        rep.status = -EOPNOTSUPP;
+        snprintf(rep.why, sizeof rep.why, "this broker pauses nothing (a keeper, or no memory of the shim's pools yet)");
+    } else
+        control(q, &rep);
+    rep.magic = VMM_BROKER_MAGIC;
+    rep.version = VMM_BROKER_VERSION4;
+    rep.op = q->op;
+    rep.why[sizeof rep.why - 1] = 0;
+    send_datagram(sock, &rep, sizeof rep, NULL, 0);
+}
+
 /* The longest datagram a peer may send: a full v3 batch. */
 #define BROKER_MAX_REQUEST (sizeof(vmm_broker_request3) + VMM_BROKER_MAX_ENTRIES * sizeof(vmm_broker_entry3))
 
@@ -673,7 +518,8 @@ static bool serve_request(const broker_cfg *cfg, broker_conn *c)
         vmm_broker_request req;
         vmm_broker_request2 req2;
         vmm_broker_request3 req3;
-        uint8_t raw[sizeof(vmm_broker_request2) + 64];
+        vmm_broker_request4 req4;
+        uint8_t raw[sizeof(vmm_broker_request4) + 64];
     } in;
     memset(&in, 0, sizeof in);
     /* MSG_TRUNC: the datagram's real length, so an oversized one is caught; any fds a peer
@@ -720,6 +566,11 @@ static bool serve_request(const broker_cfg *cfg, broker_conn *c)
     if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION2 &&
         (size_t)n == sizeof(vmm_broker_request2)) {
         serve_v2(cfg, c->fd, &in.req2);
+        return true;
+    }
+    if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION4 &&
+        (size_t)n == sizeof(vmm_broker_request4)) {
+        serve_v4(c->fd, &in.req4);
         return true;
     }
     send_reply(c->fd, -EPROTO, 0, 0, -1, 0);
@@ -828,19 +679,19 @@ static void *broker_thread(void *arg)
 static int start_locked(vmm__broker_export_fn export_fn)
 {
     char dir[PATH_MAX];
-    int rc = choose_dir(dir, sizeof dir);
+    int rc = vmm__broker_choose_dir(dir, sizeof dir);
     if (rc) {
-        warn_start("broker: directory name too long");
+        vmm__broker_warn_start("broker: directory name too long");
         return rc;
     }
     const char *gname = vmm__opt_str(VMM__OPT_BROKER_GROUP);
     bool have_group = gname && *gname;
     gid_t gid = 0;
-    if (have_group && resolve_group(gname, &gid) != 0) {
-        warn_start("broker: VMMSHIM_BROKER_GROUP '%s' does not exist; broker not started", gname);
+    if (have_group && vmm__broker_resolve_group(gname, &gid) != 0) {
+        vmm__broker_warn_start("broker: VMMSHIM_BROKER_GROUP '%s' does not exist; broker not started", gname);
         return -EINVAL;
     }
-    int dirfd = open_dir(dir, have_group, gid);
+    int dirfd = vmm__broker_open_dir(dir, have_group, gid);
     if (dirfd < 0) return dirfd;
 
     pid_t pid = getpid();
@@ -848,10 +699,10 @@ static int start_locked(vmm__broker_export_fn export_fn)
     snprintf(name, sizeof name, "%d.sock", (int)pid);
     if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path) {
         close(dirfd);
-        warn_start("broker: socket path %s/%s is too long for a Unix socket", dir, name);
+        vmm__broker_warn_start("broker: socket path %s/%s is too long for a Unix socket", dir, name);
         return -ENAMETOOLONG;
     }
-    remove_stale(dirfd, dir);
+    vmm__broker_remove_stale(dirfd, dir);
     (void)unlinkat(dirfd, name, 0); /* ours from before an exec, or a dead namesake's */
 
     int lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -909,7 +760,7 @@ fail_dir:
     close(dirfd);
     {
         char eb[96];
-        warn_start("broker: cannot listen on %s: %s", path, vmm__strerror(-rc, eb, sizeof eb));
+        vmm__broker_warn_start("broker: cannot listen on %s: %s", path, vmm__strerror(-rc, eb, sizeof eb));
     }
     return rc;
 }
@@ -957,11 +808,13 @@ void vmm__broker_forget_after_fork(void)
     }
     g_path[0] = 0;
     g_owner_pid = 0;
-    __atomic_store_n(&g_warned_start, 0, __ATOMIC_RELAXED);
+    vmm__broker_warn_again();
     __atomic_store_n(&g_state, ST_IDLE, __ATOMIC_RELEASE);
 }
 
 void vmm__broker_set_idle(vmm__broker_idle_fn fn) { __atomic_store_n(&g_idle, fn, __ATOMIC_RELEASE); }
+
+void vmm__broker_set_control(vmm__broker_control_fn fn) { __atomic_store_n(&g_control, fn, __ATOMIC_RELEASE); }
 
 void vmm__broker_wake(void)
 {

@@ -31,6 +31,15 @@ void vmm__broker_forget_after_fork(void);
  * starts or at any time (atomic). */
 typedef int (*vmm__broker_idle_fn)(vmm__broker_export_fn export_fn);
 void vmm__broker_set_idle(vmm__broker_idle_fn fn);
+/* Control requests (protocol v4: pause or resume the owner's memory from outside), run on the
+ * broker thread itself, one at a time like every request: fills rep's status, report fields and
+ * why (magic, version and op are the broker's).  Supplied by the shim's backing
+ * (shim/backing/sleep.c), which decides whether the process accepts them; a broker without one (a
+ * keeper's) answers -EOPNOTSUPP.  Set at any time (atomic). */
+struct vmm_broker_request4;
+struct vmm_broker_reply4;
+typedef void (*vmm__broker_control_fn)(const struct vmm_broker_request4 *q, struct vmm_broker_reply4 *rep);
+void vmm__broker_set_control(vmm__broker_control_fn fn);
 /* Has the broker thread call its idle function soon (an eventfd write; nothing while no broker runs). */
 void vmm__broker_wake(void);
 #endif

@@ -4,7 +4,7 @@
  * peer reconnects when its next request finds the connection closed.  Little-endian fixed-width
  * fields; a reader in any language can speak it.
  *
- * Three request versions, told apart by `version` and the datagram's exact length:
+ * Four request versions, told apart by `version` and the datagram's exact length:
  *
  *   v1 (vmm_broker_request, 40 bytes): one handle.  The reply is a vmm_broker_reply (24 bytes)
  *   with one fd.  An allocation made of several handles (registry MULTI-HANDLE records) cannot be
@@ -46,10 +46,25 @@
  *   A broker that predates the flag refuses such a request (-EINVAL, entry = n_entries, the
  *   connection kept); the peer asks again without it.
  *
+ *   v4 (vmm_broker_request4, 80 bytes): control, not memory: pause or resume the owner's memory
+ *   (vmm_pause / vmm_resume from outside the process).  `op` is VMM_BROKER_OP_PAUSE or
+ *   VMM_BROKER_OP_RESUME, `flags` VMM_PAUSE_DISCARD | VMM_PAUSE_FILE for a pause (0 for a resume),
+ *   `tag` NUL-padded (all zero: the whole process).  The reply is a vmm_broker_reply4 (256 bytes,
+ *   no fd): status, the op echoed, the vmm_sleep_report's six fields and a one-line
+ *   `why` when status != 0.  The peer's rights are an import's (checked at connect).  Besides the
+ *   vmm_pause statuses (-ENOENT, -EALREADY, -EBUSY, -ENOMEM, -EIO), -EPERM: the owner did not opt
+ *   in (VMMSHIM_REMOTE_PAUSE=1), since a program that launches kernels while its memory goes
+ *   away crashes; -EOPNOTSUPP: this broker serves no control (a keeper; an owner that allocated
+ *   nothing from the shim's pools yet); -EINVAL: unknown op or flags, or a tag not NUL-terminated.
+ *   The broker thread runs the pause itself (the device waited for first), so the reply may take
+ *   as long as the copy (seconds for GBs) and other peers wait meanwhile.  A broker that
+ *   predates v4 answers -EPROTO (v1 form) and closes the connection: the client says the owner's
+ *   shim is too old for a remote pause; there is nothing to fall back to.
+ *
  * An error reply to a v2 request is a vmm_broker_reply2 as well, and to a v3 request a
  * vmm_broker_reply3, except for requests the broker cannot read (wrong length, magic or version:
  * -EPROTO) and refused peers (-EACCES): those get a vmm_broker_reply, whatever was sent, since the
- * broker cannot tell what its peer speaks.  magic and status sit at the same offsets in all three,
+ * broker cannot tell what its peer speaks.  magic and status sit at the same offsets in all four,
  * so a peer reads them first.  A broker that predates v2 answers a v2 request with -EPROTO. */
 #ifndef VMM_BROKER_PROTOCOL_H
 #define VMM_BROKER_PROTOCOL_H
@@ -61,6 +76,11 @@
 #define VMM_BROKER_VERSION 1u        /* vmm_broker_request: one handle */
 #define VMM_BROKER_VERSION2 2u       /* vmm_broker_request2: a run of handles */
 #define VMM_BROKER_VERSION3 3u       /* vmm_broker_request3: a batch of runs, a stream of replies */
+#define VMM_BROKER_VERSION4 4u       /* vmm_broker_request4: pause or resume, one vmm_broker_reply4 */
+#define VMM_BROKER_OP_PAUSE 1u       /* vmm_broker_request4.op */
+#define VMM_BROKER_OP_RESUME 2u
+#define VMM_BROKER_TAG_LEN 64u       /* vmm_broker_request4.tag: a tag and its NUL (a shim's tag has 32) */
+#define VMM_BROKER_WHY_LEN 192u      /* vmm_broker_reply4.why: one line, NUL-terminated */
 /* fds in one v2 or v3 reply: 64 ints of SCM_RIGHTS stay far under the kernel's 253 per message */
 #define VMM_BROKER_MAX_FDS 64u
 /* A reply's status when the owner paused the allocation's memory (vmm_pause): no handle exists
@@ -147,6 +167,23 @@ typedef struct vmm_broker_reply3 {
     vmm_broker_fd3 fds[VMM_BROKER_MAX_FDS];
 } vmm_broker_reply3; /* 1568 */
 
+typedef struct vmm_broker_request4 {
+    uint32_t magic;
+    uint32_t version;     /* VMM_BROKER_VERSION4 */
+    uint32_t op;          /* VMM_BROKER_OP_PAUSE or VMM_BROKER_OP_RESUME */
+    uint32_t flags;       /* pause: VMM_PAUSE_DISCARD | VMM_PAUSE_FILE (api/vmm_api.h); resume: 0 */
+    char tag[VMM_BROKER_TAG_LEN]; /* NUL-padded; "" the whole process */
+} vmm_broker_request4; /* 80 */
+
+typedef struct vmm_broker_reply4 {
+    uint32_t magic;
+    int32_t status;       /* 0, or -EPERM (no opt-in), -EOPNOTSUPP, -ENOENT, -EALREADY, -EBUSY, -ENOMEM, -EIO, -EINVAL */
+    uint32_t version;     /* VMM_BROKER_VERSION4 */
+    uint32_t op;          /* the request's op */
+    uint64_t bytes_released, bytes_kept, bytes_not_shim, ns, segments, allocations; /* vmm_sleep_report's */
+    char why[VMM_BROKER_WHY_LEN]; /* with status != 0: the owner's one line, NUL-terminated */
+} vmm_broker_reply4; /* 256 */
+
 _Static_assert(sizeof(vmm_broker_request) == 40, "request size");
 _Static_assert(offsetof(vmm_broker_request, slot) == 8, "request.slot");
 _Static_assert(offsetof(vmm_broker_request, generation) == 16, "request.generation");
@@ -192,4 +229,17 @@ _Static_assert(offsetof(vmm_broker_reply3, n_here) == 20, "reply3.n_here");
 _Static_assert(offsetof(vmm_broker_reply3, export_ns) == 24, "reply3.export_ns");
 _Static_assert(offsetof(vmm_broker_reply3, seq) == 28, "reply3.seq");
 _Static_assert(offsetof(vmm_broker_reply3, fds) == 32, "reply3.fds");
+
+_Static_assert(sizeof(vmm_broker_request4) == 80, "request4 size");
+_Static_assert(offsetof(vmm_broker_request4, version) == 4, "request4.version");
+_Static_assert(offsetof(vmm_broker_request4, op) == 8, "request4.op");
+_Static_assert(offsetof(vmm_broker_request4, flags) == 12, "request4.flags");
+_Static_assert(offsetof(vmm_broker_request4, tag) == 16, "request4.tag");
+_Static_assert(sizeof(vmm_broker_reply4) == 256, "reply4 size");
+_Static_assert(offsetof(vmm_broker_reply4, status) == 4, "reply4.status");
+_Static_assert(offsetof(vmm_broker_reply4, version) == 8, "reply4.version");
+_Static_assert(offsetof(vmm_broker_reply4, op) == 12, "reply4.op");
+_Static_assert(offsetof(vmm_broker_reply4, bytes_released) == 16, "reply4.bytes_released");
+_Static_assert(offsetof(vmm_broker_reply4, allocations) == 56, "reply4.allocations");
+_Static_assert(offsetof(vmm_broker_reply4, why) == 64, "reply4.why");
 #endif

@@ -122,6 +122,10 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
     OPT(PAUSE_DIR, T_STRING, "", 0, 0, NULL, check_abs_path,
         "Directory of the unlinked file `vmm_pause(tag, VMM_PAUSE_FILE)` keeps paused contents in; empty means "
         "`$TMPDIR` or `/tmp`."),
+    OPT(REMOTE_PAUSE, T_BOOL, "0", 0, 0, NULL, NULL,
+        "Lets another process of the broker's users pause and resume this process's memory through its broker "
+        "(`vmmctl pause PID`, `vmm_pause_process`); the device is waited for first. Set it only when the "
+        "program launches no kernel on that memory while paused: a kernel touching it crashes the program."),
 };
 
 typedef struct {

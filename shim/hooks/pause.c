@@ -1,5 +1,6 @@
 /* Sleep and wake, the owner side (vmmshim.h: vmm_pause, vmm_resume, their _ex forms and
- * vmm_sleep_error), exported by the shim beside vmm_publish.  Forwarding only: the mechanism is
+ * vmm_sleep_error), exported by the shim beside vmm_publish, and the hand-over of the control
+ * function that serves them from outside (below).  Forwarding only: the mechanism is
  * shim/backing/sleep.c's.  The client library defines the same names, answering VMM_ERR_NO_SHIM;
  * a preloaded shim's come first in symbol lookup. */
 #include <errno.h>
@@ -74,3 +75,9 @@ VMM_HOOK vmm_status vmm_pause(const char *tag, unsigned flags) { return vmm_paus
 VMM_HOOK vmm_status vmm_resume(const char *tag) { return vmm_resume_ex(tag, NULL, 0); }
 
 VMM_HOOK const char *vmm_sleep_error(void) { return last_error; }
+
+/* Pause and resume from outside (vmmctl pause, vmm_pause_process) come through the broker, which
+ * needs the backing's control function before its first request.  A constructor sets it (one
+ * atomic store, no CUDA call, nothing read), so the allocation path gains no check for it;
+ * whether the process accepts such requests is decided when one comes (VMMSHIM_REMOTE_PAUSE). */
+__attribute__((constructor)) static void serve_remote(void) { vmm__sleep_serve_remote(); }

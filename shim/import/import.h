@@ -59,6 +59,11 @@ int vmm__scan_claims(const vmm__reg *r, vmm__claim_fn fn, void *ctx);
 int vmm__read_claimed_proc(const vmm__reg *r, uint32_t index, uint64_t claim, vmm_reg_proc *p, uint32_t *pid,
                            int *alive, vmm__reg_wait *wait);
 
+/* vmm_pause_process / vmm_resume_process (control.c): op VMM_BROKER_OP_PAUSE or _RESUME, sent to
+ * pid's broker (protocol v4); the owner's report in the first report_size bytes of *report. */
+vmm_status vmm__remote_sleep(vmm_registry *reg, uint32_t pid, uint32_t op, const char *tag, unsigned flags,
+                             vmm_sleep_report *report, size_t report_size);
+
 /* vmm_foreach_alloc, vmm_foreach_proc, vmm_find_proc, vmm_find without their argument checks. */
 vmm_status vmm__foreach_alloc(vmm_registry *reg, vmm_alloc_fn fn, void *ctx);
 vmm_status vmm__foreach_proc(vmm_registry *reg, vmm_proc_fn fn, void *ctx);

@@ -168,6 +168,13 @@ static __thread int t_depth;
 
 static char g_dummy_graph;
 
+/* Copies done, released after each: a device synchronization (cuCtxSynchronize) acquires it, so
+ * that a copy one thread made is ordered before what another thread does after synchronizing, as
+ * on a real device.  Without it ThreadSanitizer sees a race wherever the order came through
+ * another process (the owner's thread writes, a companion asks over a socket, the shim's broker
+ * thread synchronizes and reads: vmmctl pause). */
+static unsigned long long g_copies_done;
+
 #define LOCK() pthread_mutex_lock(&g_mu)
 #define UNLOCK() pthread_mutex_unlock(&g_mu)
 #define CNT_ADD(f, n) __atomic_add_fetch(&g_cnt.f, (unsigned long long)(n), __ATOMIC_RELAXED)
@@ -1041,6 +1048,7 @@ FC_API CUresult cuCtxSynchronize(void)
 {
     FC_ENTER("cuCtxSynchronize");
     if (!ctx_of(cur_ctx())) return CUDA_ERROR_INVALID_CONTEXT;
+    (void)__atomic_load_n(&g_copies_done, __ATOMIC_ACQUIRE); /* every copy done so far is ordered before */
     LOCK();
     unsigned long long t = g_legacy_stream.busy_until;
     if (g_ptds_stream.busy_until > t) t = g_ptds_stream.busy_until;
@@ -2136,6 +2144,7 @@ static CUresult copy_bytes(void *dst, const void *src, size_t n)
     if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
     if (!copy_allowed(dst, n) || !copy_allowed(src, n)) return CUDA_ERROR_INVALID_VALUE;
     memmove(dst, src, n);
+    __atomic_fetch_add(&g_copies_done, 1, __ATOMIC_RELEASE);
     return CUDA_SUCCESS;
 }
 

@@ -20,6 +20,7 @@
  * naming a handle again (the same slot twice, or two slots that share those bits) must name it
  * as a repeat, with no fd. */
 #include "../../shim/broker/broker.c"
+#include "../../shim/broker/dir.c"
 
 #include <stdint.h>
 #include <stdlib.h>

@@ -7,6 +7,7 @@
  * with the emulated driver device pointers are host addresses.  Cases needing a second uid run
  * only as root (as CI does). */
 #include "../../shim/broker/broker.c" /* test equipment: the broker's statics stay reachable */
+#include "../../shim/broker/dir.c"
 
 #include "check.h"
 #include "registry/registry.h"

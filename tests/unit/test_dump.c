@@ -18,6 +18,7 @@
  * between listing and importing; a dead owner; the owner SIGKILLed mid-dump (post-mortem);
  * watch's JSON ticks with deltas, its table on a terminal, SIGTERM. */
 #include "../../shim/broker/broker.c" /* test equipment: a real broker in the forked owner */
+#include "../../shim/broker/dir.c"
 
 #include "../fakecuda/fakecuda.h"
 #include "check.h"

@@ -14,6 +14,7 @@
  * shim as `test_import_chunks ipc ...`), and a third allocation the owner placed where a held one
  * was freed. */
 #include "../../shim/broker/broker.c" /* test equipment: a real broker in the owner */
+#include "../../shim/broker/dir.c"
 
 #include "../fakecuda/fakecuda.h"
 #include "backing/ipc.h"

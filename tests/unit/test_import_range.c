@@ -16,6 +16,7 @@
  * owner releasing and unmapping a page while it is imported here; threads; `vmmctl import-test`
  * over several pages; a dead owner. */
 #include "../../shim/broker/broker.c" /* test equipment: a real broker in the owner */
+#include "../../shim/broker/dir.c"
 
 #include "../fakecuda/fakecuda.h"
 #include "check.h"

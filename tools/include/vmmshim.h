@@ -328,6 +328,25 @@ vmm_status vmm_import_copy(const vmm_imported *imp, uint64_t offset, uint64_t le
  * *report (vmm_sleep_report; NULL or 0: nothing).  The functions and types are declared above, with
  * the shim's part of the API. */
 
+/* ---- Sleep and wake from outside (companion side) -------------------------------------------
+ * vmm_pause_process / vmm_resume_process ask process pid's broker (the one its registry record
+ * names) to do vmm_pause_ex(tag, flags) / vmm_resume_ex(tag) there, with an import's rights (the
+ * owner's uid, or its VMMSHIM_BROKER_GROUP).  The owner must have opted in with
+ * VMMSHIM_REMOTE_PAUSE=1, for a pause and a resume alike: a program that launches a kernel on
+ * memory paused under it crashes, and only the program knows when it is idle.  Without it:
+ * VMM_ERR_ACCESS ("pid N does not accept remote pause: ..."), nothing touched.  With it the owner
+ * waits for its devices, then does exactly what its own vmm_pause would, and the call returns once
+ * it is done (seconds for GBs; up to 10 min is waited).  tag NULL or "": the whole process.  The
+ * results are vmm_pause's (VMM_ERR_STATE, _NOT_FOUND, _BUSY, _NOMEM, _IO, _INVALID), and:
+ * VMM_ERR_NOT_FOUND (pid not in the registry, or no broker yet), VMM_ERR_OWNER_DEAD,
+ * VMM_ERR_NO_SHIM (the socket's server pauses nothing: a keeper), VMM_ERR_VERSION (the owner's
+ * shim predates remote pause).  The owner's report (its time, ns, is the owner's) goes into the
+ * first report_size bytes of *report; the reason into vmm_last_error(). */
+vmm_status vmm_pause_process(vmm_registry *reg, uint32_t pid, const char *tag, unsigned flags,
+                             vmm_sleep_report *report, size_t report_size);
+vmm_status vmm_resume_process(vmm_registry *reg, uint32_t pid, const char *tag, vmm_sleep_report *report,
+                              size_t report_size);
+
 /* COMPANION SIDE: the names a living owner publishes now, each checked against the live
  * allocation it lies in (a name whose allocation was freed, or whose owner died, is never
  * given).  Import them with vmm_import_many (address, nbytes). */

@@ -60,6 +60,13 @@ static const char usage_text[] =
     "                 (letting go of everything) on SIGINT/SIGTERM, or when nothing is left\n"
     "                 to keep.  A process kept by another keeper is refused\n"
     "  release PID    ask the keeper of PID to let go of it, and wait until it has\n"
+    "  pause PID [--tag T] [--discard | --to-file]\n"
+    "                 have PID give its memory (--tag: tag T's) back to the device, as its own\n"
+    "                 vmm_pause would: contents kept in its host memory (--to-file: an unlinked\n"
+    "                 file; --discard: not kept); PID must run with VMMSHIM_REMOTE_PAUSE=1,\n"
+    "                 else it refuses.  One line: what was released and kept, and how long\n"
+    "  resume PID [--tag T]\n"
+    "                 map PID's paused memory again at the same addresses, contents restored\n"
     "  config         every VMMSHIM_* option: its value and where it came from\n"
     "\n"
     "options:\n"
@@ -100,6 +107,8 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "watch") == 0) return vmm__ctl_cmd_watch(n, rest);
     if (strcmp(cmd, "keep") == 0) return vmm__ctl_cmd_keep(n, rest);
     if (strcmp(cmd, "release") == 0) return vmm__ctl_cmd_release(n, rest);
+    if (strcmp(cmd, "pause") == 0) return vmm__ctl_cmd_pause(n, rest);
+    if (strcmp(cmd, "resume") == 0) return vmm__ctl_cmd_resume(n, rest);
     if (strcmp(cmd, "help") == 0) {
         fputs(usage_text, stdout);
         return EXIT_OK;

@@ -23,4 +23,7 @@ int vmm__ctl_cmd_watch(int argc, char **argv);
 /* keep.c: vmmctl keep (a keeper, shim/registry/layout.h KEEP) and vmmctl release. */
 int vmm__ctl_cmd_keep(int argc, char **argv);
 int vmm__ctl_cmd_release(int argc, char **argv);
+/* sleep.c: vmmctl pause and resume (vmm_pause_process, vmm_resume_process). */
+int vmm__ctl_cmd_pause(int argc, char **argv);
+int vmm__ctl_cmd_resume(int argc, char **argv);
 #endif

@@ -31,7 +31,7 @@ from . import _dlpack, _dtypes, _lib
 from ._errors import (BY_STATUS, Access, Busy, Corrupt, CudaError, Error, InvalidArgument, IOFailure, LibraryNotFound,
                       NotFound, NotUnderShim, OutOfMemory, OwnerDead, Paused, Stale, VersionMismatch, WrongState)
 from ._owner import publish, publish_many, unpublish
-from ._sleep import SleepReport, pause, region, resume, set_thread_tag, thread_tag
+from ._sleep import pause, region, resume, set_thread_tag, thread_tag
 from ._torch import to_torch
 from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_PAUSED, ALLOC_SHARED_CHUNK, KIND_BROKER,
                    KIND_FABRIC, KIND_PIDFD, OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, OWNER_UNKNOWN)
@@ -138,6 +138,25 @@ class Process:
         return f"<vmmshim.Process pid {self.pid} {self.state} {self.n_allocs} allocations {self.cmdline!r}>"
 
 
+class SleepReport:
+    """What a pause or resume of another process did (Registry.pause, Registry.resume; the
+    owner's vmm_sleep_report): bytes_released (pause: given back to the device; resume: mapped
+    again), bytes_kept (copied out, or back), bytes_not_shim (its device memory the shim does not
+    own, left there), segments, allocations, and seconds (the owner's time)."""
+
+    def __init__(self, r):
+        self.bytes_released = r.bytes_released
+        self.bytes_kept = r.bytes_kept
+        self.bytes_not_shim = r.bytes_not_shim
+        self.segments = r.segments
+        self.allocations = r.allocations
+        self.seconds = r.ns / 1e9
+
+    def __repr__(self):
+        return (f"<vmmshim.SleepReport released {self.bytes_released} kept {self.bytes_kept} bytes, "
+                f"{self.allocations} allocations, {self.seconds * 1e3:.1f} ms>")
+
+
 class Tensor:
     """A tensor another process publishes by name (Registry.tensors): name, pid, address (the
     owner's pointer to its first element), nbytes (the bytes it spans from there), dtype (its
@@ -229,6 +248,30 @@ class Registry:
         info = _lib.ProcInfo()
         _check(_lib.lib().vmm_find_proc(self._h(), pid, ctypes.byref(info)))
         return Process(info)
+
+    def pause(self, pid, tag=None, keep=True, to_file=False):
+        """Have process pid give its memory (tag: only that tag's) back to the device, as its own
+        vmm_pause would, through its broker: contents kept in its host memory (to_file: an unlinked
+        file in its VMMSHIM_PAUSE_DIR; keep=False: discarded).  The owner must run with
+        VMMSHIM_REMOTE_PAUSE=1, else Access.  Returns a SleepReport once the memory is released;
+        WrongState when some of it is paused already, NotFound for a tag it has no memory of,
+        OwnerDead, NotFound for a pid not in this registry."""
+        if not keep and to_file:
+            raise InvalidArgument("vmmshim: pause: keep=False discards; to_file keeps in a file", _lib.INVALID)
+        flags = (0 if keep else _lib.PAUSE_DISCARD) | (_lib.PAUSE_FILE if to_file else 0)
+        r = _lib.SleepReport()
+        _check(_lib.lib().vmm_pause_process(self._h(), pid, tag.encode() if tag else None, flags, ctypes.byref(r),
+                                            ctypes.sizeof(r)))
+        return SleepReport(r)
+
+    def resume(self, pid, tag=None):
+        """Map process pid's paused memory (tag: that tag's) again at the same addresses, the kept
+        contents copied back (Registry.pause's rules).  Returns a SleepReport; WrongState when
+        nothing is paused."""
+        r = _lib.SleepReport()
+        _check(_lib.lib().vmm_resume_process(self._h(), pid, tag.encode() if tag else None, ctypes.byref(r),
+                                             ctypes.sizeof(r)))
+        return SleepReport(r)
 
     def keeper_of(self, pid):
         """The pid of the keeper (vmmctl keep) that keeps process pid, or None when nobody does.

@@ -136,6 +136,15 @@ class TensorDesc(ctypes.Structure):
     ]
 
 
+class SleepReport(ctypes.Structure):
+    """vmm_sleep_report."""
+    _fields_ = [(name, c_u64) for name in (
+        "bytes_released", "bytes_kept", "bytes_not_shim", "ns", "segments", "allocations")]
+
+
+PAUSE_DISCARD, PAUSE_FILE = 1, 2  # VMM_PAUSE_*
+
+
 class ManyTiming(ctypes.Structure):
     """vmm_import_many_timing."""
     _fields_ = [(name, c_u64) for name in (
@@ -185,6 +194,9 @@ _PROTOTYPES = {
     "vmm_import_check": (c_int, [_P, _P]),
     "vmm_list_tensors": (c_int, [_P, c_u32, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
     "vmm_keeper_of": (c_int, [_P, c_u32, ctypes.POINTER(KeeperInfo)]),
+    "vmm_pause_process": (c_int, [_P, c_u32, ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(SleepReport),
+                                  ctypes.c_size_t]),
+    "vmm_resume_process": (c_int, [_P, c_u32, ctypes.c_char_p, ctypes.POINTER(SleepReport), ctypes.c_size_t]),
 }
 
 # a source tree's build (this package run from tools/python)

@@ -78,23 +78,6 @@ def region(tag):
         set_thread_tag(was)
 
 
-class SleepReport(ctypes.Structure):
-    """What one pause or resume did (vmm_sleep_report): bytes_released (pause: given back to the
-    device; resume: mapped again), bytes_kept (copied out or back), bytes_not_shim (this process's
-    device memory the shim does not own, left on the device), ns, segments, allocations."""
-    _fields_ = [("bytes_released", ctypes.c_uint64), ("bytes_kept", ctypes.c_uint64),
-                ("bytes_not_shim", ctypes.c_uint64), ("ns", ctypes.c_uint64), ("segments", ctypes.c_uint64),
-                ("allocations", ctypes.c_uint64)]
-
-    @property
-    def seconds(self):
-        return self.ns / 1e9
-
-    def __repr__(self):
-        return (f"<SleepReport released {self.bytes_released} kept {self.bytes_kept} not_shim {self.bytes_not_shim} "
-                f"in {self.ns / 1e6:.3f} ms, {self.allocations} allocations, {self.segments} segments>")
-
-
 _sleep_fns = None
 
 PAUSE_DISCARD, PAUSE_FILE = 1, 2
@@ -110,7 +93,7 @@ def _sleep_functions():
             except (OSError, AttributeError):
                 raise NotUnderShim("vmmshim: not running under the shim: start the program with `vmmshim run --` "
                                    "or LD_PRELOAD=/path/to/libvmmshim.so", _lib.NO_SHIM) from None
-            report = ctypes.POINTER(SleepReport)
+            report = ctypes.POINTER(_lib.SleepReport)
             fns[0].restype, fns[0].argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_uint, report, ctypes.c_size_t]
             fns[1].restype, fns[1].argtypes = ctypes.c_int, [ctypes.c_char_p, report, ctypes.c_size_t]
             fns[2].restype, fns[2].argtypes = ctypes.c_char_p, []
@@ -136,15 +119,17 @@ def pause(tag=None, keep=True, to_file=False):
     shim's one-line reason, e.g. when it is paused already."""
     p, _, error = _sleep_functions()
     flags = (0 if keep else PAUSE_DISCARD) | (PAUSE_FILE if keep and to_file else 0)
-    r = SleepReport()
+    r = _lib.SleepReport()
     _sleep_check(p(tag.encode() if tag else None, flags, ctypes.byref(r), ctypes.sizeof(r)), error, "vmmshim.pause")
-    return r
+    from . import SleepReport
+    return SleepReport(r)
 
 
 def resume(tag=None):
     """Fresh device memory at exactly the old addresses, with the same access, and the kept contents
     copied back; raises with the shim's reason (the device full: nothing is lost, resume again later)."""
     _, r_, error = _sleep_functions()
-    r = SleepReport()
+    r = _lib.SleepReport()
     _sleep_check(r_(tag.encode() if tag else None, ctypes.byref(r), ctypes.sizeof(r)), error, "vmmshim.resume")
-    return r
+    from . import SleepReport
+    return SleepReport(r)
