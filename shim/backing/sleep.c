@@ -415,7 +415,9 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
     out->not_shim = not_shim_locked();
     pthread_mutex_unlock(&vmm__S.lock);
     /* a keeper holding these segments lets go of them now (one relaxed load when nobody keeps us) */
-    if (out->segments && vmm__S.registry_ok) vmm__keep_ring(&vmm__S.reg, 0);
+    /* a keeper holding these segments lets go of them before the call returns (at most
+     * VMM__KEEP_LET_GO_MS; one relaxed load when nobody keeps us) */
+    if (out->segments && vmm__S.registry_ok) vmm__keep_ring(&vmm__S.reg, VMM__KEEP_LET_GO_MS);
     return rc;
 }
 
@@ -547,6 +549,8 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
     stage_put(&st);
     out->not_shim = not_shim_locked();
     pthread_mutex_unlock(&vmm__S.lock);
+    /* a keeper takes the new chunks at once: the records changed without a publish it would see */
+    if (out->segments && vmm__S.registry_ok) vmm__keep_ring(&vmm__S.reg, 0);
     if (lost) {
         vmm__log(VMM__LOG_ERROR, "vmm_resume: copying the kept contents of %d allocations back failed; their bytes are undefined", lost);
         return say(why, len, -EIO, "copying the kept contents of %d allocations back failed", lost);

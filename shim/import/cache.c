@@ -277,13 +277,16 @@ static vmm_status unmap_list(chunk *list)
     return st;
 }
 
-/* Lock held.  The idle chunk's owner still holds it, as far as the registry tells. */
+/* Lock held.  The idle chunk's owner still holds it, as far as the registry tells.  A paused
+ * witness (vmm_pause) does not: the owner released its handle, and an idle mapping here would be
+ * all that keeps the memory from the device; nor one resumed since (its chunk has a new id). */
 static bool witness_live_locked(const chunk *c)
 {
     if (!c->reg || vmm__owner_exited(c->owner)) return false;
     vmm_alloc_info now;
     return vmm__read_slot(c->reg, c->witness_slot, &now) == VMM_OK &&
-           now.generation == c->witness_generation && memcmp(now.alloc_id, c->witness_id, sizeof now.alloc_id) == 0;
+           now.generation == c->witness_generation && memcmp(now.alloc_id, c->witness_id, sizeof now.alloc_id) == 0 &&
+           !(now.flags & VMM_ALLOC_PAUSED) && now.chunk_id == (c->key.by_slot ? c->key.first : c->key.id);
 }
 
 /* Drop one reference.  The last one leaves the mapping idle while its owner holds the chunk,

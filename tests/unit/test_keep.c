@@ -574,6 +574,45 @@ static void t_churn(void)
     }
 }
 
+/* A paused owner's memory leaves the device although a keeper held it: the pause rings the
+ * keeper, which lets go of paused records before the pause returns (else its fds would be all that
+ * keeps the released handles alive); at resume it takes the new chunks again. */
+static void t_pause(void)
+{
+    owner o;
+    if (!owner_start(&o, "spans", NULL)) {
+        CHECK(false, "cannot start the owner");
+        return;
+    }
+    char pid[16], answer[256];
+    pid_str(o.pid, pid);
+    uint64_t a;
+    int i0 = alloc_fill(&o, 'a', 6 * MIB, 31, &a), i1 = alloc_fill(&o, 'a', 3 * MIB, 32, &a);
+    keeper k;
+    KEEPER(&k, "pause", pid, "--settle", "0");
+    CHECK(i0 >= 0 && i1 >= 0 && keeper_says(&k, "holding 2 allocations in", 1, 5000), "the keeper holds both");
+    inodes kh;
+    memfds(k.pid, &kh);
+    CHECK(kh.n >= 2, "the keeper holds the chunks (%d memfds)", kh.n);
+    CHECK(cmd(&o, answer, "P 0") && !strncmp(answer, "ok ", 3), "pause: %s", answer);
+    memfds(k.pid, &kh);
+    inodes oh;
+    memfds_mapped(o.pid, &oh);
+    CHECK(kh.n == 0 && oh.n == 0, "paused: the keeper holds %d memfds and the owner %d (the memory would stay alive)", kh.n,
+          oh.n);
+    CHECK(cmd(&o, answer, "R") && !strncmp(answer, "ok ", 3), "resume: %s", answer);
+    CHECK(cmd(&o, answer, "v %d 31", i0) && cmd(&o, answer, "v %d 32", i1), "the bytes came back: %s", answer);
+    long ms = -1;
+    for (unsigned waited = 0; waited < 5000 && ms < 0; waited += 20) {
+        memfds(k.pid, &kh);
+        if (kh.n >= 2) ms = waited;
+        else sleep_ms(20);
+    }
+    CHECK(ms >= 0, "the keeper holds the resumed chunks again (%d memfds)", kh.n);
+    owner_quit(&o);
+    CHECK(keeper_wait(&k, 5000) == 0, "the keeper stops");
+}
+
 /* The owner's out-of-memory path rings its keeper and waits for its answer. */
 static void t_oom_handshake(void)
 {
@@ -945,7 +984,7 @@ int main(void)
         const char *name;
         void (*fn)(void);
     } cases[] = {{"killed", t_killed},     {"churn", t_churn},   {"oom_handshake", t_oom_handshake},
-                 {"keeper_killed", t_keeper_killed}, {"shared_handle", t_shared_handle}, {"two_owners", t_two_owners}, {"settle", t_settle}, {"names", t_names},
+                 {"keeper_killed", t_keeper_killed}, {"shared_handle", t_shared_handle}, {"two_owners", t_two_owners}, {"settle", t_settle}, {"names", t_names}, {"pause", t_pause},
                  {"all_daemon_full", t_all_daemon_full}, {"bad_input", t_bad_input}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         int f0 = check__failed;

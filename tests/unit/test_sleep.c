@@ -77,6 +77,17 @@ static bool find(vmm_registry *reg, uint64_t addr, vmm_alloc_info *out)
     return vmm_find(reg, (uint32_t)g_pid, addr, out) == VMM_OK;
 }
 
+/* The emulated driver's memory this process (the companion) maps: its memfd mappings. */
+static int companion_mappings(void)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    char line[512];
+    int n = 0;
+    while (f && fgets(line, sizeof line, f)) n += strstr(line, "/memfd:fakecuda") != NULL;
+    if (f) fclose(f);
+    return n;
+}
+
 /* The companion's import of the allocation at addr: its first word, or 0 with *st set. */
 static uint64_t import_first_word(vmm_registry *reg, uint64_t addr, vmm_status *st)
 {
@@ -149,10 +160,18 @@ int main(void)
           vmm_last_error());
 
     /* 1. kept, every allocation (NULL tag) */
+    CHECK(companion_mappings() >= 1, "the companion's idle mapping of the chunk it imported");
     mem m0 = owner_mem();
     sleep_ans p = sleep_cmd("P 0");
     mem m1 = owner_mem();
     CHECK(p.ok, "pause: %s", p.line);
+    /* its idle mapping would keep the released memory alive: the import cache's reaper lets go */
+    int left = companion_mappings();
+    for (int waited = 0; left && waited < 2000; waited += 10) {
+        usleep(10000);
+        left = companion_mappings();
+    }
+    CHECK(left == 0, "the companion still maps %d memfds of the paused owner's memory", left);
     CHECK(p.kept == live_bytes, "kept %llu bytes, want %llu", p.kept, live_bytes);
     CHECK(p.allocations == 3, "paused %llu allocations, want 3", p.allocations);
     CHECK(p.released >= live_bytes && p.released == m0.phys - m1.phys,

@@ -295,6 +295,9 @@ static void settle_locked(owner *o, const cur_set *s, bool pend, uint64_t now)
     o->pass++;
     for (size_t i = 0; i < s->n; i++) {
         const vmm_alloc_info *a = &s->a[i];
+        /* its owner gave the memory back (vmm_pause): holding it would keep it from the device;
+         * at resume the record names a new chunk, taken as any new one */
+        if (a->flags & VMM_ALLOC_PAUSED) continue;
         held *h = NULL;
         HASH_FIND(hh, g_slots, &a->slot, sizeof a->slot, h);
         if (h && h->o == o && h->generation == a->generation) {
