@@ -76,4 +76,34 @@ static inline int owner_alloc_with(char how, uint64_t bytes, uint64_t *addr)
     *addr = p;
     return idx;
 }
+/* The emulated device as the owner sees it (`m`): live physical bytes, handles, host allocations. */
+typedef struct owner_mem_t {
+    unsigned long long phys, handles, host;
+} owner_mem_t;
+
+static inline owner_mem_t owner_mem(void)
+{
+    owner_mem_t m = {0, 0, 0};
+    char a[256];
+    if (!owner_cmd(a, "m") || sscanf(a, "ok %llu %llu %llu", &m.phys, &m.handles, &m.host) != 3)
+        fprintf(stderr, "owner: m: %s", a);
+    return m;
+}
+
+/* Allocate and fill with `w <index> <seed>`: the index, or -1. */
+static inline int alloc_filled(char how, uint64_t bytes, uint64_t seed, uint64_t *addr)
+{
+    int idx = owner_alloc_with(how, bytes, addr);
+    if (idx < 0 || !owner_cmd(NULL, "w %d %llu", idx, (unsigned long long)seed)) return -1;
+    return idx;
+}
+
+/* The owner reads buffer idx back and finds what `w <idx> <seed>` wrote. */
+static inline bool verify(int idx, uint64_t seed)
+{
+    char a[256];
+    bool ok = owner_cmd(a, "v %d %llu", idx, (unsigned long long)seed);
+    if (!ok) fprintf(stderr, "owner: v %d: %s", idx, a);
+    return ok;
+}
 #endif

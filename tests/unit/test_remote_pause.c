@@ -99,29 +99,7 @@ static bool one_error(const result *r) {
     return r->status == 1 && r->out[0] == 0 && strncmp(r->err, "vmmctl: error: ", 15) == 0 && count_lines(r->err) == 1;
 }
 
-static unsigned long long owner_phys(void)
-{
-    char a[256];
-    unsigned long long phys = 0, handles = 0, host = 0;
-    if (!owner_cmd(a, "m") || sscanf(a, "ok %llu %llu %llu", &phys, &handles, &host) != 3)
-        fprintf(stderr, "owner: m: %s", a);
-    return phys;
-}
-
-static int alloc_filled(char how, uint64_t bytes, uint64_t seed, uint64_t *addr)
-{
-    int idx = owner_alloc_with(how, bytes, addr);
-    if (idx < 0 || !owner_cmd(NULL, "w %d %llu", idx, (unsigned long long)seed)) return -1;
-    return idx;
-}
-
-static bool verify(int idx, uint64_t seed)
-{
-    char a[256];
-    bool ok = owner_cmd(a, "v %d %llu", idx, (unsigned long long)seed);
-    if (!ok) fprintf(stderr, "owner: v %d: %s", idx, a);
-    return ok;
-}
+static unsigned long long owner_phys(void) { return owner_mem().phys; }
 
 /* The companion imports the allocation at addr and checks each of its words against seed: true
  * when all match; *st the import's status. */

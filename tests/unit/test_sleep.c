@@ -44,33 +44,6 @@ static sleep_ans sleep_cmd(const char *cmd)
     return r;
 }
 
-typedef struct mem {
-    unsigned long long phys, handles, host;
-} mem;
-
-static mem owner_mem(void)
-{
-    mem m = {0};
-    char a[256];
-    if (!owner_cmd(a, "m") || sscanf(a, "ok %llu %llu %llu", &m.phys, &m.handles, &m.host) != 3)
-        fprintf(stderr, "owner: m: %s", a);
-    return m;
-}
-
-static int alloc_filled(char how, uint64_t bytes, uint64_t seed, uint64_t *addr)
-{
-    int idx = owner_alloc_with(how, bytes, addr);
-    if (idx < 0 || !owner_cmd(NULL, "w %d %llu", idx, (unsigned long long)seed)) return -1;
-    return idx;
-}
-
-static bool verify(int idx, uint64_t seed)
-{
-    char a[256];
-    bool ok = owner_cmd(a, "v %d %llu", idx, (unsigned long long)seed);
-    if (!ok) fprintf(stderr, "owner: v %d: %s", idx, a);
-    return ok;
-}
 
 static bool find(vmm_registry *reg, uint64_t addr, vmm_alloc_info *out)
 {
@@ -161,9 +134,9 @@ int main(void)
 
     /* 1. kept, every allocation (NULL tag) */
     CHECK(companion_mappings() >= 1, "the companion's idle mapping of the chunk it imported");
-    mem m0 = owner_mem();
+    owner_mem_t m0 = owner_mem();
     sleep_ans p = sleep_cmd("P 0");
-    mem m1 = owner_mem();
+    owner_mem_t m1 = owner_mem();
     CHECK(p.ok, "pause: %s", p.line);
     /* its idle mapping would keep the released memory alive: the import cache's reaper lets go */
     int left = companion_mappings();
@@ -227,15 +200,15 @@ int main(void)
     CHECK(d >= 0 && verify(d, 104), "an allocation made while paused does not work");
     CHECK(d_addr < a_addr || d_addr >= a_addr + 24 * MIB, "placed in the paused allocation's space");
     CHECK(find(reg, d_addr, &info) && !(info.flags & VMM_ALLOC_PAUSED), "the new allocation's record is marked paused");
-    mem m2 = owner_mem();
+    owner_mem_t m2 = owner_mem();
     CHECK(owner_cmd(NULL, "f %d", s), "free of a paused allocation");
-    mem m3 = owner_mem();
+    owner_mem_t m3 = owner_mem();
     CHECK(m3.host == m2.host - 1, "the freed allocation's host copy stays (%llu -> %llu)", m2.host, m3.host);
     CHECK(m3.phys == m2.phys, "freeing paused memory changed the device's live bytes: %llu -> %llu", m2.phys, m3.phys);
 
     /* resume: the same addresses, the same bytes, new chunk ids */
     p = sleep_cmd("R");
-    mem m4 = owner_mem();
+    owner_mem_t m4 = owner_mem();
     CHECK(p.ok, "resume: %s", p.line);
     CHECK(p.kept == 24 * MIB + 64 * 1024, "copied back %llu bytes", p.kept);
     CHECK(m4.phys == m3.phys + p.released && p.released >= 24 * MIB, "resume mapped %llu bytes; live %llu -> %llu",
