@@ -126,6 +126,11 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
         "Lets another process of the broker's users pause and resume this process's memory through its broker "
         "(`vmmctl pause PID`, `vmm_pause_process`); the device is waited for first. Set it only when the "
         "program launches no kernel on that memory while paused: a kernel touching it crashes the program."),
+    OPT(SLEEP_ADOPTED, T_BOOL, "0", 0, 0, NULL, NULL,
+        "Lets `vmm_pause` release the memory the program makes itself (cuMemCreate + cuMemMap: expandable "
+        "segments, XLA's arena, NCCL): the shim keeps the driver's handle and gives the program a stand-in value "
+        "it translates in every call taking a handle. 0 leaves that memory on the device through a pause, counted "
+        "in `bytes_not_shim`."),
 };
 
 typedef struct {

@@ -33,6 +33,7 @@ typedef enum {
     VMM__OPT_STATS,
     VMM__OPT_PAUSE_DIR,
     VMM__OPT_REMOTE_PAUSE,
+    VMM__OPT_SLEEP_ADOPTED,
     VMM__OPT_COUNT
 } vmm__opt_id;
 
