@@ -85,6 +85,9 @@ typedef struct vmm__published {
 void vmm__publish_range(uint64_t address, uint64_t extent, uint64_t handle_size, uint64_t handle_offset,
                         uint64_t chunk_id, int dev, int exportable, const struct vmm__frames *f, vmm__published *out);
 void vmm__retract_range(vmm__published *pub);
+/* A published range's memory was released by vmm_pause (paused 1: flagged paused, offering no
+ * handle) or mapped again (0: live under chunk_id, exportable through the broker or not). */
+void vmm__range_set_paused(const vmm__published *pub, int paused, uint64_t chunk_id, int exportable);
 /* dev's primary context is about to be reset (cudaDeviceReset, cuDevicePrimaryCtxReset): its
  * allocations and empty segments go, as native reset frees them.  dev -1: the calling thread's
  * current device (nothing when no context is current). */
@@ -122,6 +125,10 @@ int vmm__keep_let_go(void);
  * (said once in a line), the thread's tag unchanged. */
 const char *vmm__thread_tag_set(const char *name, int *rc);
 const char *vmm__thread_tag_get(void);
+/* The calling thread's tag number (0: none), and whether vmm_pause(tag) selects memory of tag
+ * number t (NULL: all of it; the process's tag, VMMSHIM_TAG: the untagged, as sleep.c's pools). */
+uint32_t vmm__tag_current(void);
+int vmm__tag_selects(const char *tag, uint32_t t);
 /* The program mapped a range of a handle the shim made exportable (maps_adopted, layout.h). */
 void vmm__count_adopted(void);
 /* True when stream is being captured into a graph. */

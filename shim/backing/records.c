@@ -169,3 +169,10 @@ void vmm__retract_range(vmm__published *pub)
     if (pub->slot != NO_SLOT) vmm__reg_remove(&vmm__S.reg, pub->slot);
     pub->slot = NO_SLOT;
 }
+
+void vmm__range_set_paused(const vmm__published *pub, int paused, uint64_t chunk_id, int exportable)
+{
+    if (pub->slot == NO_SLOT || !vmm__S.registry_ok) return;
+    uint32_t kinds = exportable && __atomic_load_n(&vmm__S.broker_started, __ATOMIC_ACQUIRE) > 0 ? VMM_HANDLE_BROKER : 0;
+    vmm__reg_set_paused(&vmm__S.reg, pub->slot, paused, paused ? 0 : chunk_id, paused ? 0 : kinds, -1, NULL);
+}

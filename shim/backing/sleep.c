@@ -148,56 +148,83 @@ static void stage_put(stage *s)
     s->buf = NULL;
 }
 
-/* Copy live block b's bytes out (context pushed): into host memory, or at the end of file f. */
-static int keep_block(vmm__block *b, sleep_file *f, uint64_t *file_end, stage *st)
+struct vmm__sleep_io {
+    sleep_file *f; /* VMM_PAUSE_FILE: the contents go to its end */
+    uint64_t file_end;
+    stage st;
+};
+
+/* Copy n bytes at addr out (context pushed): into host memory, or at the end of the io's file. */
+static int keep_bytes(vmm__sleep_io *io, CUdeviceptr addr, uint64_t n, kept **out)
 {
-    uint64_t n = b->requested;
+    sleep_file *f = io->f;
     kept *k = calloc(1, sizeof *k);
     if (!k) return -ENOMEM;
     k->bytes = n;
     if (f) {
-        if (stage_get(st)) return free(k), -ENOMEM;
-        k->off = *file_end;
+        if (stage_get(&io->st)) return free(k), -ENOMEM;
+        k->off = io->file_end;
         for (uint64_t at = 0; at < n;) {
             size_t piece = n - at < STAGE_BYTES ? (size_t)(n - at) : STAGE_BYTES;
-            if (vmm__cu.MemcpyDtoH(st->buf, b->addr + at, piece) != CUDA_SUCCESS) return free(k), -EIO;
+            if (vmm__cu.MemcpyDtoH(io->st.buf, addr + at, piece) != CUDA_SUCCESS) return free(k), -EIO;
             for (size_t w = 0; w < piece;) {
-                ssize_t got = pwrite(f->fd, (char *)st->buf + w, piece - w, (off_t)(k->off + at + w));
+                ssize_t got = pwrite(f->fd, (char *)io->st.buf + w, piece - w, (off_t)(k->off + at + w));
                 if (got <= 0) return free(k), got < 0 && errno == ENOSPC ? -ENOSPC : -EIO;
                 w += (size_t)got;
             }
             at += piece;
         }
-        *file_end += n;
+        io->file_end += n;
         k->file = f;
         f->refs++;
     } else {
         if (n >= PINNED_MIN && vmm__cu.MemHostAlloc && vmm__cu.MemHostAlloc(&k->host, n, 0) == CUDA_SUCCESS) k->pinned = 1;
         else if (!(k->host = malloc(n ? n : 1))) return free(k), -ENOMEM;
-        if (vmm__cu.MemcpyDtoH(k->host, b->addr, n) != CUDA_SUCCESS) return kept_free(k), -EIO;
+        if (vmm__cu.MemcpyDtoH(k->host, addr, n) != CUDA_SUCCESS) return kept_free(k), -EIO;
     }
-    b->kept = k;
+    *out = k;
     return 0;
 }
 
-/* Copy b's kept bytes back to its fresh memory (context pushed). */
-static int restore_block(vmm__block *b, stage *st)
+/* Copy kept bytes back to addr (context pushed). */
+static int restore_bytes(vmm__sleep_io *io, CUdeviceptr addr, const kept *k)
 {
-    kept *k = b->kept;
-    if (!k->file) return vmm__cu.MemcpyHtoD(b->addr, k->host, k->bytes) == CUDA_SUCCESS ? 0 : -EIO;
-    if (stage_get(st)) return -ENOMEM;
+    if (!k->file) return vmm__cu.MemcpyHtoD(addr, k->host, k->bytes) == CUDA_SUCCESS ? 0 : -EIO;
+    if (stage_get(&io->st)) return -ENOMEM;
     for (uint64_t at = 0; at < k->bytes;) {
         size_t piece = k->bytes - at < STAGE_BYTES ? (size_t)(k->bytes - at) : STAGE_BYTES;
         for (size_t r = 0; r < piece;) {
-            ssize_t got = pread(k->file->fd, (char *)st->buf + r, piece - r, (off_t)(k->off + at + r));
+            ssize_t got = pread(k->file->fd, (char *)io->st.buf + r, piece - r, (off_t)(k->off + at + r));
             if (got <= 0) return -EIO;
             r += (size_t)got;
         }
-        if (vmm__cu.MemcpyHtoD(b->addr + at, st->buf, piece) != CUDA_SUCCESS) return -EIO;
+        if (vmm__cu.MemcpyHtoD(addr + at, io->st.buf, piece) != CUDA_SUCCESS) return -EIO;
         at += piece;
     }
     return 0;
 }
+
+int vmm__sleep_keep(vmm__sleep_io *io, CUdeviceptr addr, uint64_t n, void **out)
+{
+    if (!vmm__cu.MemcpyDtoH) return -EIO;
+    kept *k = NULL;
+    int rc = keep_bytes(io, addr, n, &k);
+    *out = k;
+    return rc;
+}
+
+int vmm__sleep_restore(vmm__sleep_io *io, CUdeviceptr addr, void *k)
+{
+    return vmm__cu.MemcpyHtoD ? restore_bytes(io, addr, k) : -EIO;
+}
+
+void vmm__sleep_kept_free(void *k) { kept_free(k); }
+
+static const vmm__sleep_adopted *adopted; /* NULL until adopt_sleep.c's constructor ran */
+
+void vmm__sleep_adopted_by(const vmm__sleep_adopted *ops) { __atomic_store_n(&adopted, ops, __ATOMIC_RELEASE); }
+
+static const vmm__sleep_adopted *adopted_ops(void) { return __atomic_load_n(&adopted, __ATOMIC_ACQUIRE); }
 
 static sleep_file *file_open(char *why, size_t len)
 {
@@ -243,6 +270,14 @@ static void wait_for_devices(const char *tag)
     pthread_mutex_lock(&vmm__S.lock);
     int n = contexts_locked(tag, ctx, MAX_CTX);
     pthread_mutex_unlock(&vmm__S.lock);
+    const vmm__sleep_adopted *a = adopted_ops();
+    CUcontext more[MAX_CTX];
+    int m = a ? a->contexts(tag, more, MAX_CTX) : 0;
+    for (int j = 0; j < m; j++) {
+        int seen = 0;
+        for (int i = 0; i < n; i++) seen |= ctx[i] == more[j];
+        if (!seen && n < MAX_CTX) ctx[n++] = more[j];
+    }
     for (int i = 0; i < n; i++)
         if (push(ctx[i])) {
             vmm__cu.CtxSynchronize();
@@ -334,8 +369,8 @@ static void mark_records_locked(vmm__arena *a, int paused)
 }
 
 /* Pause arena a of p: copy out, release, mark.  0, or an error with nothing of a released. */
-static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, sleep_file *f, uint64_t *file_end, stage *st,
-                       vmm__sleep_out *out, char *why, size_t len)
+static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_io *io, vmm__sleep_out *out, char *why,
+                       size_t len)
 {
     int dropped;
     out->released += vmm__pool_release_arena(p, a, &dropped);
@@ -343,13 +378,13 @@ static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, sleep_file *
     if (!(flags & VMM_PAUSE_DISCARD)) {
         for (vmm__block *b = a->first; b; b = b->next) {
             if (b->free || !b->live) continue;
-            int pushed = push(b->ctx), rc = keep_block(b, f, file_end, st);
+            int pushed = push(b->ctx), rc = keep_bytes(io, b->addr, b->requested, (kept **)&b->kept);
             if (pushed) pop();
             if (rc) {
                 for (vmm__block *u = a->first; u != b; u = u->next) vmm__sleep_forget_locked(u);
                 return say(why, len, rc, "copying %llu bytes at 0x%llx out %s", (unsigned long long)b->requested,
                            (unsigned long long)b->addr,
-                           rc == -ENOMEM ? "failed: no host memory" : f ? "to the file failed" : "failed (a driver call)");
+                           rc == -ENOMEM ? "failed: no host memory" : io->f ? "to the file failed" : "failed (a driver call)");
             }
             out->kept += b->requested;
         }
@@ -378,18 +413,26 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
     if (__atomic_load_n(&vmm__S.captures, __ATOMIC_ACQUIRE) > 0)
         return say(why, len, -EBUSY, "a stream is being captured: waiting for the device would break the capture");
     wait_for_devices(tag); /* no queued work may touch memory about to go */
+    /* the program's own VMM memory is surveyed and paused with no lock of ours held: adopt.c
+     * takes vmm__S.lock under its own */
+    const vmm__sleep_adopted *ad = adopted_ops();
+    int a_any = 0, a_paused = 0, a_awake = 0;
+    uint64_t a_left = 0;
+    if (ad) ad->survey(tag, &a_any, &a_paused, &a_awake, &a_left);
     pthread_mutex_lock(&vmm__S.lock);
     int any, paused, awake, rc = unpinned_locked(tag);
     survey_locked(tag, &any, &paused, &awake);
+    any |= a_any;
+    paused |= a_paused;
+    awake |= a_awake;
     if (rc) say(why, len, rc, "the broker kept exporting a segment for 2 s");
     else if (!any) rc = say(why, len, -ENOENT, "no memory is tagged \"%s\"", tag ? tag : "");
     /* what is paused already stays so (a tag paused before a pause of everything): only when
      * nothing is left awake is the call a no-op */
     else if (paused && !awake) rc = say(why, len, -EALREADY, "already paused: resume first");
-    sleep_file *f = NULL;
-    if (!rc && (flags & VMM_PAUSE_FILE) && !(f = file_open(why, len))) rc = -EIO;
-    stage st = {0};
-    uint64_t file_end = 0;
+    vmm__sleep_io io = {0};
+    if (!rc && (flags & VMM_PAUSE_FILE) && !(io.f = file_open(why, len))) rc = -EIO;
+    sleep_file *f = io.f;
     if (f) f->refs++; /* the call's own reference, until its end */
     for (int i = 0; i < MAX_DEVICES && !rc; i++) {
         vmm__pool *pools[MAX_POOLS];
@@ -398,11 +441,14 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
             vmm__pool_settle(pools[k]); /* the device was waited for: every free is reached */
             for (vmm__arena *a = pools[k]->arenas, *next; a && !rc; a = next) {
                 next = a->next;
-                if (!a->paused) rc = pause_arena(pools[k], a, flags, f, &file_end, &st, out, why, len);
+                if (!a->paused) rc = pause_arena(pools[k], a, flags, &io, out, why, len);
             }
         }
     }
-    stage_put(&st);
+    out->not_shim = not_shim_locked() + a_left;
+    pthread_mutex_unlock(&vmm__S.lock);
+    if (!rc && a_awake) rc = ad->pause(tag, flags, &io, out, why, len);
+    stage_put(&io.st);
     if (rc && out->segments) { /* what was paused before the failure stays paused, and resumable */
         size_t used = strlen(why);
         snprintf(why + used, len - used, "; %llu bytes paused before it stay paused: vmm_resume restores them",
@@ -412,9 +458,6 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
         close(f->fd);
         free(f);
     }
-    out->not_shim = not_shim_locked();
-    pthread_mutex_unlock(&vmm__S.lock);
-    /* a keeper holding these segments lets go of them now (one relaxed load when nobody keeps us) */
     /* a keeper holding these segments lets go of them before the call returns (at most
      * VMM__KEEP_LET_GO_MS; one relaxed load when nobody keeps us) */
     if (out->segments && vmm__S.registry_ok) vmm__keep_ring(&vmm__S.reg, VMM__KEEP_LET_GO_MS);
@@ -484,11 +527,25 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
     memset(out, 0, sizeof *out);
     *why = 0;
     if (!vmm__S.ready) return say(why, len, -ENODEV, "the shim is not active in this process");
+    const vmm__sleep_adopted *ad = adopted_ops();
+    int a_any = 0, a_paused = 0, a_awake = 0;
+    uint64_t a_left = 0;
+    if (ad) ad->survey(tag, &a_any, &a_paused, &a_awake, &a_left);
     pthread_mutex_lock(&vmm__S.lock);
     int any, paused, awake, rc = 0;
     survey_locked(tag, &any, &paused, &awake);
-    if (!any) rc = say(why, len, -ENOENT, "no memory is tagged \"%s\"", tag ? tag : "");
-    else if (!paused) rc = say(why, len, -EALREADY, "not paused");
+    if (!any && !a_any) rc = say(why, len, -ENOENT, "no memory is tagged \"%s\"", tag ? tag : "");
+    else if (!paused && !a_paused) rc = say(why, len, -EALREADY, "not paused");
+    if (!rc && a_paused) {
+        /* the program's own memory first, with our lock let go (adopt.c takes it under its own):
+         * a full device there changes nothing at all; one in the pools below leaves the program's
+         * memory resumed and the pools paused, and a second vmm_resume maps the rest */
+        pthread_mutex_unlock(&vmm__S.lock);
+        vmm__sleep_io io = {0};
+        rc = ad->resume(tag, &io, out, why, len);
+        stage_put(&io.st);
+        pthread_mutex_lock(&vmm__S.lock);
+    }
     /* first everything is mapped, so that a full device changes nothing */
     for (int i = 0; i < MAX_DEVICES && !rc; i++) {
         device_state *d = &vmm__S.dev[i];
@@ -524,7 +581,7 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
         return rc;
     }
     settle_remapped(tag, 1, out);
-    stage st = {0};
+    vmm__sleep_io io = {0};
     int lost = 0;
     for (int i = 0; i < MAX_DEVICES; i++) {
         vmm__pool *pools[MAX_POOLS];
@@ -537,7 +594,7 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
                     out->allocations++;
                     if (!b->kept) continue; /* discarded */
                     int pushed = push(b->ctx);
-                    if (restore_block(b, &st) == 0) out->kept += b->requested;
+                    if (restore_bytes(&io, b->addr, b->kept) == 0) out->kept += b->requested;
                     else lost++;
                     if (pushed) pop();
                     vmm__sleep_forget_locked(b);
@@ -546,8 +603,8 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
                 mark_records_locked(a, 0);
             }
     }
-    stage_put(&st);
-    out->not_shim = not_shim_locked();
+    stage_put(&io.st);
+    out->not_shim = not_shim_locked() + a_left;
     pthread_mutex_unlock(&vmm__S.lock);
     /* a keeper takes the new chunks at once: the records changed without a publish it would see */
     if (out->segments && vmm__S.registry_ok) vmm__keep_ring(&vmm__S.reg, 0);

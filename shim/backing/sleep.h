@@ -4,6 +4,7 @@
  * needs, by backing.c. */
 #ifndef VMM_BACKING_SLEEP_H
 #define VMM_BACKING_SLEEP_H
+#include <cuda.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -31,4 +32,31 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
 void vmm__sleep_serve_remote(void);
 /* vmm__S.lock held: a live allocation of a paused arena is being freed: its kept contents go. */
 void vmm__sleep_forget_locked(vmm__block *b);
+
+/* ---- the program's own VMM memory (adopt_sleep.c), paused and resumed inside the same calls ----
+ * adopt_sleep.c stands above this file (it calls the copy helpers below), so this file reaches it
+ * only through the functions it hands in (as export.c reaches adopt.c), never by name. */
+
+/* One pause's copy state: the unlinked file (VMM_PAUSE_FILE) and the staging buffer. */
+typedef struct vmm__sleep_io vmm__sleep_io;
+/* Copy n bytes at addr out (the memory's context current): *kept holds them until
+ * vmm__sleep_kept_free.  0, -ENOMEM, -ENOSPC or -EIO. */
+int vmm__sleep_keep(vmm__sleep_io *io, CUdeviceptr addr, uint64_t n, void **kept);
+/* Copy kept bytes back to addr (context current): 0 or -ENOMEM / -EIO. */
+int vmm__sleep_restore(vmm__sleep_io *io, CUdeviceptr addr, void *kept);
+void vmm__sleep_kept_free(void *kept);
+
+typedef struct vmm__sleep_adopted {
+    /* What the tag selects: *any pausable memory, *paused some of it, *awake some not; *left the
+     * bytes it cannot pause (VMMSHIM_SLEEP_ADOPTED off), reported in bytes_not_shim. */
+    void (*survey)(const char *tag, int *any, int *paused, int *awake, uint64_t *left);
+    /* The contexts its memory was made in, each once, to be waited for before a pause. */
+    int (*contexts)(const char *tag, CUcontext *ctx, int max);
+    /* As vmm__sleep_pause / vmm__sleep_resume, with no lock of this file held (adopt.c takes
+     * vmm__S.lock under its own when it publishes). */
+    int (*pause)(const char *tag, unsigned flags, vmm__sleep_io *io, vmm__sleep_out *out, char *why, size_t len);
+    int (*resume)(const char *tag, vmm__sleep_io *io, vmm__sleep_out *out, char *why, size_t len);
+} vmm__sleep_adopted;
+/* Called once, from adopt_sleep.c's constructor (an atomic store). */
+void vmm__sleep_adopted_by(const vmm__sleep_adopted *ops);
 #endif

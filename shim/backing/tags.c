@@ -84,3 +84,13 @@ void vmm__tags_destroy_locked(device_state *d)
         d->tagged[t] = NULL;
     }
 }
+
+uint32_t vmm__tag_current(void) { return vmm__thread_tag; }
+
+int vmm__tag_selects(const char *tag, uint32_t t)
+{
+    if (!tag) return 1;
+    if (!t && strncmp(tag, vmm__S.tag, sizeof vmm__S.tag) == 0) return 1;
+    uint32_t want = vmm__tag_find(tag);
+    return want && want == t;
+}
