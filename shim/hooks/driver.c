@@ -396,10 +396,14 @@ VMM_HOOK CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     return vmm__adopt_create(real_, handle, size, prop, flags);
 }
 
+/* A handle argument that is one of the shim's stand-ins (VMMSHIM_SLEEP_ADOPTED=1, adopt.h) is
+ * translated to the driver's handle; any other value goes to the driver as it came (one compare). */
+
 VMM_HOOK CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle)
 {
     VMM_REAL_DRIVER(cuMemGetAllocationPropertiesFromHandle, CUDA_ERROR_NOT_INITIALIZED);
     if (vmm__in_shim()) return real_(prop, handle);
+    if (vmm__adopt_is_stand_in(handle)) return vmm__adopt_get_props(real_, prop, handle);
     REAL_THEN(real_(prop, handle), vmm__adopt_props(prop, handle));
 }
 
@@ -408,17 +412,29 @@ VMM_HOOK CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGen
 {
     VMM_REAL_DRIVER(cuMemMap, CUDA_ERROR_NOT_INITIALIZED);
     if (vmm__in_shim()) return real_(ptr, size, offset, handle, flags);
-    REAL_THEN(real_(ptr, size, offset, handle, flags), vmm__adopt_mapped(ptr, size, offset, handle));
+    if (!vmm__adopt_is_stand_in(handle))
+        REAL_THEN(real_(ptr, size, offset, handle, flags), vmm__adopt_mapped(ptr, size, offset, handle));
+    CUmemGenericAllocationHandle real_handle;
+    CUresult rc = vmm__adopt_pin(handle, &real_handle);
+    if (rc != CUDA_SUCCESS) return rc;
+    vmm__enter();
+    rc = real_(ptr, size, offset, real_handle, flags);
+    vmm__leave();
+    if (rc == CUDA_SUCCESS) vmm__adopt_mapped(ptr, size, offset, handle);
+    vmm__adopt_unpin(handle);
+    return rc;
 }
 
 VMM_HOOK CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
     VMM_REAL_DRIVER(cuMemUnmap, CUDA_ERROR_NOT_INITIALIZED);
     if (vmm__in_shim()) return real_(ptr, size);
-    vmm__adopt_unmapping(ptr, size);
-    vmm__enter();
-    CUresult rc = real_(ptr, size);
-    vmm__leave();
+    CUresult rc = CUDA_SUCCESS;
+    if (!vmm__adopt_unmapping(ptr, size)) { /* else: paused memory, of which the driver maps nothing */
+        vmm__enter();
+        rc = real_(ptr, size);
+        vmm__leave();
+    }
     vmm__adopt_unmapped(ptr, size, rc == CUDA_SUCCESS);
     return rc;
 }
@@ -427,7 +443,32 @@ VMM_HOOK CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     VMM_REAL_DRIVER(cuMemRelease, CUDA_ERROR_NOT_INITIALIZED);
     if (vmm__in_shim()) return real_(handle);
+    if (vmm__adopt_is_stand_in(handle)) return vmm__adopt_release(real_, handle);
     REAL_THEN(real_(handle), vmm__adopt_released(handle));
+}
+
+VMM_HOOK CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle,
+                                               CUmemAllocationHandleType type, unsigned long long flags)
+{
+    VMM_REAL_DRIVER(cuMemExportToShareableHandle, CUDA_ERROR_NOT_INITIALIZED);
+    if (vmm__in_shim()) return real_(shareable, handle, type, flags);
+    if (!vmm__adopt_is_stand_in(handle)) PASS_THROUGH(real_(shareable, handle, type, flags));
+    CUmemGenericAllocationHandle real_handle;
+    CUresult rc = vmm__adopt_pin(handle, &real_handle);
+    if (rc != CUDA_SUCCESS) return rc;
+    vmm__enter();
+    rc = real_(shareable, real_handle, type, flags);
+    vmm__leave();
+    vmm__adopt_unpin(handle);
+    return rc;
+}
+
+/* The driver answers with its own handle; memory with a stand-in answers with the stand-in. */
+VMM_HOOK CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    VMM_REAL_DRIVER(cuMemRetainAllocationHandle, CUDA_ERROR_NOT_INITIALIZED);
+    if (vmm__in_shim()) return real_(handle, addr);
+    REAL_THEN(real_(handle, addr), vmm__adopt_retained(handle));
 }
 
 /* ---- stream capture: counted, so that a free never synchronizes the context while a stream of

@@ -31,7 +31,8 @@
     X(cuCtxDisablePeerAccess) X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)  \
     X(cuMemPoolSetAccess) X(cuMemPoolGetAttribute) X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo)        \
     X(cuDeviceSetMemPool) X(cuMemSetMemPool) X(cuMemCreate) X(cuMemGetAllocationPropertiesFromHandle)       \
-    X(cuMemMap) X(cuMemUnmap) X(cuMemRelease) X(cuDevicePrimaryCtxReset_v2) X(cuStreamBeginCapture_v2)          \
+    X(cuMemMap) X(cuMemUnmap) X(cuMemRelease) X(cuMemExportToShareableHandle) X(cuMemRetainAllocationHandle) \
+    X(cuDevicePrimaryCtxReset_v2) X(cuStreamBeginCapture_v2)          \
     X(cuStreamBeginCapture_v2_ptsz) X(cuStreamBeginCapture) X(cuStreamBeginCapture_ptsz)              \
     X(cuStreamBeginCaptureToGraph) X(cuStreamBeginCaptureToGraph_ptsz) X(cuStreamEndCapture)          \
     X(cuStreamEndCapture_ptsz) X(cuCtxSynchronize) X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz)   \
