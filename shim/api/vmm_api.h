@@ -271,7 +271,9 @@ typedef struct vmm_sleep_report {
     uint64_t bytes_released; /* pause: physical bytes given back to the device; resume: bytes mapped again */
     uint64_t bytes_kept;     /* pause: contents copied to host memory or the file; resume: copied back */
     uint64_t bytes_not_shim; /* this process's device memory the shim does not own, left on the device
-                                (allocations of the real allocator: during a capture, with the device full) */
+                                (allocations of the real allocator: during a capture, with the device full;
+                                and the tag's memory the program made itself with cuMemCreate unless
+                                VMMSHIM_SLEEP_ADOPTED=1 gave it stand-in handles) */
     uint64_t ns;             /* how long the call took */
     uint64_t segments;       /* physical handles released (pause) or made (resume) */
     uint64_t allocations;    /* live allocations paused or resumed */

@@ -4,7 +4,8 @@
  * (tests/scripts/circles.py checks): state.c at the bottom; segment.c; giveback.c and export.c;
  * records.c; sleep.c (pause and resume); then the entry points, backing.c and mempool.c.  adopt.c and preexport.c use
  * backing.h only, and nothing here calls them: adopt.c hands its export to export.c, and
- * preexport.c forgets its queue in a fork child by itself. */
+ * preexport.c forgets its queue in a fork child by itself.  adopt_sleep.c stands above adopt.c and
+ * sleep.c and hands sleep.c its pause and resume (vmm__sleep_adopted_by). */
 #ifndef VMM_BACKING_INTERNAL_H
 #define VMM_BACKING_INTERNAL_H
 #include <cuda.h>

@@ -26,7 +26,14 @@
  * All of it runs under vmm__S.lock, after the devices were synchronized outside it: the pool
  * cannot change under a pause, and the broker cannot pin a segment meanwhile (it pins under the
  * lock).  The program must not queue work on the memory while it is paused: the shim cannot
- * stop a kernel that touches an unmapped address. */
+ * stop a kernel that touches an unmapped address.
+ *
+ * The program's own VMM memory (cuMemCreate + cuMemMap) joins each call through the table
+ * adopt_sleep.c hands in (vmm__sleep_adopted_by): surveyed and waited for with the pools, paused
+ * after them and resumed before them, always with vmm__S.lock let go, since adopt.c takes it under
+ * its own lock when it publishes.  A resume of both is all or nothing within each: a full device
+ * in the pools after the program's memory was mapped leaves that mapped and the pools paused, and a
+ * second vmm_resume maps the rest. */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>

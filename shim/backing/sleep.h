@@ -13,7 +13,8 @@
 typedef struct vmm__sleep_out {
     uint64_t released;    /* pause: bytes given back; resume: bytes mapped again */
     uint64_t kept;        /* bytes of contents copied out (pause) or back (resume) */
-    uint64_t not_shim;    /* the real allocator's memory of this process, left on the device */
+    uint64_t not_shim;    /* the real allocator's memory of this process, and the program's own VMM memory
+                             the pause cannot release (no stand-in), left on the device */
     uint64_t segments;    /* handles released or made */
     uint64_t allocations; /* live allocations paused or resumed */
 } vmm__sleep_out;

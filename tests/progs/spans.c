@@ -29,8 +29,25 @@
  *   "b <bytes>"      the emulated device's memory budget (fakecuda_set_budget); answers "ok"
  *   "F"              forks a child that exits at once (through exit(), the shim's exit path); answers
  *                    "ok <its exit status>"
+ *   "V <bytes> <release>" the program's own VMM memory (tests/unit/test_sleep_adopted.c): cuMemCreate
+ *                    (no shareable type, as PyTorch's expandable segments), cuMemAddressReserve,
+ *                    cuMemMap, cuMemSetAccess (read-write, device 0), then cuMemRelease of the handle
+ *                    when release is 1; a buffer as any other ("w", "v"); answers "ok <index>
+ *                    0x<address> 0x<handle>"
+ *   "U <index>"      of a "V" buffer: cuMemUnmap, cuMemRelease (when still held), cuMemAddressFree;
+ *                    answers "ok", or "error <call> <CUresult>"
+ *   "L <index>"      cuMemRelease of a "V" buffer's held handle (it stays mapped); answers "ok <CUresult>"
+ *   "H <index>"      cuMemRetainAllocationHandle at the buffer, then cuMemRelease of what it gave;
+ *                    answers "ok <retain's CUresult> 0x<handle> <release's CUresult>"
+ *   "G <index>"      cuMemGetAllocationPropertiesFromHandle of the buffer's handle; answers "ok
+ *                    <CUresult> <handle types> <device>"
+ *   "M <index>"      cuMemMap of the buffer's handle at a fresh reservation (unmapped and freed
+ *                    again); answers "ok <cuMemMap's CUresult>"
+ *   "X <index>"      cuMemExportToShareableHandle (POSIX fd) of the buffer's handle (the fd
+ *                    closed); answers "ok <CUresult>"
  *   "q"              exits
  * A failure answers "error <what>". */
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <time.h>
 #include <dlfcn.h>
@@ -77,6 +94,8 @@ int main(void)
 {
     static void *buf[MAX_BUFS];
     static size_t size[MAX_BUFS];
+    static CUmemGenericAllocationHandle own[MAX_BUFS]; /* "V" buffers: the handle the program holds */
+    static int held[MAX_BUFS];
     int n = 0;
     char line[128];
     while (fgets(line, sizeof line, stdin)) {
@@ -221,6 +240,64 @@ int main(void)
             int wst = 0;
             if (child > 0 && waitpid(child, &wst, 0) == child) printf("ok %d\n", WIFEXITED(wst) ? WEXITSTATUS(wst) : 128 + WTERMSIG(wst));
             else printf("error fork\n");
+        } else if (line[0] == 'V' && sscanf(line + 1, "%llu %llu", &a, &b) == 2 && n < MAX_BUFS) {
+            CUmemAllocationProp prop = {0};
+            prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            CUmemAccessDesc acc = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+            CUdeviceptr va = 0;
+            CUresult r;
+            const char *at = "cuMemCreate";
+            (void)cudaFree(0); /* the runtime's context current, as a program's first CUDA call makes it */
+            if ((r = cuMemCreate(&own[n], a, &prop, 0)) == CUDA_SUCCESS && (at = "cuMemAddressReserve") &&
+                (r = cuMemAddressReserve(&va, a, 0, 0, 0)) == CUDA_SUCCESS && (at = "cuMemMap") &&
+                (r = cuMemMap(va, a, 0, own[n], 0)) == CUDA_SUCCESS && (at = "cuMemSetAccess") &&
+                (r = cuMemSetAccess(va, a, &acc, 1)) == CUDA_SUCCESS && (at = "cuMemRelease") &&
+                (!b || (r = cuMemRelease(own[n])) == CUDA_SUCCESS)) {
+                buf[n] = (void *)(uintptr_t)va;
+                size[n] = (size_t)a;
+                held[n] = !b;
+                printf("ok %d 0x%llx 0x%llx\n", n, (unsigned long long)va, (unsigned long long)own[n]);
+                n++;
+            } else {
+                printf("error %s %d\n", at, (int)r);
+            }
+        } else if (line[0] == 'U' && sscanf(line + 1, "%llu", &a) == 1 && a < (unsigned long long)n) {
+            CUdeviceptr va = (CUdeviceptr)(uintptr_t)buf[a];
+            CUresult r;
+            if ((r = cuMemUnmap(va, size[a])) != CUDA_SUCCESS) printf("error cuMemUnmap %d\n", (int)r);
+            else if (held[a] && (r = cuMemRelease(own[a])) != CUDA_SUCCESS) printf("error cuMemRelease %d\n", (int)r);
+            else if ((r = cuMemAddressFree(va, size[a])) != CUDA_SUCCESS) printf("error cuMemAddressFree %d\n", (int)r);
+            else printf("ok\n");
+            held[a] = 0;
+        } else if (line[0] == 'L' && sscanf(line + 1, "%llu", &a) == 1 && a < (unsigned long long)n) {
+            CUresult r = cuMemRelease(own[a]);
+            if (r == CUDA_SUCCESS) held[a] = 0;
+            printf("ok %d\n", (int)r);
+        } else if (line[0] == 'H' && sscanf(line + 1, "%llu", &a) == 1 && a < (unsigned long long)n) {
+            CUmemGenericAllocationHandle h = 0;
+            CUresult r = cuMemRetainAllocationHandle(&h, buf[a]);
+            CUresult l = r == CUDA_SUCCESS ? cuMemRelease(h) : CUDA_SUCCESS;
+            printf("ok %d 0x%llx %d\n", (int)r, (unsigned long long)h, (int)l);
+        } else if (line[0] == 'G' && sscanf(line + 1, "%llu", &a) == 1 && a < (unsigned long long)n) {
+            CUmemAllocationProp p;
+            memset(&p, 0, sizeof p);
+            CUresult r = cuMemGetAllocationPropertiesFromHandle(&p, own[a]);
+            printf("ok %d %d %d\n", (int)r, (int)p.requestedHandleTypes, p.location.id);
+        } else if (line[0] == 'M' && sscanf(line + 1, "%llu", &a) == 1 && a < (unsigned long long)n) {
+            CUdeviceptr va = 0;
+            CUresult r = cuMemAddressReserve(&va, size[a], 0, 0, 0);
+            if (r == CUDA_SUCCESS) {
+                r = cuMemMap(va, size[a], 0, own[a], 0);
+                if (r == CUDA_SUCCESS) cuMemUnmap(va, size[a]);
+                cuMemAddressFree(va, size[a]);
+            }
+            printf("ok %d\n", (int)r);
+        } else if (line[0] == 'X' && sscanf(line + 1, "%llu", &a) == 1 && a < (unsigned long long)n) {
+            int fd = -1;
+            CUresult r = cuMemExportToShareableHandle(&fd, own[a], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+            if (fd >= 0) close(fd);
+            printf("ok %d\n", (int)r);
         } else if (line[0] == 'd' && sscanf(line + 1, "%llu", &a) == 1) {
             e = cudaSetDevice((int)a);
             if (e == cudaSuccess) printf("ok\n");
