@@ -3,7 +3,8 @@
  *
  * The owner is tests/progs/spans under the shim; this process is its companion.  With
  * VMMSHIM_SLEEP_ADOPTED=1 the owner maps two handles of its own, one released right after mapping
- * (the usual VMM idiom) and one still held, and sees stand-in handle values.  A pause must give
+ * (the usual VMM idiom) and one still held, and sees stand-in handle values.  A pause by the
+ * process's tag (VMMSHIM_TAG: the untagged memory; a tag nothing carries finds nothing) must give
  * their physical memory back (the emulated driver's live bytes drop by their size), flag their
  * records paused and refuse a companion's import (VMM_ERR_PAUSED, from the record and from the
  * broker); while paused, the program's calls on the held stand-in answer as documented.  A resume
@@ -24,6 +25,7 @@
 #include <sys/wait.h>
 
 #define MIB (1ull << 20)
+#define PROC_TAG "ownvmm" /* VMMSHIM_TAG: the owner's untagged memory */
 
 typedef struct sleep_ans {
     int ok, status;
@@ -104,6 +106,7 @@ static void owner_stop(void)
 static void with_stand_ins(void)
 {
     setenv("VMMSHIM_SLEEP_ADOPTED", "1", 1);
+    setenv("VMMSHIM_TAG", PROC_TAG, 1);
     CHECK(spans_start(), "cannot start the owner");
     owner_mem_t m0 = owner_mem();
     uint64_t a_addr = 0, a_h = 0, b_addr = 0, b_h = 0;
@@ -133,8 +136,11 @@ static void with_stand_ins(void)
     CHECK(vmm_find(reg, (uint32_t)g_pid, b_addr, &before) == VMM_OK && !(before.flags & VMM_ALLOC_PAUSED),
           "the record before the pause");
 
-    /* kept */
-    sleep_ans p = sleep_cmd("P 0");
+    /* kept, by the process's tag (the untagged memory) */
+    sleep_ans other = sleep_cmd("P 0 nosuchtag");
+    CHECK(!other.ok && other.status == VMM_ERR_NOT_FOUND, "a tag nothing carries: %s", other.line);
+    CHECK_EQ(owner_mem().phys, m1.phys);
+    sleep_ans p = sleep_cmd("P 0 " PROC_TAG);
     owner_mem_t m2 = owner_mem();
     CHECK(p.ok, "pause: %s", p.line);
     CHECK_EQ(p.released, 6 * MIB);
@@ -159,7 +165,7 @@ static void with_stand_ins(void)
     sleep_ans again = sleep_cmd("P 0");
     CHECK(!again.ok && again.status == VMM_ERR_STATE, "pause twice: %s", again.line);
 
-    sleep_ans r = sleep_cmd("R");
+    sleep_ans r = sleep_cmd("R " PROC_TAG);
     owner_mem_t m3 = owner_mem();
     CHECK(r.ok, "resume: %s", r.line);
     CHECK_EQ(r.released, 6 * MIB);
