@@ -25,7 +25,6 @@
  * handle until vmm_resume), and cuMemRetainAllocationHandle fails as for any unmapped address.
  * The program must not touch the memory while paused, as for the pools. */
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -39,15 +38,6 @@
 typedef vmm__adopt_handle handle_entry;
 typedef vmm__adopt_range range;
 
-static int say(char *why, size_t len, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int say(char *why, size_t len, int rc, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, len, fmt, ap);
-    va_end(ap);
-    return rc;
-}
 
 static int pausable(void) { return vmm__adopt_sleeping() && vmm__adopt_load() && A.Create; }
 
@@ -136,7 +126,7 @@ static int pause_adopted(const char *tag, unsigned flags, vmm__sleep_io *io, vmm
     pthread_mutex_lock(&A.lock);
     if (choose_locked(tag, 0)) {
         pthread_mutex_unlock(&A.lock);
-        return say(why, len, -EBUSY, "a call on the program's own VMM memory kept its handle for 2 s");
+        return vmm__sleep_say(why, len, -EBUSY, "a call on the program's own VMM memory kept its handle for 2 s");
     }
     /* first everything is kept, so that a failure releases nothing */
     for (handle_entry *e = A.handles; e; e = e->hh.next) {
@@ -155,7 +145,7 @@ static int pause_adopted(const char *tag, unsigned flags, vmm__sleep_io *io, vmm
                 pop(pushed);
                 drop_kept_locked();
                 pthread_mutex_unlock(&A.lock);
-                return say(why, len, rc, "copying %llu bytes of the program's own VMM memory at 0x%llx out failed%s",
+                return vmm__sleep_say(why, len, rc, "copying %llu bytes of the program's own VMM memory at 0x%llx out failed%s",
                            (unsigned long long)r->size, (unsigned long long)r->addr,
                            rc == -ENOMEM ? ": no host memory" : "");
             }
@@ -255,7 +245,7 @@ static int resume_adopted(const char *tag, vmm__sleep_io *io, vmm__sleep_out *ou
                 e->real = 0;
             }
         pthread_mutex_unlock(&A.lock);
-        say(why, len, rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO,
+        vmm__sleep_say(why, len, rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO,
             "%s %llu bytes of the program's own VMM memory on device %d failed (CUDA error %d); nothing was lost: the "
             "memory stays paused, resume again once memory is free",
             rc == CUDA_ERROR_OUT_OF_MEMORY ? "the device is full: making" : "making and mapping",
@@ -293,7 +283,7 @@ static int resume_adopted(const char *tag, vmm__sleep_io *io, vmm__sleep_out *ou
     if (lost) {
         vmm__log(VMM__LOG_ERROR, "vmm_resume: copying the kept contents of %d ranges of the program's own VMM memory "
                  "back failed; their bytes are undefined", lost);
-        return say(why, len, -EIO, "copying the kept contents of %d ranges back failed", lost);
+        return vmm__sleep_say(why, len, -EIO, "copying the kept contents of %d ranges back failed", lost);
     }
     return 0;
 }

@@ -89,8 +89,7 @@ static int pools_of(device_state *d, const char *tag, vmm__pool **out, int max)
     return n;
 }
 
-static int say(char *why, size_t len, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int say(char *why, size_t len, int rc, const char *fmt, ...)
+int vmm__sleep_say(char *why, size_t len, int rc, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -240,13 +239,13 @@ static sleep_file *file_open(char *why, size_t len)
     if (!dir || !*dir) dir = "/tmp";
     int fd = open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600); /* unlinked: it goes with the process */
     if (fd < 0) {
-        say(why, len, 0, "cannot make an unlinked file in %s (VMMSHIM_PAUSE_DIR): %s", dir, strerror(errno));
+        vmm__sleep_say(why, len, 0, "cannot make an unlinked file in %s (VMMSHIM_PAUSE_DIR): %s", dir, strerror(errno));
         return NULL;
     }
     sleep_file *f = calloc(1, sizeof *f);
     if (!f) {
         close(fd);
-        say(why, len, 0, "out of memory");
+        vmm__sleep_say(why, len, 0, "out of memory");
         return NULL;
     }
     f->fd = fd;
@@ -389,7 +388,7 @@ static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_i
             if (pushed) pop();
             if (rc) {
                 for (vmm__block *u = a->first; u != b; u = u->next) vmm__sleep_forget_locked(u);
-                return say(why, len, rc, "copying %llu bytes at 0x%llx out %s", (unsigned long long)b->requested,
+                return vmm__sleep_say(why, len, rc, "copying %llu bytes at 0x%llx out %s", (unsigned long long)b->requested,
                            (unsigned long long)b->addr,
                            rc == -ENOMEM ? "failed: no host memory" : io->f ? "to the file failed" : "failed (a driver call)");
             }
@@ -412,13 +411,13 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
 {
     memset(out, 0, sizeof *out);
     *why = 0;
-    if (!vmm__S.ready) return say(why, len, -ENODEV, "the shim is not active in this process");
+    if (!vmm__S.ready) return vmm__sleep_say(why, len, -ENODEV, "the shim is not active in this process");
     if ((flags & ~(unsigned)(VMM_PAUSE_DISCARD | VMM_PAUSE_FILE)) || (flags & VMM_PAUSE_DISCARD && flags & VMM_PAUSE_FILE))
-        return say(why, len, -EINVAL, "bad flags 0x%x", flags);
+        return vmm__sleep_say(why, len, -EINVAL, "bad flags 0x%x", flags);
     if (!(flags & VMM_PAUSE_DISCARD) && (!vmm__cu.MemcpyDtoH || !vmm__cu.MemcpyHtoD))
-        return say(why, len, -EIO, "the driver lacks cuMemcpyDtoH/cuMemcpyHtoD: only VMM_PAUSE_DISCARD works");
+        return vmm__sleep_say(why, len, -EIO, "the driver lacks cuMemcpyDtoH/cuMemcpyHtoD: only VMM_PAUSE_DISCARD works");
     if (__atomic_load_n(&vmm__S.captures, __ATOMIC_ACQUIRE) > 0)
-        return say(why, len, -EBUSY, "a stream is being captured: waiting for the device would break the capture");
+        return vmm__sleep_say(why, len, -EBUSY, "a stream is being captured: waiting for the device would break the capture");
     wait_for_devices(tag); /* no queued work may touch memory about to go */
     /* the program's own VMM memory is surveyed and paused with no lock of ours held: adopt.c
      * takes vmm__S.lock under its own */
@@ -432,11 +431,11 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
     any |= a_any;
     paused |= a_paused;
     awake |= a_awake;
-    if (rc) say(why, len, rc, "the broker kept exporting a segment for 2 s");
-    else if (!any) rc = say(why, len, -ENOENT, "no memory is tagged \"%s\"", tag ? tag : "");
+    if (rc) vmm__sleep_say(why, len, rc, "the broker kept exporting a segment for 2 s");
+    else if (!any) rc = vmm__sleep_say(why, len, -ENOENT, "no memory is tagged \"%s\"", tag ? tag : "");
     /* what is paused already stays so (a tag paused before a pause of everything): only when
      * nothing is left awake is the call a no-op */
-    else if (paused && !awake) rc = say(why, len, -EALREADY, "already paused: resume first");
+    else if (paused && !awake) rc = vmm__sleep_say(why, len, -EALREADY, "already paused: resume first");
     vmm__sleep_io io = {0};
     if (!rc && (flags & VMM_PAUSE_FILE) && !(io.f = file_open(why, len))) rc = -EIO;
     sleep_file *f = io.f;
@@ -533,7 +532,7 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
 {
     memset(out, 0, sizeof *out);
     *why = 0;
-    if (!vmm__S.ready) return say(why, len, -ENODEV, "the shim is not active in this process");
+    if (!vmm__S.ready) return vmm__sleep_say(why, len, -ENODEV, "the shim is not active in this process");
     const vmm__sleep_adopted *ad = adopted_ops();
     int a_any = 0, a_paused = 0, a_awake = 0;
     uint64_t a_left = 0;
@@ -541,8 +540,8 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
     pthread_mutex_lock(&vmm__S.lock);
     int any, paused, awake, rc = 0;
     survey_locked(tag, &any, &paused, &awake);
-    if (!any && !a_any) rc = say(why, len, -ENOENT, "no memory is tagged \"%s\"", tag ? tag : "");
-    else if (!paused && !a_paused) rc = say(why, len, -EALREADY, "not paused");
+    if (!any && !a_any) rc = vmm__sleep_say(why, len, -ENOENT, "no memory is tagged \"%s\"", tag ? tag : "");
+    else if (!paused && !a_paused) rc = vmm__sleep_say(why, len, -EALREADY, "not paused");
     if (!rc && a_paused) {
         /* the program's own memory first, with our lock let go (adopt.c takes it under its own):
          * a full device there changes nothing at all; one in the pools below leaves the program's
@@ -575,7 +574,7 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
                         for (int j = 0; j < 2; j++) vmm__pool_release(&d->pool[j], 0, 0, UINT64_MAX);
                         if ((rc = remap_seg(d, s)) == 0) continue;
                     }
-                    say(why, len, rc, "%s %llu bytes on device %d failed%s",
+                    vmm__sleep_say(why, len, rc, "%s %llu bytes on device %d failed%s",
                         rc == -ENOMEM ? "the device is full: making" : "making and mapping", (unsigned long long)s->size,
                         d->index, "; nothing was lost: the memory stays paused, resume again once memory is free");
                 }
@@ -617,7 +616,7 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
     if (out->segments && vmm__S.registry_ok) vmm__keep_ring(&vmm__S.reg, 0);
     if (lost) {
         vmm__log(VMM__LOG_ERROR, "vmm_resume: copying the kept contents of %d allocations back failed; their bytes are undefined", lost);
-        return say(why, len, -EIO, "copying the kept contents of %d allocations back failed", lost);
+        return vmm__sleep_say(why, len, -EIO, "copying the kept contents of %d allocations back failed", lost);
     }
     return 0;
 }

@@ -33,6 +33,8 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
 void vmm__sleep_serve_remote(void);
 /* vmm__S.lock held: a live allocation of a paused arena is being freed: its kept contents go. */
 void vmm__sleep_forget_locked(vmm__block *b);
+/* The one-line reason of a failed pause or resume into why, and rc back (both sides' calls). */
+int vmm__sleep_say(char *why, size_t len, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 
 /* ---- the program's own VMM memory (adopt_sleep.c), paused and resumed inside the same calls ----
  * adopt_sleep.c stands above this file (it calls the copy helpers below), so this file reaches it

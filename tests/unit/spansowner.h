@@ -106,4 +106,22 @@ static inline bool verify(int idx, uint64_t seed)
     if (!ok) fprintf(stderr, "owner: v %d: %s", idx, a);
     return ok;
 }
+/* The answer to "P <flags> [tag]" / "R [tag]": the report's fields, or the error's status. */
+typedef struct sleep_ans {
+    int ok, status;
+    unsigned long long released, kept, not_shim, segments, allocations;
+    char line[256];
+} sleep_ans;
+
+static inline sleep_ans sleep_cmd(const char *cmd)
+{
+    sleep_ans r;
+    memset(&r, 0, sizeof r);
+    r.ok = owner_cmd(r.line, "%s", cmd);
+    if (r.ok)
+        sscanf(r.line, "ok %llu %llu %llu %llu %llu", &r.released, &r.kept, &r.not_shim, &r.segments, &r.allocations);
+    else
+        sscanf(r.line, "error %d", &r.status);
+    return r;
+}
 #endif

@@ -26,23 +26,6 @@
 #define MIB (1ull << 20)
 #define TAG "sleeper"
 
-typedef struct sleep_ans {
-    int ok, status;
-    unsigned long long released, kept, not_shim, segments, allocations;
-    char line[256];
-} sleep_ans;
-
-static sleep_ans sleep_cmd(const char *cmd)
-{
-    sleep_ans r;
-    memset(&r, 0, sizeof r);
-    r.ok = owner_cmd(r.line, "%s", cmd);
-    if (r.ok)
-        sscanf(r.line, "ok %llu %llu %llu %llu %llu", &r.released, &r.kept, &r.not_shim, &r.segments, &r.allocations);
-    else
-        sscanf(r.line, "error %d", &r.status);
-    return r;
-}
 
 
 static bool find(vmm_registry *reg, uint64_t addr, vmm_alloc_info *out)

@@ -27,23 +27,6 @@
 #define MIB (1ull << 20)
 #define PROC_TAG "ownvmm" /* VMMSHIM_TAG: the owner's untagged memory */
 
-typedef struct sleep_ans {
-    int ok, status;
-    unsigned long long released, kept, not_shim, segments, allocations;
-    char line[256];
-} sleep_ans;
-
-static sleep_ans sleep_cmd(const char *cmd)
-{
-    sleep_ans r;
-    memset(&r, 0, sizeof r);
-    r.ok = owner_cmd(r.line, "%s", cmd);
-    if (r.ok)
-        sscanf(r.line, "ok %llu %llu %llu %llu %llu", &r.released, &r.kept, &r.not_shim, &r.segments, &r.allocations);
-    else
-        sscanf(r.line, "error %d", &r.status);
-    return r;
-}
 
 /* "V <bytes> <release>" filled with `w <index> <seed>`: the index, or -1; *addr, *handle. */
 static int own_filled(uint64_t bytes, int release, uint64_t seed, uint64_t *addr, uint64_t *handle)
