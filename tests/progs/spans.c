@@ -66,6 +66,18 @@
 
 static void *sym_of(const char *name) { return dlsym(RTLD_DEFAULT, name); }
 
+/* The emulated driver's counters now: 0, or -1 under a real driver (it has none). */
+static int counters_now(struct fakecuda_counters *c)
+{
+    void *sym = sym_of("fakecuda_counters");
+    fakecuda_counters_fn counters = NULL;
+    memcpy(&counters, &sym, sizeof counters);
+    memset(c, 0, sizeof *c);
+    if (!counters) return -1;
+    counters(c);
+    return 0;
+}
+
 typedef vmm_status (*pause_fn)(const char *, unsigned, vmm_sleep_report *, size_t);
 typedef vmm_status (*resume_fn)(const char *, vmm_sleep_report *, size_t);
 
@@ -164,12 +176,8 @@ int main(void)
             if (st == VMM_OK) printf("ok\n");
             else printf("error vmm_publish %d\n", (int)st);
         } else if (line[0] == 'c') {
-            void *sym = sym_of("fakecuda_counters");
-            fakecuda_counters_fn counters = NULL;
-            memcpy(&counters, &sym, sizeof counters);
-            struct fakecuda_counters c = {0};
-            if (counters) {
-                counters(&c);
+            struct fakecuda_counters c;
+            if (counters_now(&c) == 0) {
                 printf("ok %llu\n", c.exports);
             } else {
                 printf("error no emulated driver\n");
@@ -213,12 +221,8 @@ int main(void)
             if (e == cudaSuccess && bad == words) printf("ok\n");
             else if (e == cudaSuccess) printf("error mismatch at word %zu\n", bad);
         } else if (line[0] == 'm') {
-            void *sym = sym_of("fakecuda_counters");
-            fakecuda_counters_fn counters = NULL;
-            memcpy(&counters, &sym, sizeof counters);
-            struct fakecuda_counters c = {0};
-            if (counters) {
-                counters(&c);
+            struct fakecuda_counters c;
+            if (counters_now(&c) == 0) {
                 printf("ok %llu %llu %llu\n", c.phys_bytes_live, c.handles_live, c.host_allocs_live);
             } else {
                 printf("error no emulated driver\n");

@@ -13,6 +13,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "vmmshim.h"
+
 static char g_build[512], g_preload[700], g_reg[64];
 static FILE *g_to, *g_from;
 static pid_t g_pid;
@@ -123,5 +125,18 @@ static inline sleep_ans sleep_cmd(const char *cmd)
     else
         sscanf(r.line, "error %d", &r.status);
     return r;
+}
+/* A companion's import of the owner's memory at addr (this process, vmmshim.h's client): its first
+ * word, or 0 with *st set.  The mapping stays cached (idle) while the owner holds the chunk. */
+static inline uint64_t import_first_word(vmm_registry *reg, uint64_t addr, vmm_status *st)
+{
+    vmm_alloc_info info;
+    *st = vmm_find(reg, (uint32_t)g_pid, addr, &info);
+    if (*st != VMM_OK) return 0;
+    vmm_imported *imp = NULL;
+    if ((*st = vmm_import(reg, &info, &imp)) != VMM_OK) return 0;
+    uint64_t w = *(const volatile uint64_t *)(uintptr_t)vmm_import_ptr(imp);
+    vmm_import_release(imp);
+    return w;
 }
 #endif

@@ -44,18 +44,6 @@ static int companion_mappings(void)
     return n;
 }
 
-/* The companion's import of the allocation at addr: its first word, or 0 with *st set. */
-static uint64_t import_first_word(vmm_registry *reg, uint64_t addr, vmm_status *st)
-{
-    vmm_alloc_info info;
-    *st = vmm_find(reg, (uint32_t)g_pid, addr, &info);
-    if (*st != VMM_OK) return 0;
-    vmm_imported *imp = NULL;
-    if ((*st = vmm_import(reg, &info, &imp)) != VMM_OK) return 0;
-    uint64_t w = *(const volatile uint64_t *)(uintptr_t)vmm_import_ptr(imp);
-    vmm_import_release(imp); /* the mapping stays cached (idle) while the owner holds the chunk */
-    return w;
-}
 
 static int count_procs_fn(void *ctx, const vmm_proc_info *p)
 {

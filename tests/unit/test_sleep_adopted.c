@@ -62,18 +62,6 @@ static int ask(const char *cmd, long long v[3])
 
 static int is_stand_in(uint64_t h) { return (h >> 48) == 0xFA57; }
 
-/* The companion's import of the memory at addr: its first word, or 0 with *st set. */
-static uint64_t import_first_word(vmm_registry *reg, uint64_t addr, vmm_status *st)
-{
-    vmm_alloc_info info;
-    *st = vmm_find(reg, (uint32_t)g_pid, addr, &info);
-    if (*st != VMM_OK) return 0;
-    vmm_imported *imp = NULL;
-    if ((*st = vmm_import(reg, &info, &imp)) != VMM_OK) return 0;
-    uint64_t w = *(const volatile uint64_t *)(uintptr_t)vmm_import_ptr(imp);
-    vmm_import_release(imp);
-    return w;
-}
 
 static void owner_stop(void)
 {
