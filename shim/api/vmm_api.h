@@ -259,7 +259,8 @@ const char *vmm_thread_tag(void);
 
 /* ---- Sleep and wake (the owner side: the shim defines these functions) ---- */
 /* vmm_pause flags.  Neither: the contents are kept in host memory (pinned for allocations of 1 MiB or
- * more, pageable below). */
+ * more, pageable below; the pinned buffers stay after the resume for the next pause, within
+ * VMMSHIM_PAUSE_HOST_CACHE). */
 enum {
     VMM_PAUSE_DISCARD = 1u << 0, /* nothing is copied: resumed memory holds undefined bytes (a KV cache) */
     VMM_PAUSE_FILE = 1u << 1     /* the contents go to an unlinked file in VMMSHIM_PAUSE_DIR */

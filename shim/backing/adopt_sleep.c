@@ -110,13 +110,14 @@ static int device_count(void)
     return n < VMM__ADOPT_MAX_DEV ? n : VMM__ADOPT_MAX_DEV;
 }
 
-static void drop_kept_locked(void)
+/* A failed pause undone: the contents copied so far go (after the queued copies are done), their
+ * pinned buffers stay for the next pause, as after a resume. */
+static void drop_kept_locked(vmm__sleep_io *io)
 {
+    (void)vmm__sleep_wait(io);
     for (handle_entry *e = A.handles; e; e = e->hh.next)
-        for (range *r = e->mark ? e->ranges : NULL; r; r = r->next_of) {
-            vmm__sleep_kept_free(r->kept);
-            r->kept = NULL;
-        }
+        for (range *r = e->mark ? e->ranges : NULL; r; r = r->next_of)
+            if (vmm__sleep_holds(r->kept)) vmm__sleep_kept_done(&r->kept);
 }
 
 static int pause_adopted(const char *tag, unsigned flags, vmm__sleep_io *io, vmm__sleep_out *out, char *why, size_t len)
@@ -143,7 +144,7 @@ static int pause_adopted(const char *tag, unsigned flags, vmm__sleep_io *io, vmm
             int rc = vmm__sleep_keep(io, (CUdeviceptr)r->addr, r->size, &r->kept);
             if (rc) {
                 pop(pushed);
-                drop_kept_locked();
+                drop_kept_locked(io);
                 pthread_mutex_unlock(&A.lock);
                 return vmm__sleep_say(why, len, rc, "copying %llu bytes of the program's own VMM memory at 0x%llx out failed%s",
                            (unsigned long long)r->size, (unsigned long long)r->addr,
@@ -151,6 +152,11 @@ static int pause_adopted(const char *tag, unsigned flags, vmm__sleep_io *io, vmm
             }
         }
         pop(pushed);
+    }
+    if (!(flags & VMM_PAUSE_DISCARD) && vmm__sleep_wait(io)) { /* the copies were queued: done before any unmap */
+        drop_kept_locked(io);
+        pthread_mutex_unlock(&A.lock);
+        return vmm__sleep_say(why, len, -EIO, "copying the program's own VMM memory out failed (a driver call)");
     }
     for (handle_entry *e = A.handles; e; e = e->hh.next) {
         if (!e->mark) continue;
@@ -161,7 +167,7 @@ static int pause_adopted(const char *tag, unsigned flags, vmm__sleep_io *io, vmm
             if (u) unmap = u;
             vmm__range_set_paused(&r->pub, 1, 0, 0);
             out->allocations++;
-            if (r->kept) out->kept += r->size;
+            if (vmm__sleep_holds(r->kept)) out->kept += r->size;
         }
         if (e->broker_fd >= 0) { /* the broker's kept export would hold the memory */
             close(e->broker_fd);
@@ -253,17 +259,30 @@ static int resume_adopted(const char *tag, vmm__sleep_io *io, vmm__sleep_out *ou
         vmm__log(VMM__LOG_ERROR, "vmm_resume: %s", why);
         return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
     }
-    int lost = 0;
+    /* the copies back are queued, and waited for once before any record is live again */
+    int lost = 0, queued = 0;
+    for (handle_entry *e = A.handles; e; e = e->hh.next) {
+        if (!e->mark) continue;
+        int pushed = push(e->ctx);
+        for (range *r = e->ranges; r; r = r->next_of)
+            if (vmm__sleep_holds(r->kept)) {
+                if (vmm__sleep_restore(io, (CUdeviceptr)r->addr, r->kept) == 0) {
+                    out->kept += r->size;
+                    queued++;
+                } else
+                    lost++;
+            }
+        pop(pushed);
+    }
+    if (vmm__sleep_wait(io)) { /* which of them failed is not known */
+        lost += queued;
+        out->kept = 0;
+    }
     for (handle_entry *e = A.handles; e; e = e->hh.next) {
         if (!e->mark) continue;
         int pushed = push(e->ctx);
         for (range *r = e->ranges; r; r = r->next_of) {
-            if (r->kept) {
-                if (vmm__sleep_restore(io, (CUdeviceptr)r->addr, r->kept) == 0) out->kept += r->size;
-                else lost++;
-                vmm__sleep_kept_free(r->kept);
-                r->kept = NULL;
-            }
+            if (vmm__sleep_holds(r->kept)) vmm__sleep_kept_done(&r->kept); /* its pinned buffer stays for the next pause */
             out->allocations++;
         }
         /* the program had released its handle: its mappings hold the memory, as before the pause */

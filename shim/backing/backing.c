@@ -214,7 +214,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
     HASH_DELETE(hh, vmm__S.by_addr, b);
     vmm__retract_locked(b); /* out of the registry before the memory can be reused */
     b->live = 0;
-    if (b->arena->paused) vmm__sleep_forget_locked(b); /* beside arena->pool, which the free reads below */
+    if (b->kept) vmm__sleep_forget_locked(b); /* paused contents, or the pinned buffer kept for the next pause */
     device_state *d = vmm__dev_of_block(b);
     vmm__pool *pool = b->arena->pool;
     CUevent ev = NULL;
@@ -426,7 +426,7 @@ void vmm__device_reset(int dev)
         HASH_DELETE(hh, vmm__S.by_addr, b);
         vmm__retract_locked(b);
         b->live = 0;
-        if (b->arena->paused) vmm__sleep_forget_locked(b);
+        if (b->kept) vmm__sleep_forget_locked(b);
     }
     note *n, *nt;
     HASH_ITER(hh, vmm__S.notes, n, nt) {

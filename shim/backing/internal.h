@@ -2,10 +2,10 @@
  * lock (vmm__S), the driver's entry points (vmm__cu), and the functions one file makes for
  * another.  The files stand on floors, and each calls only the floors below its own
  * (tests/scripts/circles.py checks): state.c at the bottom; segment.c; giveback.c and export.c;
- * records.c; sleep.c (pause and resume); then the entry points, backing.c and mempool.c.  adopt.c and preexport.c use
+ * records.c; sleep_copy.c (a pause's copies); sleep.c (pause and resume); then the entry points, backing.c and mempool.c.  adopt.c and preexport.c use
  * backing.h only, and nothing here calls them: adopt.c hands its export to export.c, and
- * preexport.c forgets its queue in a fork child by itself.  adopt_sleep.c stands above adopt.c and
- * sleep.c and hands sleep.c its pause and resume (vmm__sleep_adopted_by). */
+ * preexport.c forgets its queue in a fork child by itself (as sleep_copy.c its kept buffers).  adopt_sleep.c
+ * stands above adopt.c and sleep.c and hands sleep.c its pause and resume (vmm__sleep_adopted_by). */
 #ifndef VMM_BACKING_INTERNAL_H
 #define VMM_BACKING_INTERNAL_H
 #include <cuda.h>
@@ -109,6 +109,9 @@ typedef struct vmm__driver {
     CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
     CUresult (*MemHostAlloc)(void **, size_t, unsigned);
     CUresult (*MemFreeHost)(void *);
+    /* queued copies to and from pinned memory, waited for once (sleep_copy.c); optional too */
+    CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+    CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
 } vmm__driver;
 
 typedef struct vmm__state {

@@ -16,12 +16,8 @@
  * segment paused too); at resume each segment gets a new id, so no import cache keyed on the old
  * one serves a mapping of the released handle.
  *
- * Host memory: pinned (cuMemHostAlloc) for an allocation of 1 MiB or more, since only a pinned
- * destination reaches the link's device-to-host bandwidth (a pageable one goes through the
- * driver's staging buffer at about half of it); pageable malloc below that, where pinning (a
- * syscall and page locking each) costs more than the copy.  A pinned allocation that fails (a
- * locked-memory limit) falls back to pageable.  Each allocation has its own copy, so a free of a
- * paused allocation gives its copy back at once.
+ * The copies (host memory, pinned from 1 MiB and kept across cycles, or the file; queued and
+ * waited for once an arena) are sleep_copy.c's.
  *
  * All of it runs under vmm__S.lock, after the devices were synchronized outside it: the pool
  * cannot change under a pause, and the broker cannot pin a segment meanwhile (it pins under the
@@ -52,23 +48,8 @@
 #include "core/options.h"
 #include "registry/keep.h"
 
-#define PINNED_MIN (1u << 20)
-#define STAGE_BYTES (8u << 20) /* the file's staging buffer */
 #define MAX_POOLS (2 * (VMM__MAX_TAGS + 1))
 #define MAX_CTX 16
-
-/* The contents of one paused allocation: in host memory, or at `off` in the pause's file. */
-typedef struct sleep_file {
-    int fd;
-    unsigned refs;
-} sleep_file;
-
-typedef struct kept {
-    void *host;
-    int pinned;
-    sleep_file *file;
-    uint64_t off, bytes;
-} kept;
 
 /* The one place a tag becomes pools.  NULL: every pool of d; the process's tag (VMMSHIM_TAG, ""
  * by default): the untagged pair; a thread tag (tags.c): that tag's pair. */
@@ -89,168 +70,21 @@ static int pools_of(device_state *d, const char *tag, vmm__pool **out, int max)
     return n;
 }
 
-int vmm__sleep_say(char *why, size_t len, int rc, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, len, fmt, ap);
-    va_end(ap);
-    return rc;
-}
-
-static int push(CUcontext ctx)
-{
-    return ctx && vmm__cu.CtxPushCurrent(ctx) == CUDA_SUCCESS;
-}
-
-static void pop(void)
-{
-    CUcontext popped;
-    (void)VMM__TWICE(vmm__cu.CtxPopCurrent(&popped));
-}
-
-static void kept_free(kept *k)
-{
-    if (!k) return;
-    if (k->host && k->pinned) vmm__cu.MemFreeHost(k->host);
-    else free(k->host);
-    if (k->file) {
-        /* give the file's blocks back now: a long pause of many frees keeps no dead bytes */
-        (void)fallocate(k->file->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)k->off, (off_t)k->bytes);
-        if (--k->file->refs == 0) {
-            close(k->file->fd);
-            free(k->file);
-        }
-    }
-    free(k);
-}
-
 void vmm__sleep_forget_locked(vmm__block *b)
 {
-    kept_free(b->kept);
+    vmm__sleep_kept_free(b->kept);
     b->kept = NULL;
 }
 
-/* ---- copies ---- */
+static int push(CUcontext ctx) { return vmm__sleep_push(ctx); }
 
-typedef struct stage {
-    void *buf;
-    int pinned;
-} stage;
-
-static int stage_get(stage *s)
-{
-    if (s->buf) return 0;
-    if (vmm__cu.MemHostAlloc && vmm__cu.MemHostAlloc(&s->buf, STAGE_BYTES, 0) == CUDA_SUCCESS) s->pinned = 1;
-    else if (!(s->buf = malloc(STAGE_BYTES))) return -ENOMEM;
-    return 0;
-}
-
-static void stage_put(stage *s)
-{
-    if (!s->buf) return;
-    if (s->pinned) vmm__cu.MemFreeHost(s->buf);
-    else free(s->buf);
-    s->buf = NULL;
-}
-
-struct vmm__sleep_io {
-    sleep_file *f; /* VMM_PAUSE_FILE: the contents go to its end */
-    uint64_t file_end;
-    stage st;
-};
-
-/* Copy n bytes at addr out (context pushed): into host memory, or at the end of the io's file. */
-static int keep_bytes(vmm__sleep_io *io, CUdeviceptr addr, uint64_t n, kept **out)
-{
-    sleep_file *f = io->f;
-    kept *k = calloc(1, sizeof *k);
-    if (!k) return -ENOMEM;
-    k->bytes = n;
-    if (f) {
-        if (stage_get(&io->st)) return free(k), -ENOMEM;
-        k->off = io->file_end;
-        for (uint64_t at = 0; at < n;) {
-            size_t piece = n - at < STAGE_BYTES ? (size_t)(n - at) : STAGE_BYTES;
-            if (vmm__cu.MemcpyDtoH(io->st.buf, addr + at, piece) != CUDA_SUCCESS) return free(k), -EIO;
-            for (size_t w = 0; w < piece;) {
-                ssize_t got = pwrite(f->fd, (char *)io->st.buf + w, piece - w, (off_t)(k->off + at + w));
-                if (got <= 0) return free(k), got < 0 && errno == ENOSPC ? -ENOSPC : -EIO;
-                w += (size_t)got;
-            }
-            at += piece;
-        }
-        io->file_end += n;
-        k->file = f;
-        f->refs++;
-    } else {
-        if (n >= PINNED_MIN && vmm__cu.MemHostAlloc && vmm__cu.MemHostAlloc(&k->host, n, 0) == CUDA_SUCCESS) k->pinned = 1;
-        else if (!(k->host = malloc(n ? n : 1))) return free(k), -ENOMEM;
-        if (vmm__cu.MemcpyDtoH(k->host, addr, n) != CUDA_SUCCESS) return kept_free(k), -EIO;
-    }
-    *out = k;
-    return 0;
-}
-
-/* Copy kept bytes back to addr (context pushed). */
-static int restore_bytes(vmm__sleep_io *io, CUdeviceptr addr, const kept *k)
-{
-    if (!k->file) return vmm__cu.MemcpyHtoD(addr, k->host, k->bytes) == CUDA_SUCCESS ? 0 : -EIO;
-    if (stage_get(&io->st)) return -ENOMEM;
-    for (uint64_t at = 0; at < k->bytes;) {
-        size_t piece = k->bytes - at < STAGE_BYTES ? (size_t)(k->bytes - at) : STAGE_BYTES;
-        for (size_t r = 0; r < piece;) {
-            ssize_t got = pread(k->file->fd, (char *)io->st.buf + r, piece - r, (off_t)(k->off + at + r));
-            if (got <= 0) return -EIO;
-            r += (size_t)got;
-        }
-        if (vmm__cu.MemcpyHtoD(addr + at, io->st.buf, piece) != CUDA_SUCCESS) return -EIO;
-        at += piece;
-    }
-    return 0;
-}
-
-int vmm__sleep_keep(vmm__sleep_io *io, CUdeviceptr addr, uint64_t n, void **out)
-{
-    if (!vmm__cu.MemcpyDtoH) return -EIO;
-    kept *k = NULL;
-    int rc = keep_bytes(io, addr, n, &k);
-    *out = k;
-    return rc;
-}
-
-int vmm__sleep_restore(vmm__sleep_io *io, CUdeviceptr addr, void *k)
-{
-    return vmm__cu.MemcpyHtoD ? restore_bytes(io, addr, k) : -EIO;
-}
-
-void vmm__sleep_kept_free(void *k) { kept_free(k); }
+static void pop(void) { vmm__sleep_pop(); }
 
 static const vmm__sleep_adopted *adopted; /* NULL until adopt_sleep.c's constructor ran */
 
 void vmm__sleep_adopted_by(const vmm__sleep_adopted *ops) { __atomic_store_n(&adopted, ops, __ATOMIC_RELEASE); }
 
 static const vmm__sleep_adopted *adopted_ops(void) { return __atomic_load_n(&adopted, __ATOMIC_ACQUIRE); }
-
-static sleep_file *file_open(char *why, size_t len)
-{
-    const char *dir = vmm__opt_str(VMM__OPT_PAUSE_DIR);
-    if (!*dir) dir = getenv("TMPDIR");
-    if (!dir || !*dir) dir = "/tmp";
-    int fd = open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600); /* unlinked: it goes with the process */
-    if (fd < 0) {
-        vmm__sleep_say(why, len, 0, "cannot make an unlinked file in %s (VMMSHIM_PAUSE_DIR): %s", dir, strerror(errno));
-        return NULL;
-    }
-    sleep_file *f = calloc(1, sizeof *f);
-    if (!f) {
-        close(fd);
-        vmm__sleep_say(why, len, 0, "out of memory");
-        return NULL;
-    }
-    f->fd = fd;
-    return f;
-}
 
 /* ---- waiting for the device ---- */
 
@@ -382,18 +216,30 @@ static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_i
     out->released += vmm__pool_release_arena(p, a, &dropped);
     if (dropped) return 0;
     if (!(flags & VMM_PAUSE_DISCARD)) {
-        for (vmm__block *b = a->first; b; b = b->next) {
+        uint64_t kept = 0;
+        int rc = 0;
+        vmm__block *b;
+        for (b = a->first; b && !rc; b = b->next) {
             if (b->free || !b->live) continue;
-            int pushed = push(b->ctx), rc = keep_bytes(io, b->addr, b->requested, (kept **)&b->kept);
+            int pushed = push(b->ctx);
+            rc = vmm__sleep_keep(io, b->addr, b->requested, &b->kept);
             if (pushed) pop();
-            if (rc) {
-                for (vmm__block *u = a->first; u != b; u = u->next) vmm__sleep_forget_locked(u);
-                return vmm__sleep_say(why, len, rc, "copying %llu bytes at 0x%llx out %s", (unsigned long long)b->requested,
-                           (unsigned long long)b->addr,
-                           rc == -ENOMEM ? "failed: no host memory" : io->f ? "to the file failed" : "failed (a driver call)");
-            }
-            out->kept += b->requested;
+            if (rc)
+                vmm__sleep_say(why, len, rc, "copying %llu bytes at 0x%llx out %s", (unsigned long long)b->requested,
+                               (unsigned long long)b->addr,
+                               rc == -ENOMEM ? "failed: no host memory" : io->f ? "to the file failed" : "failed (a driver call)");
+            kept += b->requested;
         }
+        /* the copies are queued: nothing of the arena is released before they are done */
+        if (!rc && (rc = vmm__sleep_wait(io)))
+            vmm__sleep_say(why, len, rc, "copying the %llu bytes of an arena out failed (a driver call)", (unsigned long long)kept);
+        if (rc) { /* nothing of the arena is released: the contents copied so far go, their buffers stay */
+            (void)vmm__sleep_wait(io);
+            for (vmm__block *u = a->first; u != b; u = u->next)
+                if (vmm__sleep_holds(u->kept)) vmm__sleep_kept_done(&u->kept);
+            return rc;
+        }
+        out->kept += kept;
     }
     for (vmm__block *b = a->first; b; b = b->next) out->allocations += !b->free && b->live;
     vmm__pool_set_paused(p, a, 1);
@@ -437,9 +283,7 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
      * nothing is left awake is the call a no-op */
     else if (paused && !awake) rc = vmm__sleep_say(why, len, -EALREADY, "already paused: resume first");
     vmm__sleep_io io = {0};
-    if (!rc && (flags & VMM_PAUSE_FILE) && !(io.f = file_open(why, len))) rc = -EIO;
-    sleep_file *f = io.f;
-    if (f) f->refs++; /* the call's own reference, until its end */
+    if (!rc && (flags & VMM_PAUSE_FILE)) rc = vmm__sleep_io_file(&io, why, len);
     for (int i = 0; i < MAX_DEVICES && !rc; i++) {
         vmm__pool *pools[MAX_POOLS];
         int np = pools_of(&vmm__S.dev[i], tag, pools, MAX_POOLS);
@@ -454,15 +298,11 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
     out->not_shim = not_shim_locked() + a_left;
     pthread_mutex_unlock(&vmm__S.lock);
     if (!rc && a_awake) rc = ad->pause(tag, flags, &io, out, why, len);
-    stage_put(&io.st);
+    vmm__sleep_io_end(&io);
     if (rc && out->segments) { /* what was paused before the failure stays paused, and resumable */
         size_t used = strlen(why);
         snprintf(why + used, len - used, "; %llu bytes paused before it stay paused: vmm_resume restores them",
                  (unsigned long long)out->released);
-    }
-    if (f && --f->refs == 0) {
-        close(f->fd);
-        free(f);
     }
     /* a keeper holding these segments lets go of them before the call returns (at most
      * VMM__KEEP_LET_GO_MS; one relaxed load when nobody keeps us) */
@@ -549,7 +389,7 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
         pthread_mutex_unlock(&vmm__S.lock);
         vmm__sleep_io io = {0};
         rc = ad->resume(tag, &io, out, why, len);
-        stage_put(&io.st);
+        vmm__sleep_io_end(&io);
         pthread_mutex_lock(&vmm__S.lock);
     }
     /* first everything is mapped, so that a full device changes nothing */
@@ -587,29 +427,43 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
         return rc;
     }
     settle_remapped(tag, 1, out);
+    /* the copies back are queued, all of them, and waited for once before any arena is awake
+     * again (a companion may import it then) */
     vmm__sleep_io io = {0};
-    int lost = 0;
-    for (int i = 0; i < MAX_DEVICES; i++) {
-        vmm__pool *pools[MAX_POOLS];
-        int np = pools_of(&vmm__S.dev[i], tag, pools, MAX_POOLS);
-        for (int k = 0; k < np; k++)
-            for (vmm__arena *a = pools[k]->arenas; a; a = a->next) {
-                if (!a->paused) continue;
-                for (vmm__block *b = a->first; b; b = b->next) {
-                    if (b->free || !b->live) continue;
-                    out->allocations++;
-                    if (!b->kept) continue; /* discarded */
-                    int pushed = push(b->ctx);
-                    if (restore_bytes(&io, b->addr, b->kept) == 0) out->kept += b->requested;
-                    else lost++;
-                    if (pushed) pop();
-                    vmm__sleep_forget_locked(b);
+    int lost = 0, queued = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1 && vmm__sleep_wait(&io)) { /* which of them failed is not known */
+            lost += queued;
+            out->kept = 0;
+        }
+        for (int i = 0; i < MAX_DEVICES; i++) {
+            vmm__pool *pools[MAX_POOLS];
+            int np = pools_of(&vmm__S.dev[i], tag, pools, MAX_POOLS);
+            for (int k = 0; k < np; k++)
+                for (vmm__arena *a = pools[k]->arenas; a; a = a->next) {
+                    if (!a->paused) continue;
+                    for (vmm__block *b = a->first; b; b = b->next) {
+                        if (b->free || !b->live || !vmm__sleep_holds(b->kept)) continue; /* none: discarded */
+                        if (pass == 1) {
+                            vmm__sleep_kept_done(&b->kept); /* its pinned buffer stays for the next pause */
+                            continue;
+                        }
+                        int pushed = push(b->ctx);
+                        if (vmm__sleep_restore(&io, b->addr, b->kept) == 0) {
+                            out->kept += b->requested;
+                            queued++;
+                        } else
+                            lost++;
+                        if (pushed) pop();
+                    }
+                    if (pass == 0) continue;
+                    for (vmm__block *b = a->first; b; b = b->next) out->allocations += !b->free && b->live;
+                    vmm__pool_set_paused(pools[k], a, 0);
+                    mark_records_locked(a, 0);
                 }
-                vmm__pool_set_paused(pools[k], a, 0);
-                mark_records_locked(a, 0);
-            }
+        }
     }
-    stage_put(&io.st);
+    vmm__sleep_io_end(&io);
     out->not_shim = not_shim_locked() + a_left;
     pthread_mutex_unlock(&vmm__S.lock);
     /* a keeper takes the new chunks at once: the records changed without a publish it would see */

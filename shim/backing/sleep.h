@@ -31,23 +31,57 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
  * (protocol v4), refused unless VMMSHIM_REMOTE_PAUSE=1.  An atomic store: called once, from the
  * face's constructor (shim/hooks/pause.c), so that the allocation path gains nothing. */
 void vmm__sleep_serve_remote(void);
-/* vmm__S.lock held: a live allocation of a paused arena is being freed: its kept contents go. */
+/* vmm__S.lock held: a live allocation with a copy (b->kept) is being freed: the copy goes, whether
+ * it holds paused contents or is the pinned buffer kept for the next pause. */
 void vmm__sleep_forget_locked(vmm__block *b);
+
+/* ---- the copies (sleep_copy.c), for this file's pause and resume and adopt_sleep.c's ---- */
+
 /* The one-line reason of a failed pause or resume into why, and rc back (both sides' calls). */
 int vmm__sleep_say(char *why, size_t len, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+/* Make ctx current (1), or nothing when it is NULL or cannot be (0); vmm__sleep_pop undoes a 1. */
+int vmm__sleep_push(CUcontext ctx);
+void vmm__sleep_pop(void);
+
+#define VMM__SLEEP_IO_CTX 16
+typedef struct vmm__sleep_file vmm__sleep_file;
+/* One call's copy state, zeroed by the caller, ended with vmm__sleep_io_end; the fields are
+ * sleep_copy.c's. */
+typedef struct vmm__sleep_io {
+    vmm__sleep_file *f;                /* VMM_PAUSE_FILE: the contents go to its end */
+    uint64_t file_end;
+    void *stage;                       /* the file's staging buffer */
+    int stage_pinned;
+    CUcontext ctx[VMM__SLEEP_IO_CTX];  /* contexts with copies queued, waited for by vmm__sleep_wait */
+    int n_ctx;
+} vmm__sleep_io;
+/* The call keeps contents in an unlinked file in VMMSHIM_PAUSE_DIR: 0, or -EIO with why said. */
+int vmm__sleep_io_file(vmm__sleep_io *io, char *why, size_t len);
+/* Waits for what is queued, gives the staging buffer back and drops the call's hold on the file. */
+void vmm__sleep_io_end(vmm__sleep_io *io);
+/* Waits for every copy queued through io: 0, or -EIO when one failed (which one is not known). */
+int vmm__sleep_wait(vmm__sleep_io *io);
+
+/* Copy n bytes at addr out (the memory's context current), into *kept: a copy made now, or the
+ * buffer *kept kept idle from the last cycle.  The copy may be queued: nothing reads or frees the
+ * memory before vmm__sleep_wait.  0, or -ENOMEM, -ENOSPC, -EIO with nothing held (*kept is then
+ * NULL or idle again). */
+int vmm__sleep_keep(vmm__sleep_io *io, CUdeviceptr addr, uint64_t n, void **kept);
+/* Whether kept holds contents (a discarded pause keeps none, an idle buffer holds none). */
+int vmm__sleep_holds(const void *kept);
+/* Copy the kept contents back to addr (context current); maybe queued, as vmm__sleep_keep's.
+ * 0 or -ENOMEM / -EIO. */
+int vmm__sleep_restore(vmm__sleep_io *io, CUdeviceptr addr, void *kept);
+/* The contents are no longer needed (restored and waited for, or a failed pause undone): the
+ * pinned buffer stays, idle, for the next pause while VMMSHIM_PAUSE_HOST_CACHE allows, else
+ * goes (*kept NULL then). */
+void vmm__sleep_kept_done(void **kept);
+/* The allocation goes: its copy, contents or idle buffer, goes too. */
+void vmm__sleep_kept_free(void *kept);
 
 /* ---- the program's own VMM memory (adopt_sleep.c), paused and resumed inside the same calls ----
- * adopt_sleep.c stands above this file (it calls the copy helpers below), so this file reaches it
+ * adopt_sleep.c stands above this file (it calls the copies above), so sleep.c reaches it
  * only through the functions it hands in (as export.c reaches adopt.c), never by name. */
-
-/* One pause's copy state: the unlinked file (VMM_PAUSE_FILE) and the staging buffer. */
-typedef struct vmm__sleep_io vmm__sleep_io;
-/* Copy n bytes at addr out (the memory's context current): *kept holds them until
- * vmm__sleep_kept_free.  0, -ENOMEM, -ENOSPC or -EIO. */
-int vmm__sleep_keep(vmm__sleep_io *io, CUdeviceptr addr, uint64_t n, void **kept);
-/* Copy kept bytes back to addr (context current): 0 or -ENOMEM / -EIO. */
-int vmm__sleep_restore(vmm__sleep_io *io, CUdeviceptr addr, void *kept);
-void vmm__sleep_kept_free(void *kept);
 
 typedef struct vmm__sleep_adopted {
     /* What the tag selects: *any pausable memory, *paused some of it, *awake some not; *left the

@@ -70,6 +70,8 @@ static int load_driver(char *why, size_t len)
         LOAD(MemcpyHtoD, cuMemcpyHtoD);
         LOAD(MemHostAlloc, cuMemHostAlloc);
         LOAD(MemFreeHost, cuMemFreeHost);
+        LOAD(MemcpyDtoHAsync, cuMemcpyDtoHAsync);
+        LOAD(MemcpyHtoDAsync, cuMemcpyHtoDAsync);
     }
     if (!ok) {
         snprintf(why, len, "libcuda.so.1 lacks the VMM entry points");

@@ -14,6 +14,16 @@
  * published by n_tags: a thread holds a number only after its name was written. */
 static pthread_mutex_t names_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* A fork while another thread appends a name would leave the child's copy of the lock held by a
+ * thread the child does not have, and the child's first new tag waiting forever.  So fork takes
+ * the lock first (held for a few compares and a copy, never across anything that waits), and the
+ * child gets a fresh one, as ipc.c does with its tables' lock.  Registered before the lock is
+ * first taken: until then no thread can hold it. */
+static void before_fork(void) { pthread_mutex_lock(&names_lock); }
+static void after_fork_parent(void) { pthread_mutex_unlock(&names_lock); }
+static void after_fork_child(void) { pthread_mutex_init(&names_lock, NULL); }
+static void register_atfork(void) { pthread_atfork(before_fork, after_fork_parent, after_fork_child); }
+
 static uint32_t lookup(const char *name)
 {
     unsigned n = __atomic_load_n(&vmm__S.n_tags, __ATOMIC_ACQUIRE);
@@ -30,6 +40,8 @@ int vmm__tag_number(const char *name, uint32_t *t)
     if (!name || !*name) return 0;
     if (strlen(name) >= sizeof vmm__S.tags[0]) return -1;
     if ((*t = lookup(name))) return 0;
+    static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+    pthread_once(&atfork_once, register_atfork);
     pthread_mutex_lock(&names_lock);
     int rc = 0;
     if (!(*t = lookup(name))) {

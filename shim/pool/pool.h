@@ -54,7 +54,8 @@ typedef struct vmm__block {
     int live;
     int retired;                         /* a moved segment's old place, still mapped until its event is reached */
     void *ctx;                           /* the context it was made in: cudaFree syncs that */
-    void *kept;                          /* while its arena is paused: where its contents are (sleep.c) */
+    void *kept;                          /* paused: where its contents are; awake: NULL or the pinned buffer
+                                            kept for its next pause (shim/backing/sleep_copy.c) */
     uint8_t alloc_id[16];
     UT_hash_handle hh, hs;               /* caller's tables: by address, by registry slot */
 } vmm__block;

@@ -136,6 +136,18 @@ static unsigned long long g_budget = 8ULL << 30;
 static int g_no_vmm;
 static unsigned long long g_delay_us;
 static unsigned long long g_copy_delay_us;
+/* FAKECUDA_ASYNC_DEFER: asynchronous copies wait in this queue (under g_mu) for the next
+ * synchronization, so a caller that skips one reads stale bytes or frees memory a copy still
+ * needs (the real driver moves them at some time before then; this is the latest). */
+typedef struct fc_pending {
+    void *dst;
+    const void *src;
+    size_t n;
+    struct fc_pending *next;
+} fc_pending;
+static int g_async_defer;
+static fc_pending *g_pending, **g_pending_tail = &g_pending;
+static void pending_flush(void);
 static unsigned long long g_export_delay_us; /* each POSIX fd export takes this long (an H100: ~600) */
 static unsigned long long g_unmap_delay_us;  /* each cuMemUnmap takes this long */
 static int g_initialized;
@@ -487,6 +499,7 @@ __attribute__((constructor)) static void fc_load(void)
     if ((s = getenv("FAKECUDA_NO_VMM")) && *s && strcmp(s, "0")) g_no_vmm = 1;
     if ((s = getenv("FAKECUDA_EVENT_DELAY_US")) && *s) g_delay_us = strtoull(s, NULL, 10);
     if ((s = getenv("FAKECUDA_COPY_DELAY_US")) && *s) g_copy_delay_us = strtoull(s, NULL, 10);
+    if ((s = getenv("FAKECUDA_ASYNC_DEFER")) && *s && strcmp(s, "0")) g_async_defer = 1;
     if ((s = getenv("FAKECUDA_COUNTERS_AT_EXIT")) && *s) snprintf(g_counters_path, sizeof g_counters_path, "%s", s);
     for (int i = 0; i < FC_MAX_DEV; i++) {
         g_ctx[i].dev = i;
@@ -1048,6 +1061,7 @@ FC_API CUresult cuCtxSynchronize(void)
 {
     FC_ENTER("cuCtxSynchronize");
     if (!ctx_of(cur_ctx())) return CUDA_ERROR_INVALID_CONTEXT;
+    pending_flush();
     (void)__atomic_load_n(&g_copies_done, __ATOMIC_ACQUIRE); /* every copy done so far is ordered before */
     LOCK();
     unsigned long long t = g_legacy_stream.busy_until;
@@ -2098,7 +2112,9 @@ FC_API CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)
 FC_API CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
 {
     FC_ENTER("cuMemHostAlloc");
-    return host_alloc(pp, bytesize, Flags);
+    CUresult r = host_alloc(pp, bytesize, Flags);
+    if (r == CUDA_SUCCESS) CNT_ADD(calls_cuMemHostAlloc, 1);
+    return r;
 }
 
 FC_API CUresult cuMemFreeHost(void *p)
@@ -2114,6 +2130,7 @@ FC_API CUresult cuMemFreeHost(void *p)
     munmap(p, r->map_len);
     free(r);
     CNT_SUB(host_allocs_live, 1);
+    CNT_ADD(calls_cuMemFreeHost, 1);
     return CUDA_SUCCESS;
 }
 
@@ -2169,7 +2186,36 @@ static CUresult copy_async(void *dst, const void *src, size_t n, CUstream s)
         st->busy_until = (st->busy_until > t ? st->busy_until : t) + g_copy_delay_us * 1000ULL;
     }
     UNLOCK();
-    return st ? copy_bytes(dst, src, n) : CUDA_ERROR_INVALID_HANDLE;
+    if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    if (!g_async_defer || !n) return copy_bytes(dst, src, n);
+    /* checked now, as the real driver checks at the call; the bytes move at the next sync */
+    if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
+    if (!copy_allowed(dst, n) || !copy_allowed(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    fc_pending *q = malloc(sizeof *q);
+    if (!q) return CUDA_ERROR_OUT_OF_MEMORY;
+    *q = (fc_pending){dst, src, n, NULL};
+    LOCK();
+    *g_pending_tail = q;
+    g_pending_tail = &q->next;
+    UNLOCK();
+    return CUDA_SUCCESS;
+}
+
+/* FAKECUDA_ASYNC_DEFER: a synchronization moves the queued copies' bytes, oldest first. */
+static void pending_flush(void)
+{
+    LOCK();
+    fc_pending *q = g_pending;
+    g_pending = NULL;
+    g_pending_tail = &g_pending;
+    UNLOCK();
+    while (q) {
+        fc_pending *next = q->next;
+        memmove(q->dst, q->src, q->n);
+        __atomic_fetch_add(&g_copies_done, 1, __ATOMIC_RELEASE);
+        free(q);
+        q = next;
+    }
 }
 
 #define DP(x) ((void *)(uintptr_t)(x))
@@ -2185,8 +2231,8 @@ FC_API CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr dst, CUdeviceptr src, size_t n)
 
 FC_API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) { FC_ENTER("cuMemcpyAsync"); return copy_async(DP(dst), DP(src), n, s); }
 FC_API CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) { FC_ENTER("cuMemcpyAsync"); return copy_async(DP(dst), DP(src), n, s); }
-FC_API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) { FC_ENTER("cuMemcpyHtoDAsync"); return copy_async(DP(dst), src, n, s); }
-FC_API CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void *src, size_t n, CUstream s) { FC_ENTER("cuMemcpyHtoDAsync"); return copy_async(DP(dst), src, n, s); }
+FC_API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) { CNT_ADD(calls_cuMemcpyHtoDAsync, 1); FC_ENTER("cuMemcpyHtoDAsync"); return copy_async(DP(dst), src, n, s); }
+FC_API CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void *src, size_t n, CUstream s) { CNT_ADD(calls_cuMemcpyHtoDAsync, 1); FC_ENTER("cuMemcpyHtoDAsync"); return copy_async(DP(dst), src, n, s); }
 FC_API CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) { CNT_ADD(calls_cuMemcpyDtoHAsync, 1); FC_ENTER("cuMemcpyDtoHAsync"); return copy_async(dst, DP(src), n, s); }
 FC_API CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dst, CUdeviceptr src, size_t n, CUstream s) { CNT_ADD(calls_cuMemcpyDtoHAsync, 1); FC_ENTER("cuMemcpyDtoHAsync"); return copy_async(dst, DP(src), n, s); }
 FC_API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) { FC_ENTER("cuMemcpyDtoDAsync"); return copy_async(DP(dst), DP(src), n, s); }
@@ -2288,6 +2334,7 @@ static CUresult stream_sync(CUstream hStream)
     unsigned long long t = s ? s->busy_until : 0;
     UNLOCK();
     if (!s) return CUDA_ERROR_INVALID_HANDLE;
+    pending_flush();
     sleep_until(t);
     return CUDA_SUCCESS;
 }

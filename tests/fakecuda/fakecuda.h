@@ -26,6 +26,11 @@
  *   FAKECUDA_COPY_DELAY_US=N      every copy takes N microseconds: a synchronous one returns that
  *                                 late, an asynchronous one keeps its stream busy that much
  *                                 longer (events recorded after it complete then)
+ *   FAKECUDA_ASYNC_DEFER=1        an asynchronous copy (cuMemcpy*Async) moves its bytes only at the
+ *                                 next cuCtxSynchronize or cuStreamSynchronize (of any stream),
+ *                                 in the order queued; until then its source may still change
+ *                                 and its destination holds the old bytes, so a caller that reads
+ *                                 or frees either side before synchronizing is caught
  *   FAKECUDA_COUNTERS_AT_EXIT=path  write the counters as key=value lines at exit
  *                                 ("%p" in path becomes the process id)
  */
@@ -65,6 +70,9 @@
     X(calls_cuMemPoolTrimTo)                                                                   \
     X(calls_cuEventRecord)   /* and its _ptsz and WithFlags variants */                        \
     X(calls_cuDeviceSetMemPool) /* and cuMemSetMemPool */                                      \
+    X(calls_cuMemHostAlloc)  /* successful cuMemHostAlloc calls (cuMemAllocHost not counted) */ \
+    X(calls_cuMemFreeHost)   /* successful cuMemFreeHost calls */                              \
+    X(calls_cuMemcpyHtoDAsync) /* both exported variants */                                    \
     X(calls_legacy_abi)      /* pre-3.2 entry points with 32-bit pointers: always a bug */     \
     X(failures_injected)
 

@@ -24,8 +24,9 @@
  *   "R [tag]"        vmm_resume_ex; answers as "P"
  *   "v <index> <seed>" reads the buffer back (cudaMemcpy) and compares it with what "w" wrote;
  *                    answers "ok" or "error mismatch at word <k>"
- *   "m"              answers "ok <physical bytes> <handles> <host allocations>": the emulated
- *                    driver's live counts in this process
+ *   "m"              answers "ok <physical bytes> <handles> <host allocations> <cuMemHostAlloc calls>
+ *                    <cuMemFreeHost calls> <cuMemcpyDtoHAsync calls> <cuMemcpyHtoDAsync calls>": the
+ *                    emulated driver's live counts in this process, and its calls so far
  *   "b <bytes>"      the emulated device's memory budget (fakecuda_set_budget); answers "ok"
  *   "F"              forks a child that exits at once (through exit(), the shim's exit path); answers
  *                    "ok <its exit status>"
@@ -223,7 +224,8 @@ int main(void)
         } else if (line[0] == 'm') {
             struct fakecuda_counters c;
             if (counters_now(&c) == 0) {
-                printf("ok %llu %llu %llu\n", c.phys_bytes_live, c.handles_live, c.host_allocs_live);
+                printf("ok %llu %llu %llu %llu %llu %llu %llu\n", c.phys_bytes_live, c.handles_live, c.host_allocs_live,
+                       c.calls_cuMemHostAlloc, c.calls_cuMemFreeHost, c.calls_cuMemcpyDtoHAsync, c.calls_cuMemcpyHtoDAsync);
             } else {
                 printf("error no emulated driver\n");
             }

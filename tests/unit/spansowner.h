@@ -18,6 +18,9 @@
 static char g_build[512], g_preload[700], g_reg[64];
 static FILE *g_to, *g_from;
 static pid_t g_pid;
+/* "NAME=value" settings for the next owner only (NULL-ended; this process's environment is
+ * left alone, so its own emulated driver and client library read none of them). */
+static char *g_owner_env[8];
 
 /* The k-th 64-bit word `w <index> <seed>` writes. */
 static inline uint64_t word(uint64_t seed, uint64_t k) { return seed * 0x9e3779b97f4a7c15ull + k; }
@@ -34,6 +37,7 @@ static inline bool spans_start(void)
         dup2(in[0], 0);
         dup2(out[1], 1);
         putenv(g_preload);
+        for (int i = 0; i < 8 && g_owner_env[i]; i++) putenv(g_owner_env[i]);
         setenv("VMMSHIM_GIVE_BACK_MS", "60000", 1); /* freed segments stay for the next request */
         setenv("VMMSHIM_CACHE_SIZE", "8G", 1);
         alarm(300);
@@ -78,16 +82,20 @@ static inline int owner_alloc_with(char how, uint64_t bytes, uint64_t *addr)
     *addr = p;
     return idx;
 }
-/* The emulated device as the owner sees it (`m`): live physical bytes, handles, host allocations. */
+/* The emulated device as the owner sees it (`m`): live physical bytes, handles, host allocations;
+ * and the calls so far of cuMemHostAlloc, cuMemFreeHost, cuMemcpyDtoHAsync and cuMemcpyHtoDAsync. */
 typedef struct owner_mem_t {
     unsigned long long phys, handles, host;
+    unsigned long long host_made, host_freed, dtoh_async, htod_async;
 } owner_mem_t;
 
 static inline owner_mem_t owner_mem(void)
 {
-    owner_mem_t m = {0, 0, 0};
+    owner_mem_t m;
+    memset(&m, 0, sizeof m);
     char a[256];
-    if (!owner_cmd(a, "m") || sscanf(a, "ok %llu %llu %llu", &m.phys, &m.handles, &m.host) != 3)
+    if (!owner_cmd(a, "m") || sscanf(a, "ok %llu %llu %llu %llu %llu %llu %llu", &m.phys, &m.handles, &m.host, &m.host_made,
+                                     &m.host_freed, &m.dtoh_async, &m.htod_async) != 7)
         fprintf(stderr, "owner: m: %s", a);
     return m;
 }

@@ -73,6 +73,8 @@ static void test_table(void)
     CHECK_EQ(vmm__opt_int(VMM__OPT_REGISTRY_CAPACITY), 1048576);
     CHECK(vmm__opt_size(VMM__OPT_CACHE_SIZE) == 0, "cache %llu", vmm__opt_size(VMM__OPT_CACHE_SIZE));
     CHECK(vmm__opt_int(VMM__OPT_GIVE_BACK_MS) == 200, "give-back %lld", vmm__opt_int(VMM__OPT_GIVE_BACK_MS));
+    CHECK(vmm__opt_size(VMM__OPT_PAUSE_HOST_CACHE) == 64ULL << 30, "pause host cache %llu",
+          vmm__opt_size(VMM__OPT_PAUSE_HOST_CACHE));
     CHECK_EQ(vmm__opt_enum(VMM__OPT_EXPORT), VMM__EXPORT_BROKER);
     CHECK_EQ(vmm__opt_enum(VMM__OPT_FABRIC), VMM__FABRIC_AUTO);
     CHECK_EQ(vmm__opt_int(VMM__OPT_FRAMES), 0);
@@ -155,6 +157,9 @@ static void test_good_values(void)
     good(VMM__OPT_CACHE_SIZE, "8GB", "8G");
     good(VMM__OPT_CACHE_SIZE, "1T", "1T");
     CHECK(vmm__opt_size(VMM__OPT_CACHE_SIZE) == 1ULL << 40, "%llu", vmm__opt_size(VMM__OPT_CACHE_SIZE));
+    good(VMM__OPT_PAUSE_HOST_CACHE, "0", "0");
+    good(VMM__OPT_PAUSE_HOST_CACHE, "256M", "256M");
+    CHECK(vmm__opt_size(VMM__OPT_PAUSE_HOST_CACHE) == 256ULL << 20, "%llu", vmm__opt_size(VMM__OPT_PAUSE_HOST_CACHE));
 
     good(VMM__OPT_LOG_LEVEL, "debug", "debug");
     CHECK_EQ(vmm__opt_enum(VMM__OPT_LOG_LEVEL), VMM__LOG_DEBUG);
@@ -237,6 +242,10 @@ static void test_bad_values(void)
     bad(VMM__OPT_CACHE_SIZE, "99999999999999999999999", "is out of range");
     bad(VMM__OPT_CACHE_SIZE, "2T", "is out of range");
     bad(VMM__OPT_CACHE_SIZE, "1025G", "is out of range");
+    /* the pinned memory kept between pauses: a bad value keeps the default (64G), in one line */
+    bad(VMM__OPT_PAUSE_HOST_CACHE, "lots", "is not a size (use bytes or K/M/G/T suffix, 0..1T)");
+    bad(VMM__OPT_PAUSE_HOST_CACHE, "-1", "is not a size");
+    bad(VMM__OPT_PAUSE_HOST_CACHE, "2T", "is out of range");
 
     bad(VMM__OPT_LOG_LEVEL, "verbose", "is not one of error|warning|info|debug");
     bad(VMM__OPT_EXPORT, "fd", "is not one of broker|pidfd");

@@ -184,7 +184,8 @@ int main(void)
     CHECK(p.kept == 24 * MIB + 64 * 1024, "copied back %llu bytes", p.kept);
     CHECK(m4.phys == m3.phys + p.released && p.released >= 24 * MIB, "resume mapped %llu bytes; live %llu -> %llu",
           p.released, m3.phys, m4.phys);
-    CHECK(m4.host == m0.host, "host copies left after the resume: %llu, want %llu", m4.host, m0.host);
+    /* the large allocation's pinned copy stays for its next pause (test_sleep_host); the freed one's went */
+    CHECK(m4.host == m0.host + 1, "host allocations after the resume: %llu, want %llu", m4.host, m0.host + 1);
     CHECK(verify(a, 101) && verify(c, 103) && verify(d, 104), "bytes differ after the resume");
     CHECK(find(reg, a_addr, &info) && !(info.flags & VMM_ALLOC_PAUSED) && info.chunk_id != before.chunk_id &&
               info.generation == before.generation,

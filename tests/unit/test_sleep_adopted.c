@@ -78,7 +78,10 @@ static void with_stand_ins(void)
 {
     setenv("VMMSHIM_SLEEP_ADOPTED", "1", 1);
     setenv("VMMSHIM_TAG", PROC_TAG, 1);
+    static char defer[] = "FAKECUDA_ASYNC_DEFER=1"; /* a copy not waited for before the unmap is caught */
+    g_owner_env[0] = defer;
     CHECK(spans_start(), "cannot start the owner");
+    g_owner_env[0] = NULL;
     owner_mem_t m0 = owner_mem();
     uint64_t a_addr = 0, a_h = 0, b_addr = 0, b_h = 0;
     int a = own_filled(4 * MIB, 1, 201, &a_addr, &a_h), b = own_filled(2 * MIB, 0, 202, &b_addr, &b_h);
@@ -120,6 +123,7 @@ static void with_stand_ins(void)
     CHECK_EQ(p.allocations, 2);
     CHECK_EQ(p.not_shim, 0);
     CHECK_EQ(m1.phys - m2.phys, 6 * MIB); /* the memory really left the device */
+    CHECK_EQ(m2.host - m1.host, 2);       /* a pinned copy each (test_sleep_host: kept across cycles) */
     CHECK_EQ(m2.handles, m0.handles);
     vmm_alloc_info info;
     CHECK(vmm_find(reg, (uint32_t)g_pid, a_addr, &info) == VMM_OK && (info.flags & VMM_ALLOC_PAUSED),
@@ -142,6 +146,8 @@ static void with_stand_ins(void)
     CHECK_EQ(r.released, 6 * MIB);
     CHECK_EQ(r.kept, 6 * MIB);
     CHECK_EQ(m3.phys, m1.phys);
+    CHECK(m3.host == m2.host && m3.host_freed == m2.host_freed, "the pinned copies stay for the next pause: %llu -> %llu",
+          m2.host, m3.host);
     CHECK(verify(a, 201) && verify(b, 202), "the bytes after the resume, at the same addresses");
     CHECK(vmm_find(reg, (uint32_t)g_pid, a_addr, &info) == VMM_OK && !(info.flags & VMM_ALLOC_PAUSED),
           "the record is live again");
@@ -158,6 +164,7 @@ static void with_stand_ins(void)
     CHECK(p.ok && p.kept == 0 && p.released == 6 * MIB, "discard pause: %s", p.line);
     CHECK_EQ(owner_mem().phys, m0.phys);
     CHECK(owner_cmd(NULL, "U %d", a), "cuMemUnmap (and cuMemAddressFree) of paused memory succeed");
+    CHECK_EQ(owner_mem().host, m2.host - 1); /* the unmapped range's kept buffer went with it */
     r = sleep_cmd("R");
     CHECK(r.ok && r.released == 2 * MIB && r.kept == 0, "resume after the discard: %s", r.line);
     CHECK_EQ(owner_mem().phys - m0.phys, 2 * MIB);
@@ -166,7 +173,9 @@ static void with_stand_ins(void)
     /* the held handle released while paused: the resume lets go of its creation reference, so
      * the unmap after it frees the memory */
     CHECK(owner_cmd(NULL, "w %d 203", b), "fill again");
+    owner_mem_t before_pause = owner_mem();
     p = sleep_cmd("P 0");
+    CHECK_EQ(owner_mem().host_made, before_pause.host_made); /* into the buffer of the first cycle */
     CHECK(p.ok && p.released == 2 * MIB, "pause of what is left: %s", p.line);
     CHECK(ask("L 1", v) == 1 && v[0] == 0, "cuMemRelease of a paused stand-in: %lld", v[0]);
     CHECK(ask("L 1", v) == 1 && v[0] != 0, "a second cuMemRelease fails as the driver's would: %lld", v[0]);
@@ -177,6 +186,7 @@ static void with_stand_ins(void)
     owner_mem_t m4 = owner_mem();
     CHECK_EQ(m4.phys, m0.phys);
     CHECK_EQ(m4.handles, m0.handles); /* nothing leaked: the driver holds no handle of it */
+    CHECK_EQ(m4.host, m0.host);       /* nor a host buffer */
     sleep_ans none = sleep_cmd("P 0");
     CHECK(!none.ok, "nothing left to pause: %s", none.line);
     vmm_close(reg);

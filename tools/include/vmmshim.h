@@ -310,7 +310,8 @@ vmm_status vmm_import_copy(const vmm_imported *imp, uint64_t offset, uint64_t le
  * same today; another tag: VMM_ERR_NOT_FOUND.  vmm_pause first waits for the devices (synchronizes
  * the contexts the allocations were made in), then copies the live allocations' bytes out (unless
  * VMM_PAUSE_DISCARD; VMM_PAUSE_FILE: into an unlinked file in VMMSHIM_PAUSE_DIR, else pinned host
- * memory for allocations of 1 MiB or more and pageable below), then releases every handle under
+ * memory for allocations of 1 MiB or more, kept after the resume for the next pause within
+ * VMMSHIM_PAUSE_HOST_CACHE, and pageable below), then releases every handle under
  * them and the pools' empty ones: the memory is back on the device when the call returns.  The
  * program must not queue work that touches paused memory; it may allocate (new memory, elsewhere)
  * and free (a paused allocation's copy goes at its free) while paused.  Memory the shim does not

@@ -1,0 +1,337 @@
+/* The copies of a pause and a resume: an allocation's bytes out to host memory or the pause's
+ * file, and back (sleep.c for the pools' allocations, adopt_sleep.c for the program's own VMM
+ * memory, through sleep.h).  The floor under both: it calls only the driver table (state.c).
+ *
+ * Host memory: pinned (cuMemHostAlloc) for an allocation of 1 MiB or more, since only a pinned
+ * destination reaches the link's device-to-host bandwidth (a pageable one goes through the
+ * driver's staging buffer at about half of it); pageable malloc below that, where pinning (a
+ * syscall and page locking each) costs more than the copy.  A pinned allocation that fails (a
+ * locked-memory limit) falls back to pageable.  Each allocation has its own copy, so a free of a
+ * paused allocation gives its copy back at once.
+ *
+ * Kept across cycles: pinning a buffer (faulting and locking every page) takes longer than
+ * copying the same bytes over the link, so a pause that pinned anew each time could never reach
+ * the copy's bandwidth, and colocated jobs pause and resume the same memory every step.  After
+ * a resume an allocation keeps its pinned buffer, emptied ("idle"), while the process's idle
+ * pinned bytes stay within VMMSHIM_PAUSE_HOST_CACHE (first come, in the order the resume
+ * walks, the same each cycle), and its next kept pause copies straight into it.  The buffer
+ * goes with the allocation (a free: vmm__sleep_kept_free from backing.c and adopt.c), and a
+ * fork child never counts or frees its parent's (the epoch below).  Pageable buffers are not
+ * kept: malloc of less than 1 MiB costs next to nothing.
+ *
+ * Batched: a copy between device memory and a pinned buffer is queued (cuMemcpyDtoHAsync /
+ * HtoDAsync on the legacy stream of the context current at the call), and vmm__sleep_wait
+ * synchronizes each context that queued one, once; so the per-call cost of many pieces
+ * overlaps their transfers instead of adding up.  Nothing may read, unmap or free either side
+ * before that wait (FAKECUDA_ASYNC_DEFER makes the tests catch it).  Pageable and file copies
+ * stay synchronous: the driver stages pageable memory through its own pinned buffer anyway. */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "backing/internal.h"
+#include "backing/sleep.h"
+#include "core/options.h"
+
+#define PINNED_MIN (1u << 20)
+#define STAGE_BYTES (8u << 20) /* the file's staging buffer */
+
+/* The pause's unlinked file, shared by every allocation kept in it. */
+struct vmm__sleep_file {
+    int fd;
+    unsigned refs;
+};
+
+/* One allocation's copy.  host: a buffer of cap bytes, holding the contents (full, file NULL) or
+ * idle (pinned, counted in idle_bytes) or, with the contents in the file, idle beside it. */
+typedef struct kept {
+    void *host;
+    uint64_t cap;
+    int pinned, idle, full;
+    unsigned epoch;      /* the process image it was made in: a fork child leaves its parent's alone */
+    vmm__sleep_file *file;
+    uint64_t off, bytes; /* the contents: bytes, at off in file when file is set */
+} kept;
+
+/* Pinned bytes kept idle between cycles (at most VMMSHIM_PAUSE_HOST_CACHE), and the fork epoch:
+ * both atomics, since the pools' copies run under vmm__S.lock and the adopted ones under adopt.c's. */
+static uint64_t idle_bytes;
+static unsigned epoch;
+
+static void forget_after_fork(void)
+{
+    /* the parent's buffers are not the child's: with a real driver its pinned pages are not even
+     * mapped here (the driver marks them DONTFORK), and its file is shared with the parent */
+    __atomic_store_n(&idle_bytes, 0, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&epoch, 1, __ATOMIC_RELAXED);
+}
+
+static void register_atfork(void) { pthread_atfork(NULL, NULL, forget_after_fork); }
+
+static unsigned epoch_now(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_atfork); /* before this image makes its first copy */
+    return __atomic_load_n(&epoch, __ATOMIC_RELAXED);
+}
+
+int vmm__sleep_say(char *why, size_t len, int rc, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, len, fmt, ap);
+    va_end(ap);
+    return rc;
+}
+
+int vmm__sleep_push(CUcontext ctx) { return ctx && vmm__cu.CtxPushCurrent(ctx) == CUDA_SUCCESS; }
+
+void vmm__sleep_pop(void)
+{
+    CUcontext popped;
+    (void)VMM__TWICE(vmm__cu.CtxPopCurrent(&popped));
+}
+
+/* ---- the file and its staging buffer ---- */
+
+static void file_drop(vmm__sleep_file *f)
+{
+    if (f && --f->refs == 0) {
+        close(f->fd);
+        free(f);
+    }
+}
+
+int vmm__sleep_io_file(vmm__sleep_io *io, char *why, size_t len)
+{
+    const char *dir = vmm__opt_str(VMM__OPT_PAUSE_DIR);
+    if (!*dir) dir = getenv("TMPDIR");
+    if (!dir || !*dir) dir = "/tmp";
+    int fd = open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600); /* unlinked: it goes with the process */
+    if (fd < 0)
+        return vmm__sleep_say(why, len, -EIO, "cannot make an unlinked file in %s (VMMSHIM_PAUSE_DIR): %s", dir, strerror(errno));
+    vmm__sleep_file *f = calloc(1, sizeof *f);
+    if (!f) {
+        close(fd);
+        return vmm__sleep_say(why, len, -EIO, "out of memory");
+    }
+    f->fd = fd;
+    f->refs = 1; /* the call's own, until vmm__sleep_io_end */
+    io->f = f;
+    return 0;
+}
+
+static int stage_get(vmm__sleep_io *io)
+{
+    if (io->stage) return 0;
+    if (vmm__cu.MemHostAlloc && vmm__cu.MemHostAlloc(&io->stage, STAGE_BYTES, 0) == CUDA_SUCCESS) io->stage_pinned = 1;
+    else if (!(io->stage = malloc(STAGE_BYTES))) return -ENOMEM;
+    return 0;
+}
+
+void vmm__sleep_io_end(vmm__sleep_io *io)
+{
+    (void)vmm__sleep_wait(io); /* nothing queued may outlive the call */
+    if (io->stage && io->stage_pinned) vmm__cu.MemFreeHost(io->stage);
+    else free(io->stage);
+    io->stage = NULL;
+    file_drop(io->f);
+    io->f = NULL;
+}
+
+/* ---- queued copies ---- */
+
+/* Whether a copy may be queued in the current context: it is noted, to be waited for once. */
+static int queue_here(vmm__sleep_io *io, int dtoh)
+{
+    CUcontext c = NULL;
+    if ((dtoh ? !vmm__cu.MemcpyDtoHAsync : !vmm__cu.MemcpyHtoDAsync) || !vmm__cu.StreamSynchronize ||
+        vmm__cu.CtxGetCurrent(&c) != CUDA_SUCCESS || !c)
+        return 0;
+    for (int i = 0; i < io->n_ctx; i++)
+        if (io->ctx[i] == c) return 1;
+    if (io->n_ctx == VMM__SLEEP_IO_CTX) return 0; /* more contexts than that: this one copies synchronously */
+    io->ctx[io->n_ctx++] = c;
+    return 1;
+}
+
+int vmm__sleep_wait(vmm__sleep_io *io)
+{
+    int rc = 0;
+    for (int i = 0; i < io->n_ctx; i++) {
+        if (!vmm__sleep_push(io->ctx[i])) {
+            rc = -EIO;
+            continue;
+        }
+        /* the legacy stream of that context: every copy queued there is done after it */
+        if (vmm__cu.StreamSynchronize(NULL) != CUDA_SUCCESS) rc = -EIO;
+        vmm__sleep_pop();
+    }
+    io->n_ctx = 0;
+    return rc;
+}
+
+/* ---- one allocation's copy ---- */
+
+static void idle_leave(kept *k)
+{
+    if (!k->idle) return;
+    __atomic_sub_fetch(&idle_bytes, k->cap, __ATOMIC_RELAXED);
+    k->idle = 0;
+}
+
+static void host_free(kept *k)
+{
+    idle_leave(k);
+    if (k->host && k->pinned) vmm__cu.MemFreeHost(k->host);
+    else free(k->host);
+    k->host = NULL;
+    k->cap = 0;
+    k->pinned = 0;
+}
+
+/* The contents in the file go, its blocks given back now: a long pause of many frees keeps no
+ * dead bytes. */
+static void file_forget(kept *k)
+{
+    if (!k->file) return;
+    (void)fallocate(k->file->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)k->off, (off_t)k->bytes);
+    file_drop(k->file);
+    k->file = NULL;
+}
+
+void vmm__sleep_kept_free(void *p)
+{
+    kept *k = p;
+    if (!k) return;
+    if (k->epoch == epoch_now()) { /* a parent's copy in a fork child: only the struct is the child's */
+        file_forget(k);
+        host_free(k);
+    }
+    free(k);
+}
+
+int vmm__sleep_holds(const void *p)
+{
+    const kept *k = p;
+    return k && k->full;
+}
+
+void vmm__sleep_kept_done(void **pk)
+{
+    kept *k = *pk;
+    if (!k) return;
+    if (k->epoch != epoch_now()) {
+        vmm__sleep_kept_free(k);
+        *pk = NULL;
+        return;
+    }
+    file_forget(k);
+    k->full = 0;
+    if (k->host && k->pinned && !k->idle) {
+        /* idle while the process's idle pinned bytes fit the cap; a CAS so that two resumes at
+         * once (the pools' and the adopted memory's locks differ) never overshoot it */
+        uint64_t cap = vmm__opt_size(VMM__OPT_PAUSE_HOST_CACHE), cur = __atomic_load_n(&idle_bytes, __ATOMIC_RELAXED);
+        while (cur + k->cap <= cap &&
+               !__atomic_compare_exchange_n(&idle_bytes, &cur, cur + k->cap, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+        }
+        k->idle = cur + k->cap <= cap;
+    }
+    if (!k->idle) host_free(k);
+    if (!k->host) {
+        free(k);
+        *pk = NULL;
+    }
+}
+
+/* Into the file, through the staging buffer (synchronous copies: the buffer is reused at once). */
+static int keep_in_file(vmm__sleep_io *io, CUdeviceptr addr, uint64_t n, kept *k)
+{
+    if (stage_get(io)) return -ENOMEM;
+    k->off = io->file_end;
+    for (uint64_t at = 0; at < n;) {
+        size_t piece = n - at < STAGE_BYTES ? (size_t)(n - at) : STAGE_BYTES;
+        if (vmm__cu.MemcpyDtoH(io->stage, addr + at, piece) != CUDA_SUCCESS) return -EIO;
+        for (size_t w = 0; w < piece;) {
+            ssize_t got = pwrite(io->f->fd, (char *)io->stage + w, piece - w, (off_t)(k->off + at + w));
+            if (got <= 0) return got < 0 && errno == ENOSPC ? -ENOSPC : -EIO;
+            w += (size_t)got;
+        }
+        at += piece;
+    }
+    io->file_end += n;
+    k->file = io->f;
+    io->f->refs++;
+    return 0;
+}
+
+int vmm__sleep_keep(vmm__sleep_io *io, CUdeviceptr addr, uint64_t n, void **pk)
+{
+    if (!vmm__cu.MemcpyDtoH) return -EIO;
+    kept *k = *pk;
+    if (k && k->epoch != epoch_now()) { /* a parent's: never touched in a fork child */
+        free(k);
+        k = *pk = NULL;
+    }
+    int made = !k;
+    if (made) {
+        if (!(k = calloc(1, sizeof *k))) return -ENOMEM;
+        k->epoch = epoch_now();
+    }
+    k->bytes = n;
+    int rc = 0;
+    if (io->f) rc = keep_in_file(io, addr, n, k);
+    else {
+        if (k->host && k->cap >= n) idle_leave(k); /* its buffer from the last cycle */
+        else {
+            host_free(k);
+            if (n >= PINNED_MIN && vmm__cu.MemHostAlloc && vmm__cu.MemHostAlloc(&k->host, n, 0) == CUDA_SUCCESS) k->pinned = 1;
+            else if (!(k->host = malloc(n ? n : 1))) rc = -ENOMEM;
+            k->cap = k->host ? n : 0;
+        }
+        if (!rc) {
+            CUresult c = k->pinned && queue_here(io, 1) ? vmm__cu.MemcpyDtoHAsync(k->host, addr, n, NULL)
+                                                        : vmm__cu.MemcpyDtoH(k->host, addr, n);
+            if (c != CUDA_SUCCESS) rc = -EIO;
+        }
+    }
+    k->full = !rc;
+    if (rc && made) { /* a buffer made for nothing goes; one from the last cycle stays idle */
+        (void)vmm__sleep_wait(io);
+        vmm__sleep_kept_free(k);
+        k = NULL;
+    } else if (rc) {
+        (void)vmm__sleep_wait(io);
+        vmm__sleep_kept_done((void **)&k);
+    }
+    *pk = k;
+    return rc;
+}
+
+int vmm__sleep_restore(vmm__sleep_io *io, CUdeviceptr addr, void *p)
+{
+    const kept *k = p;
+    if (!vmm__cu.MemcpyHtoD || !k || !k->full) return -EIO;
+    if (!k->file) {
+        CUresult c = k->pinned && queue_here(io, 0) ? vmm__cu.MemcpyHtoDAsync(addr, k->host, k->bytes, NULL)
+                                                    : vmm__cu.MemcpyHtoD(addr, k->host, k->bytes);
+        return c == CUDA_SUCCESS ? 0 : -EIO;
+    }
+    if (stage_get(io)) return -ENOMEM;
+    for (uint64_t at = 0; at < k->bytes;) {
+        size_t piece = k->bytes - at < STAGE_BYTES ? (size_t)(k->bytes - at) : STAGE_BYTES;
+        for (size_t r = 0; r < piece;) {
+            ssize_t got = pread(k->file->fd, (char *)io->stage + r, piece - r, (off_t)(k->off + at + r));
+            if (got <= 0) return -EIO;
+            r += (size_t)got;
+        }
+        if (vmm__cu.MemcpyHtoD(addr + at, io->stage, piece) != CUDA_SUCCESS) return -EIO;
+        at += piece;
+    }
+    return 0;
+}
