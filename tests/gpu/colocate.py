@@ -537,6 +537,11 @@ def child_main(args):
         import vmmshim as vmmshim_module
         vmmshim = vmmshim_module
     elif args.mode == "tms":
+        # the loader skips a preload it cannot load with one line on stderr; then nothing would sleep
+        lib = os.path.realpath(os.environ.get("LD_PRELOAD", ""))
+        with open("/proc/self/maps") as f:
+            if lib not in f.read():
+                raise RuntimeError(f"torch_memory_saver's preload library {lib} is not loaded (see ld.so's line above)")
         from torch_memory_saver import torch_memory_saver as tms
         torch_memory_saver = tms
     role = (Trainer if args.role == "trainer" else Rollout)(args, c)
@@ -670,6 +675,20 @@ def find_tms():
     return lib, str(site), None
 
 
+def cudart_dirs():
+    """Folders of pip's nvidia packages (torch's) holding a libcudart: TMS's preload library needs
+    one as the loader preloads it, before torch has loaded its own, or the loader skips it with a
+    warning and nothing would sleep."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia")
+    out = []
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        for lib in sorted(pathlib.Path(base).glob("*/lib/libcudart.so.*")):
+            if str(lib.parent) not in out:
+                out.append(str(lib.parent))
+    return out
+
+
 class Run:
     def __init__(self, args):
         self.args, self.c = args, config(args)
@@ -717,6 +736,9 @@ class Run:
         elif mode == "tms":
             env["LD_PRELOAD"] = tms[0]
             path.insert(0, tms[1])
+            libs = cudart_dirs() + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
+            if libs:
+                env["LD_LIBRARY_PATH"] = ":".join(libs)
             # what .tms/README says TMS wants besides (COLO_TMS_ENV="NAME=VALUE NAME=VALUE")
             for word in os.environ.get("COLO_TMS_ENV", "").split():
                 name, _, value = word.partition("=")
@@ -781,6 +803,7 @@ def run_mode(run, mode, tms):
     before = run.samples(t_start - 0.4, t_start)
     base = statistics.median(before) if before else None
     env = run.env(mode, tms)
+    run.record(mode=mode, env={k: env.get(k) for k in ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "VMMSHIM_REGISTRY")})
     t_loop = t_end = None
     try:
         if mode == "ref":
