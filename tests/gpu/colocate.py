@@ -304,7 +304,7 @@ class Trainer:
             vmmshim.publish_many(model.state_dict())
             optim_pool = torch.cuda.MemPool()
             with vmmshim.region("optim"), torch.cuda.use_mem_pool(optim_pool):
-                make_grads_and_state(model, opt)       # then zero_grad(set_to_none=False) keeps them there
+                make_grads_and_state(model, opt)    # then zero_grad(set_to_none=False) keeps them there
             self.optim_pool = optim_pool
         elif self.mode == "tms":
             with torch_memory_saver.region(tag="optim", enable_cpu_backup=True):
@@ -329,7 +329,7 @@ class Trainer:
     def do_train(self, k):
         model, opt, data = self.model, self.opt, self.data
         t0 = time.perf_counter()
-        losses = train(model, opt, data, k)        # 1. K steps
+        losses = train(model, opt, data, k)     # 1. K steps
         return dict(losses=losses, ms=ms_since(t0))
 
     def do_sleep(self):
@@ -338,7 +338,7 @@ class Trainer:
         t0 = time.perf_counter()
         rep = None
         if self.mode == "vmm":
-            rep = vmmshim.pause("optim")               # 2. kept in host memory; the weights stay
+            rep = vmmshim.pause("optim")                  # 2. kept in host memory; the weights stay
         else:
             torch_memory_saver.pause("optim")
         return dict(ms=ms_since(t0), **sleep_report(rep))
@@ -347,7 +347,7 @@ class Trainer:
         t0 = time.perf_counter()
         rep = None
         if self.mode == "vmm":
-            rep = vmmshim.resume("optim")              # 6. at the same addresses, the bytes copied back
+            rep = vmmshim.resume("optim")                 # 6. at the same addresses, the bytes copied back
         else:
             torch_memory_saver.resume("optim")
         return dict(ms=ms_since(t0), **sleep_report(rep))
@@ -392,9 +392,10 @@ class Rollout:
             # the rollout's own parameters, which the trainer's weights are copied into every iteration;
             # with --tms-weights sleep in a TMS region of their own, paused with the KV cache (SGLang's
             # release_memory_occupation), else resident
-            with (torch_memory_saver.region(tag="weights") if args.tms_weights == "sleep" else contextlib.nullcontext()):
+            asleep = args.tms_weights == "sleep"
+            with torch_memory_saver.region(tag="weights") if asleep else contextlib.nullcontext():
                 model = define_model()(c, dev)
-            if args.tms_weights == "sleep":
+            if asleep:
                 self.sleeps.append("weights")
             t1 = time.perf_counter()
             if c["dry"]:
@@ -440,7 +441,7 @@ class Rollout:
         t0 = time.perf_counter()
         rep = None
         if self.mode == "vmm":
-            rep = vmmshim.resume("kv")                 # 3.
+            rep = vmmshim.resume("kv")                    # 3.
         else:
             for tag in self.sleeps:
                 torch_memory_saver.resume(tag)
@@ -460,7 +461,7 @@ class Rollout:
         t0 = time.perf_counter()
         rep = None
         if self.mode == "vmm":
-            rep = vmmshim.pause("kv", keep=False)      # 5. discarded
+            rep = vmmshim.pause("kv", keep=False)         # 5. discarded
         else:
             for tag in self.sleeps:
                 torch_memory_saver.pause(tag)
@@ -803,7 +804,8 @@ def run_mode(run, mode, tms):
     before = run.samples(t_start - 0.4, t_start)
     base = statistics.median(before) if before else None
     env = run.env(mode, tms)
-    run.record(mode=mode, env={k: env.get(k) for k in ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "VMMSHIM_REGISTRY")})
+    run.record(mode=mode, env={k: env.get(k) for k in ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH",
+                                                       "VMMSHIM_REGISTRY")})
     t_loop = t_end = None
     try:
         if mode == "ref":
@@ -1065,11 +1067,13 @@ def run_main(args):
     tms = find_tms() if not args.dry else ("(a stand-in)", "", None)
     c = run.c
     modes = [m for m in args.modes.split(",") if m]
-    print(f"colocate: {'--dry: the CPU, a tiny model, nothing sleeps' if args.dry else 'one GPU'}; a Llama-shaped model "
+    where = "--dry: the CPU, a tiny model, nothing sleeps" if args.dry else "one GPU"
+    print(f"colocate: {where}; a Llama-shaped model "
           f"of {c['layers']} layers, width {c['d']}, {n_params(c) / 1e9:.2f} B parameters in bf16, AdamW; "
           f"{args.iters} iterations of {args.steps} steps on {c['batch']} x {c['seq']} tokens; rollout "
           f"{c['rollout_batch']} prompts of {c['prompt']} tokens, {c['gen']} tokens decoded into a KV cache of "
-          f"{c['kv_bytes'] / GiB:.2f} GiB; TMS {tms[0] or 'missing: ' + tms[2]}; output in {run.out}",
+          f"{c['kv_bytes'] / GiB:.2f} GiB; TMS {tms[0] or 'missing: ' + tms[2]} (the rollout's own weights "
+          f"{args.tms_weights}); output in {run.out}",
           flush=True)
     results = {}
     t0 = time.monotonic()
