@@ -14,7 +14,8 @@ Three runs of the same loop, one after the other, each with fresh processes:
   tms   today's way: both processes under torch_memory_saver's preload mode (no shim); the
         trainer's gradients and optimizer state in a TMS region with CPU backup, its weights shared
         once by reduce_tensor (legacy CUDA IPC) and copied into the rollout's own parameters every
-        iteration; the KV cache in a TMS region, paused and resumed.  Missing TMS: SKIP, not a failure.
+        iteration; the KV cache in a TMS region, paused and resumed (--tms-weights sleep: the rollout's
+        own parameters too, as SGLang's release_memory_occupation does).  Missing TMS: SKIP.
 
 Each iteration (vmm and tms): 1. the trainer takes K steps; 2. it pauses "optim" (kept), not its
 weights; 3. the rollout resumes "kv"; 4. it takes the weights and decodes greedily (a prefill of the
@@ -956,8 +957,11 @@ def report(run, results):
         else:
             opened = r.ready.get("rollout", {}).get("open_ms")
             per = median_range([it["take_ms"] for it in its], "{:.1f}")
-            how = "opened once" if mode == "vmm" else "IPC opened once"
-            take = f"{how}: {opened:.1f}; then per iteration {per}" if opened is not None else per
+            if mode == "vmm":
+                again = sum(1 for it in its if it["reopened"])
+                take = f"open_torch once {opened or 0:.1f}; names read {per} an iteration, opened again {again} times"
+            else:
+                take = f"reduce_tensor's rebuild once {opened or 0:.1f}; copied {per} an iteration"
             sleeps = median_range([it["sleep_ms"] for it in its], "{:.1f}")
             eq = [yes(mode, w) for w in ("losses", "weights", "rollout")]
         lines.append(f"| {LABELS[mode]}{' (broke)' if r.broke else ''} | {median_range([it['ms'] for it in its])} | "
