@@ -665,12 +665,14 @@ def find_tms():
         return None, None, f"no torch_memory_saver package in {site} (TMS_SITE)"
     lib = os.environ.get("TMS_PRELOAD")
     if not lib:
-        found = sorted(str(p) for p in (ROOT / ".tms").rglob("torch_memory_saver_hook_mode_preload*.so"))
+        # where the package itself looks (utils.get_binary_path_from_package): beside it, or in it
+        found = sorted(str(p) for d in (site, site / "torch_memory_saver")
+                       for p in d.glob("torch_memory_saver_hook_mode_preload*.so"))
         # torch 2.11+cu130 on the GPU machine: the CUDA 13 build when there are several
         found = [p for p in found if "_cu13" in os.path.basename(p)] or found
         if len(found) != 1:
-            return None, None, f"{len(found)} preload libraries under {ROOT / '.tms'}, not 1 (TMS_PRELOAD names one)"
-        lib = found[0]
+            return None, None, f"{len(found)} preload libraries in {site}, not 1 (TMS_PRELOAD names one)"
+        lib = str(pathlib.Path(found[0]).resolve())
     if not os.path.isfile(lib) or "torch_memory_saver" not in lib:
         # TMS's preload mode finds itself by that name in LD_PRELOAD
         return None, None, f"TMS_PRELOAD {lib} is no torch_memory_saver library"
