@@ -3,7 +3,8 @@
 # development machine's build (carry build/); test programs are compiled here against NVIDIA's
 # libcudart.  Prints one line per check and closes with "N passed, N failed".  PyTorch runs
 # under the default caching allocator, backend:cudaMallocAsync and expandable_segments:True (the
-# last maps its memory with cuMemCreate + cuMemMap: the records have api cuMemMap).
+# last maps its memory with cuMemCreate + cuMemMap: the records have api cuMemMap).  Then the
+# README's colocated RL loop (tests/gpu/colocate.sh, about 2 minutes), one check here.
 set -u
 cd "$(dirname "$0")/../.."
 B=$PWD/${BUILD:-build}
@@ -131,6 +132,13 @@ for conf in "" "backend:cudaMallocAsync" "expandable_segments:True"; do
   if [ -n "${TR[1]:-}" ]; then echo "done" >&"${TR[1]}"; fi
   if [ -n "${TR_PID:-}" ]; then wait "$TR_PID" 2>/dev/null; fi
 done
+
+echo "== the colocated RL loop (issue 29, README use 4): trainer and rollout taking turns, against TMS and a run that never sleeps"
+# its own lines (table, PASS/FAIL) indented: they are colocate.sh's checks, counted here as one
+BUILD=$B timeout -k 10 600 tests/gpu/colocate.sh > "$W/colocate.txt" 2>&1; rc=$?
+grep -E '^(\||PASS|FAIL|SKIP|  \||colocate:)' "$W/colocate.txt" | sed 's/^/  /'
+colo=$(grep -E '^colocate: [0-9]+ passed, [0-9]+ failed' "$W/colocate.txt" | tail -n 1)
+check "colocated RL loop: ${colo:-no summary} (exit $rc; logs in ${OUT:-/tmp}/vmmshim-colocate)" "[ $rc = 0 ]"
 
 "$B/vmmctl" gc >/dev/null 2>&1; rm -f /dev/shm$VMMSHIM_REGISTRY
 echo "gpu: $pass passed, $fail failed"
