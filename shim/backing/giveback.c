@@ -79,6 +79,9 @@ void vmm__emptied_locked(vmm__pool *p, int stream_ordered)
         if (settled(p, stream_ordered)) return;
         __atomic_store_n(&vmm__sync.sync_due, 1, __ATOMIC_RELAXED);
     }
+    /* A large free went back whole just above: waking the thread for no deadline would make it
+     * contend for the lock with the program's next call (a futex wake and wait per pair). */
+    if (!vmm__pool_empty_bytes(p)) return;
     vmm__purge_kick_locked();
 }
 

@@ -6,6 +6,8 @@
  *                                 and when they went back (the shim: after VMMSHIM_GIVE_BACK_MS)
  *   large_free_left / small_free_left   bytes still held right after a cudaFree of 1 GiB (natively
  *                                 none: a neighbour may allocate it at once) and of 16 MiB
+ *   large_pairs_purge_wakes       context switches of the shim's give-back thread over 50 pairs of
+ *                                 1 GiB cudaMalloc + cudaFree (each free goes back whole: no deadline)
  *   sync_left                     bytes held right after cudaFreeAsync + cudaStreamSynchronize
  *                                 (release threshold 0: natively nothing stays)
  *   attr_used / attr_reserved     the default pool's UsedMemCurrent / ReservedMemCurrent with a
@@ -25,6 +27,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -74,6 +77,28 @@ static void giveback(void)
     printf("giveback_ms %.0f\n", back);
 }
 
+/* Context switches so far of the shim's give-back thread ("vmmshim-purge"), 0 when it does not exist. */
+static long purge_switches(void)
+{
+    char path[96], line[128];
+    long n = 0;
+    for (int tid = getpid(), last = tid + 4096; tid < last; tid++) {
+        snprintf(path, sizeof path, "/proc/self/task/%d/comm", tid);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        int purge = fgets(line, sizeof line, f) && !strncmp(line, "vmmshim-purge", 13);
+        fclose(f);
+        if (!purge) continue;
+        snprintf(path, sizeof path, "/proc/self/task/%d/status", tid);
+        if (!(f = fopen(path, "r"))) continue;
+        while (fgets(line, sizeof line, f))
+            if (!strncmp(line, "voluntary_ctxt_switches:", 24) || !strncmp(line, "nonvoluntary_ctxt_switches:", 27))
+                n += strtol(strchr(line, ':') + 1, NULL, 10);
+        fclose(f);
+    }
+    return n;
+}
+
 static void free_at_once(void)
 {
     void *p;
@@ -82,6 +107,14 @@ static void free_at_once(void)
     must(cudaMemset(p, 1, 1024 * MiB), "cudaMemset");
     must(cudaFree(p), "cudaFree");
     printf("large_free_left %llu\n", phys() - base);
+    /* a pair whose free goes back whole leaves the give-back thread no deadline: it must sleep on
+     * rather than wake to contend for the shim's lock at every pair (natively there is no thread) */
+    long before = purge_switches();
+    for (int i = 0; i < 50; i++) {
+        must(cudaMalloc(&p, 1024 * MiB), "cudaMalloc");
+        must(cudaFree(p), "cudaFree");
+    }
+    printf("large_pairs_purge_wakes %ld\n", purge_switches() - before);
     must(cudaMalloc(&p, 16 * MiB), "cudaMalloc");
     must(cudaFree(p), "cudaFree");
     printf("small_free_left %llu\n", phys() - base);

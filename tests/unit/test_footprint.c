@@ -70,6 +70,9 @@ int main(void)
     CHECK(value(&native, "large_free_left") == 0 && value(&shimmed, "large_free_left") == 0,
           "a cudaFree'd 1 GiB is the device's again when cudaFree returns, for a neighbour to allocate: %.0f bytes "
           "left (natively %.0f)", value(&shimmed, "large_free_left"), value(&native, "large_free_left"));
+    CHECK(value(&shimmed, "large_pairs_purge_wakes") >= 0 && value(&shimmed, "large_pairs_purge_wakes") <= 2,
+          "50 pairs of 1 GiB cudaMalloc + cudaFree woke the give-back thread %.0f times (each free went back whole)",
+          value(&shimmed, "large_pairs_purge_wakes"));
     CHECK(value(&shimmed, "small_free_left") == 16 * MiB,
           "a cudaFree'd 16 MiB waits out the delay for reuse (VMMSHIM_GIVE_BACK_HOLD): %.0f bytes held",
           value(&shimmed, "small_free_left"));
