@@ -177,19 +177,31 @@ class Neighbour:
 
     def __init__(self, view):
         env = dict(os.environ)
-        env.pop("LD_PRELOAD", None)  # neither the shim nor torch_memory_saver
+        # neither the shim nor torch_memory_saver's hook; anything else preloaded (a sanitizer's
+        # runtime, which an instrumented emulated driver needs first) stays
+        keep = [e for e in env.get("LD_PRELOAD", "").replace(":", " ").split()
+                if not e.endswith("libvmmshim.so") and "torch_memory_saver" not in e]
+        if keep:
+            env["LD_PRELOAD"] = " ".join(keep)
+        else:
+            env.pop("LD_PRELOAD", None)
         self.view = view
         before = view.used()
         self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "neighbour"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
         self.ready = self._ask(None).startswith("ready")
+        if not self.ready:  # the rounds still run and are timed; the neighbour's checks fail
+            print("R note neighbour=unavailable", flush=True)
         self.footprint_before = before
 
     def _ask(self, line):
-        if line is not None:
-            self.p.stdin.write(line + "\n")
-            self.p.stdin.flush()
-        return (self.p.stdout.readline() or "gone").strip()
+        try:
+            if line is not None:
+                self.p.stdin.write(line + "\n")
+                self.p.stdin.flush()
+            return (self.p.stdout.readline() or "gone").strip()
+        except (BrokenPipeError, OSError):
+            return "gone"
 
     def fill(self, headroom):
         """Leave headroom bytes free on the device; the process's own NVML share from now on
