@@ -40,6 +40,7 @@ less what the neighbour holds), R losses, one R kv per round, R done.  Ends with
 failed" over its own checks (TMS's are printed as NOTE and not counted: the baseline is reported,
 not judged).  Exit 0, 1 when a check failed, 3 when it cannot run here (SKIP)."""
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -272,6 +273,7 @@ def main():
     gen = torch.Generator(device=dev).manual_seed(7)
     reference = steps(model, opt, STEPS * (ROUNDS + 1), gen)
     del model, opt, hold
+    gc.collect()  # nothing of the run may stay cached in its pool
     torch.cuda.empty_cache()
     ref_s = time.perf_counter() - t
 
@@ -316,6 +318,7 @@ def main():
         last=f"{losses[-1]:.6f}", reference_last=f"{reference[len(losses) - 1]:.6f}")
     checks.check(same, f"losses after sleeping equal a run that never slept (first differing step {first})")
     del model, opt, hold
+    gc.collect()  # nothing of the run may stay cached in its pool
     torch.cuda.empty_cache()
 
     free = view.free()
