@@ -9,13 +9,14 @@
 #                    that memory itself: the shim releases it through stand-in handles)
 #   shim-async       the same with backend:cudaMallocAsync (no MemPool there: the region alone)
 #   tms              sleep_bench.py --tms: torch_memory_saver's preload hook, no shim, the default
-#                    allocator, its region() with CPU backup (built by .tms/build.sh into
-#                    ${TMS_DIR:-.tms}; missing: its rows and comparisons SKIP)
+#                    allocator, its region() with CPU backup (built from its source outside the
+#                    repository into ${TMS_DIR:-.tms}/site: the development checkout's .tms/build.sh;
+#                    missing: its rows and comparisons SKIP)
 #   jax              sleep_bench_jax.py under the shim with VMMSHIM_SLEEP_ADOPTED=1: pause() of it all
 # then tests/gpu/sleep_table.py makes the table from every process's "R ..." lines and prints the
 # targets' PASS/FAIL lines and "sleep: N passed, N failed"; exit status 1 on any failure.  A process
-# that crashes or outlives SLEEP_PROCESS_S (120) gets a FAIL line with its last stderr lines and the
-# next one starts; none is started once less than 45 s of SLEEP_BUDGET (450) is left.  Every size is
+# that crashes or outlives SLEEP_PROCESS_S (120) gets a FAIL line with its last output and the next
+# one starts; none is started once less than 45 s of SLEEP_BUDGET (450) is left, and none runs past it.  Every size is
 # an environment knob of the trainers (SLEEP_LAYERS, SLEEP_STEPS, ...: their docstrings).  Every
 # process's stdout, stderr and exit status: ${OUT:-/tmp}/vmmshim-sleep/SETTING-oOUTER.{out,err,rc}.
 # --dry (or SLEEP_DRY=1): no GPU, no torch: sleep_standin.py in place of the trainers over the
