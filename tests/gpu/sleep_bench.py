@@ -1,32 +1,80 @@
-"""The sleep table of issue 29, under the shim on one GPU, with a real PyTorch:
-`LD_PRELOAD=build/libvmmshim.so python3 tests/gpu/sleep_bench.py` (PYTORCH_CUDA_ALLOC_CONF as the row
-wants).  One process, so that one run alternates the rows:
+"""The sleep table of issue 29, PyTorch side: one process, one allocator setting, started by
+tests/gpu/sleep.sh (or by hand):
 
-  trainer   a Llama-shaped decoder (SLEEP_LAYERS, default 16, of width 2048, GQA 16/4 heads, SwiGLU
-            5632, vocabulary 32,000: about 1.1 B parameters) in bf16 with AdamW, its weights made
-            untagged and its optimizer state and gradients under the tag "optim" (a MemPool of their
-            own inside vmmshim.region, the way _sleep.py says), trained K steps; then, each round:
-            pause("optim") kept, a neighbour process cudaMalloc's the bytes released, resume, K
-            more steps.  The same model trained without sleeping, from the same seed, gives the
-            reference losses: they must be equal bit for bit.
-  kv        half the device's free memory under the tag "kv" (one tensor), paused with keep=False
-            and resumed, each round.
+  LD_PRELOAD=build/libvmmshim.so python3 tests/gpu/sleep_bench.py          under the shim
+  LD_PRELOAD=.../torch_memory_saver_hook_mode_preload_cu13.abi3.so \
+      PYTHONPATH=.tms/site python3 tests/gpu/sleep_bench.py --tms          torch_memory_saver (TMS)
 
-Prints "R ..." lines: pause and resume times and GB/s, pinned device-to-host and host-to-device
-bandwidth measured in the same process, NVML used before, after the pause and after the resume
-(read from a thread that never starts CUDA: tests/gpu/nvml_sampler.py), whether the neighbour's
-allocation succeeded, and "R losses equal=1" or the first step that differs.  Ends with
-"N passed, N failed" over its checks.  Not run yet on a GPU (written without one)."""
+PYTORCH_CUDA_ALLOC_CONF as the row wants (TMS refuses expandable_segments).
+
+  trainer   a Llama-shaped decoder, TinyLlama's shape by default (SLEEP_LAYERS 22 of width
+            SLEEP_WIDTH 2048, SLEEP_HEADS 32 query and SLEEP_KV_HEADS 4 key/value heads, SwiGLU
+            SLEEP_FFN 5632, vocabulary SLEEP_VOCAB 32,000: 1.1 B parameters) in bf16 with fused AdamW,
+            trained on SLEEP_BATCH x SLEEP_SEQ (4 x 512) random tokens.  Its weights are made outside
+            any region; its gradients and AdamW's state are made up front under the tag "optim":
+            shim: inside vmmshim.region("optim") and a torch.cuda.MemPool of their own (the way
+            tools/python/vmmshim/_sleep.py says), or the region alone under backend:cudaMallocAsync,
+            which allocates each tensor with its own cudaMallocAsync and has no MemPool;
+            TMS: inside torch_memory_saver.region(tag="optim", enable_cpu_backup=True), which brings
+            its own MemPool.  Backward then accumulates into those gradients (zero_grad keeps them).
+            First the same model is trained SLEEP_STEPS x (SLEEP_ROUNDS + 1) steps without sleeping
+            (the reference); then again from the same seed: SLEEP_STEPS steps, and each round
+            pause("optim") with its contents kept, a neighbour process allocates the bytes released,
+            resume, SLEEP_STEPS more steps.  Its losses must equal the reference's bit for bit:
+            deterministic algorithms, and the math attention kernel (flash attention's backward is
+            not deterministic unless told, and under warn_only it is not told).
+  neighbour before the rounds a process without the shim (sleep_common.py neighbour) takes all the
+            device has free but SLEEP_HEADROOM_MB (2048), so that its cuMemAlloc of the region's
+            bytes less 256 MiB fails before the pause (checked: else the check proves nothing) and
+            succeeds after it only if the pause really gave them to the device.
+  kv        then SLEEP_KV_FRACTION (0.5) of what the device has free (NVML), one tensor under the tag
+            "kv" (its own MemPool, as above), paused with its contents discarded and resumed, each
+            round.
+
+Prints "R ..." lines (sleep_common.say): R setup, R pinned (cuMemcpy between device memory and
+cuMemAllocHost memory, the best of 3 of SLEEP_PINNED_MB), R model, R neighbour, one R sleep per round (pause
+and resume seconds, wall clock around the call after a synchronize, and GB/s over the bytes copied:
+the shim's bytes_kept, or for TMS the bytes of the segments its region made; NVML used before, after
+the pause and after the resume, the process's own share: less what was used before it started and
+less what the neighbour holds), R losses, one R kv per round, R done.  Ends with "N passed, N
+failed" over its own checks (TMS's are printed as NOTE and not counted: the baseline is reported,
+not judged).  Exit 0, 1 when a check failed, 3 when it cannot run here (SKIP)."""
+import contextlib
+import gc
 import os
-import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "python"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "python"))
+sys.path.insert(0, HERE)
+# cuBLAS reads it when it makes a handle: without it deterministic mode refuses cuBLAS
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+from sleep_common import MiB, Checks, DeviceView, Neighbour, knob, pinned_bandwidth, say  # noqa: E402
+
+MODE = "tms" if "--tms" in sys.argv else "shim"
+T0 = time.perf_counter()
+view = DeviceView()  # before CUDA starts: what others use
+
+ROUNDS = knob("SLEEP_ROUNDS", 3)
+STEPS = knob("SLEEP_STEPS", 4)
+LAYERS = knob("SLEEP_LAYERS", 22)
+WIDTH = knob("SLEEP_WIDTH", 2048)
+HEADS = knob("SLEEP_HEADS", 32)
+KV_HEADS = knob("SLEEP_KV_HEADS", 4)
+FFN = knob("SLEEP_FFN", 5632)
+VOCAB = knob("SLEEP_VOCAB", 32000)
+BATCH = knob("SLEEP_BATCH", 4)
+SEQ = knob("SLEEP_SEQ", 512)
+PINNED = knob("SLEEP_PINNED_MB", 2048) * MiB
+HEADROOM = knob("SLEEP_HEADROOM_MB", 2048) * MiB
+KV_FRACTION = knob("SLEEP_KV_FRACTION", 0.5, float)
+SLACK = 256 * MiB  # the neighbour asks for the released bytes less this: its own rounding and the pool's tail
+checks = Checks(report_only=MODE == "tms")
 
 try:
-    import torch
+    import torch  # noqa: E402
 except Exception as e:
     print(f"SKIP torch not importable: {e}", flush=True)
     sys.exit(3)
@@ -34,58 +82,111 @@ if not torch.cuda.is_available():
     print("SKIP torch.cuda.is_available() is False", flush=True)
     sys.exit(3)
 
-import vmmshim  # noqa: E402
-from nvml_sampler import Nvml  # noqa: E402
+if MODE == "tms":
+    try:
+        from torch_memory_saver import torch_memory_saver as saver  # noqa: E402
+    except Exception as e:
+        print(f"SKIP torch_memory_saver not importable: {e}", flush=True)
+        sys.exit(3)
+else:
+    import vmmshim  # noqa: E402
 
-GiB = 1 << 30
-ROUNDS = int(os.environ.get("SLEEP_ROUNDS", "3"))
-STEPS = int(os.environ.get("SLEEP_STEPS", "4"))
-LAYERS = int(os.environ.get("SLEEP_LAYERS", "16"))
 dev = torch.device("cuda")
-passed = failed = 0
 
 
-def check(ok, what):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL: {what}", flush=True)
+class ShimSleeper:
+    """vmmshim's regions, pause and resume; a MemPool per region where the allocator has them."""
+
+    def __init__(self):
+        self.backend = torch.cuda.get_allocator_backend()
+        self.pools = self.backend != "cudaMallocAsync"  # that backend cannot allocate to a MemPool
+
+    @contextlib.contextmanager
+    def region(self, tag, keep, hold):
+        """Allocations inside carry tag; hold (a list) keeps the MemPool alive as long as the caller."""
+        pool = None
+        if self.pools:
+            try:
+                pool = torch.cuda.MemPool()
+            except Exception as e:  # then the region alone, and say so
+                self.pools = False
+                say("note", mempool="unavailable", reason=str(e).replace(" ", "_")[:100])
+        hold.append(pool)
+        with vmmshim.region(tag), (torch.cuda.use_mem_pool(pool) if pool is not None else contextlib.nullcontext()):
+            yield
+
+    def pool_bytes(self, hold):
+        """The bytes of the segments of the region's pool: what it holds on the device."""
+        return pool_bytes(hold[0].id) if hold and hold[0] is not None else None
+
+    def pause(self, tag, keep):
+        t = time.perf_counter()
+        rep = vmmshim.pause(tag, keep=keep)
+        return time.perf_counter() - t, rep
+
+    def resume(self, tag):
+        t = time.perf_counter()
+        rep = vmmshim.resume(tag)
+        return time.perf_counter() - t, rep
+
+
+class TmsSleeper:
+    """torch_memory_saver in preload mode: its region brings its own MemPool (one per tag, kept by
+    TMS), and a pause copies every segment of it."""
+    backend = "native"
+
+    def region(self, tag, keep, hold):
+        return saver.region(tag=tag, enable_cpu_backup=keep)
+
+    def pool_bytes(self, hold):
+        return pool_bytes(None)
+
+    def pause(self, tag, keep):
+        t = time.perf_counter()
+        saver.pause(tag)
+        return time.perf_counter() - t, None
+
+    def resume(self, tag):
+        t = time.perf_counter()
+        saver.resume(tag)
+        return time.perf_counter() - t, None
 
 
 class Block(torch.nn.Module):
-    def __init__(self, d=2048, heads=16, kv_heads=4, ffn=5632):
+    def __init__(self):
         super().__init__()
-        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
-        self.n1, self.n2 = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
-        self.q = torch.nn.Linear(d, d, bias=False)
-        self.kv = torch.nn.Linear(d, 2 * kv_heads * self.hd, bias=False)
-        self.o = torch.nn.Linear(d, d, bias=False)
-        self.up = torch.nn.Linear(d, 2 * ffn, bias=False)
-        self.down = torch.nn.Linear(ffn, d, bias=False)
+        self.hd = WIDTH // HEADS
+        self.n1, self.n2 = torch.nn.RMSNorm(WIDTH), torch.nn.RMSNorm(WIDTH)
+        self.q = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+        self.kv = torch.nn.Linear(WIDTH, 2 * KV_HEADS * self.hd, bias=False)
+        self.o = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+        self.up = torch.nn.Linear(WIDTH, 2 * FFN, bias=False)
+        self.down = torch.nn.Linear(FFN, WIDTH, bias=False)
 
     def forward(self, x):
         b, t, d = x.shape
         h = self.n1(x)
-        q = self.q(h).view(b, t, self.heads, self.hd).transpose(1, 2)
-        k, v = self.kv(h).view(b, t, 2, self.kv_heads, self.hd).unbind(2)
-        rep = self.heads // self.kv_heads
-        k = k.transpose(1, 2).repeat_interleave(rep, 1)
-        v = v.transpose(1, 2).repeat_interleave(rep, 1)
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q = self.q(h).view(b, t, HEADS, self.hd).transpose(1, 2)
+        k, v = self.kv(h).view(b, t, 2, KV_HEADS, self.hd).unbind(2)
+        rep = HEADS // KV_HEADS
+
+        def widen(z):  # GQA by expand + reshape: its backward is a plain sum, no index_add
+            z = z.transpose(1, 2)[:, :, None].expand(b, KV_HEADS, rep, t, self.hd)
+            return z.reshape(b, HEADS, t, self.hd)
+
+        a = torch.nn.functional.scaled_dot_product_attention(q, widen(k), widen(v), is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
         g, u = self.up(self.n2(x)).chunk(2, -1)
         return x + self.down(torch.nn.functional.silu(g) * u)
 
 
 class Llama(torch.nn.Module):
-    def __init__(self, layers, vocab=32000, d=2048):
+    def __init__(self):
         super().__init__()
-        self.emb = torch.nn.Embedding(vocab, d)
-        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
-        self.norm = torch.nn.RMSNorm(d)
-        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = torch.nn.RMSNorm(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
 
     def forward(self, ids):
         x = self.emb(ids)
@@ -94,29 +195,57 @@ class Llama(torch.nn.Module):
         return self.head(self.norm(x))
 
 
-def trainer(seed):
-    """Weights untagged; gradients and the optimizer's state under "optim", in a pool of their own."""
+def pool_bytes(pool_id):
+    """The bytes of the caching allocator's segments in the MemPool pool_id (None: in every pool but
+    the default one), None where it keeps no such list (backend:cudaMallocAsync)."""
+    try:
+        segs = torch.cuda.memory._snapshot()["segments"]
+    except Exception:
+        return None
+
+    def pid(s):
+        return tuple(s.get("segment_pool_id") or (0, 0))
+
+    want = tuple(pool_id) if pool_id is not None else None
+    return sum(s["total_size"] for s in segs if (pid(s) == want if want else pid(s) != (0, 0)))
+
+
+def trainer(sleeper, seed):
+    """The model (initialized on the device from the seed, then bf16), fused AdamW, and its
+    gradients and state made under "optim"; returns (model, opt, hold, bytes): hold keeps the
+    region's pool, bytes is what the region holds on the device, the segments of its pool (what
+    a pause has to copy; TMS copies whole segments), else (backend:cudaMallocAsync) the tensors'."""
     torch.manual_seed(seed)
-    model = Llama(LAYERS).to(dev, torch.bfloat16)
+    with torch.device(dev):
+        model = Llama()
+    model.to(torch.bfloat16)
+    torch.cuda.empty_cache()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    pool = torch.cuda.MemPool()
-    with vmmshim.region("optim"), torch.cuda.use_mem_pool(pool):
+    torch.cuda.synchronize()
+    hold, made = [], 0
+    with sleeper.region("optim", True, hold):
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        for group in opt.param_groups:  # the state AdamW makes at its first step, made here instead
+            made += p.grad.nbytes
+        for group in opt.param_groups:  # the state AdamW makes at its first step (fused: step on the device)
             for p in group["params"]:
                 st = opt.state[p]
                 st["step"] = torch.zeros((), dtype=torch.float32, device=dev)
-                st["exp_avg"] = torch.zeros_like(p)
-                st["exp_avg_sq"] = torch.zeros_like(p)
-    return model, opt, pool
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                made += 4 + 2 * p.nbytes
+    torch.cuda.synchronize()
+    return model, opt, hold, sleeper.pool_bytes(hold) or made
 
 
 def steps(model, opt, n, gen):
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
     losses = []
     for _ in range(n):
-        ids = torch.randint(0, 32000, (4, 512), device=dev, generator=gen)
-        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].flatten())
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), device=dev, generator=gen)
+        with sdpa_kernel(SDPBackend.MATH):
+            logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
@@ -124,92 +253,93 @@ def steps(model, opt, n, gen):
     return losses
 
 
-def pinned_bandwidth(nbytes):
-    """Device-to-host and host-to-device GB/s into pinned memory, the ceiling a kept pause aims at."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host.copy_(src)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    host.copy_(src)
-    torch.cuda.synchronize()
-    d2h = nbytes / (time.perf_counter() - t) / 1e9
-    t = time.perf_counter()
-    src.copy_(host)
-    torch.cuda.synchronize()
-    h2d = nbytes / (time.perf_counter() - t) / 1e9
-    del src, host
-    return d2h, h2d
-
-
-NEIGHBOUR = r"""
-import ctypes, sys
-rt = ctypes.CDLL("libcudart.so.13")
-p = ctypes.c_void_p()
-rc = rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(int(sys.argv[1])))
-print("neighbour", rc)
-"""
-
-
-def neighbour_gets(nbytes):
-    """Another process, not under the shim, allocates nbytes right now: True when cudaMalloc succeeded."""
-    env = dict(os.environ)
-    env.pop("LD_PRELOAD", None)
-    out = subprocess.run([sys.executable, "-c", NEIGHBOUR, str(nbytes)], capture_output=True, text=True, env=env,
-                         timeout=120)
-    return out.stdout.strip() == "neighbour 0"
-
-
 def main():
-    nvml = Nvml()
-    d2h, h2d = pinned_bandwidth(2 * GiB)
-    print(f"R pinned d2h={d2h:.1f}GB/s h2d={h2d:.1f}GB/s", flush=True)
+    sleeper = TmsSleeper() if MODE == "tms" else ShimSleeper()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        import torch.utils.deterministic  # noqa: PLC0415
+        torch.utils.deterministic.fill_uninitialized_memory = False  # a 40 GB torch.empty stays a malloc
+    except (ImportError, AttributeError):
+        pass
+    say("setup", mode=MODE, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default") or "default",
+        backend=sleeper.backend, layers=LAYERS, width=WIDTH, rounds=ROUNDS, steps=STEPS,
+        device=torch.cuda.get_device_name(0).replace(" ", "_"))
+    d2h, h2d = pinned_bandwidth(PINNED)
+    say("pinned", d2h=d2h, h2d=h2d, bytes=PINNED)
 
-    ref_model, ref_opt, _ = trainer(1)
+    t = time.perf_counter()
+    model, opt, hold, _ = trainer(sleeper, 1)
+    params = sum(p.numel() for p in model.parameters())
     gen = torch.Generator(device=dev).manual_seed(7)
-    reference = steps(ref_model, ref_opt, STEPS * (ROUNDS + 1), gen)
-    del ref_model, ref_opt
+    reference = steps(model, opt, STEPS * (ROUNDS + 1), gen)
+    del model, opt, hold
+    gc.collect()  # nothing of the run may stay cached in its pool
     torch.cuda.empty_cache()
+    ref_s = time.perf_counter() - t
 
-    model, opt, pool = trainer(1)
+    model, opt, hold, made = trainer(sleeper, 1)
     gen = torch.Generator(device=dev).manual_seed(7)
     losses = steps(model, opt, STEPS, gen)
+    torch.cuda.synchronize()
+    say("model", params=params, optim_bytes=made, reference_s=ref_s)
+
+    nb = Neighbour(view)
+    filled = nb.fill(HEADROOM)
+    ask = max(made - SLACK, 0)
+    say("neighbour", filled=filled, footprint=view.others, headroom=HEADROOM, asks=ask)
     for r in range(ROUNDS):
         torch.cuda.synchronize()
-        before = nvml.used()
-        rep = vmmshim.pause("optim")
-        after_pause = nvml.used()
-        got = neighbour_gets(max(rep.bytes_released - 256 * (1 << 20), 0))
-        back = vmmshim.resume("optim")
-        after_resume = nvml.used()
-        print(f"R trainer round={r} pause_s={rep.seconds:.4f} pause_GBps={rep.bytes_kept / rep.seconds / 1e9:.1f} "
-              f"released={rep.bytes_released} kept={rep.bytes_kept} resume_s={back.seconds:.4f} "
-              f"resume_GBps={back.bytes_kept / back.seconds / 1e9:.1f} nvml_before={before} "
-              f"nvml_paused={after_pause} nvml_resumed={after_resume} neighbour={int(got)} "
-              f"not_shim={rep.bytes_not_shim}", flush=True)
-        check(rep.bytes_released > 0 and before - after_pause >= rep.bytes_released * 0.9,
-              f"round {r}: NVML fell by {before - after_pause} for {rep.bytes_released} released")
-        check(got, f"round {r}: the neighbour's cudaMalloc of the released bytes")
+        before = view.own()
+        got_before = nb.tries(ask)
+        pause_s, rep = sleeper.pause("optim", keep=True)
+        paused = view.own()
+        got = nb.tries(ask)
+        resume_s, back = sleeper.resume("optim")
+        resumed = view.own()
+        kept = rep.bytes_kept if rep else made
+        released = rep.bytes_released if rep else made
+        say("sleep", round=r, pause_s=pause_s, bytes=kept, pause_GBps=kept / pause_s / 1e9, released=released,
+            resume_s=resume_s, resume_GBps=(back.bytes_kept if back else made) / resume_s / 1e9,
+            nvml_before=before, nvml_paused=paused, nvml_resumed=resumed, neighbour_before=int(got_before),
+            neighbour=int(got), not_shim=rep.bytes_not_shim if rep else 0,
+            shim_pause_s=rep.seconds if rep else -1.0, shim_resume_s=back.seconds if back else -1.0)
+        if before is not None:
+            checks.check(released > 0 and before - paused >= released * 0.9,
+                         f"round {r}: NVML fell by {before - paused} for {released} released")
+        checks.check(got and not got_before,
+                     f"round {r}: the neighbour's allocation of {ask} bytes: before the pause "
+                     f"{'succeeded (the device had room: the check proves nothing)' if got_before else 'failed'}, "
+                     f"after it {'succeeded' if got else 'failed'}")
         losses += steps(model, opt, STEPS, gen)
+    nb.close()
     same = losses == reference[:len(losses)]
     first = next((i for i, (a, b) in enumerate(zip(losses, reference)) if a != b), -1)
-    print(f"R losses equal={int(same)} first_differing_step={first} steps={len(losses)}", flush=True)
-    check(same, f"losses after sleeping equal a run that never slept (first differing step {first})")
-    del model, opt, pool
+    say("losses", equal=int(same), first_differing_step=first, steps=len(losses),
+        last=f"{losses[-1]:.6f}", reference_last=f"{reference[len(losses) - 1]:.6f}")
+    checks.check(same, f"losses after sleeping equal a run that never slept (first differing step {first})")
+    del model, opt, hold
+    gc.collect()  # nothing of the run may stay cached in its pool
     torch.cuda.empty_cache()
 
-    free, _ = torch.cuda.mem_get_info()
-    with vmmshim.region("kv"):
-        kv = torch.empty(free // 2, dtype=torch.uint8, device=dev)
+    free = view.free()
+    if free is None:  # no NVML: the process's own view (under the shim it counts the pool's free bytes)
+        free = torch.cuda.mem_get_info()[0]
+    n = int(free * KV_FRACTION) // (2 * MiB) * (2 * MiB)
+    kv_hold = []
+    with sleeper.region("kv", False, kv_hold):
+        kv = torch.empty(n, dtype=torch.uint8, device=dev)
     for r in range(ROUNDS):
         torch.cuda.synchronize()
-        rep = vmmshim.pause("kv", keep=False)
-        back = vmmshim.resume("kv")
-        print(f"R kv round={r} bytes={kv.numel()} pause_s={rep.seconds:.4f} resume_s={back.seconds:.4f} "
-              f"released={rep.bytes_released}", flush=True)
-        check(rep.bytes_kept == 0 and rep.bytes_released >= kv.numel(), f"kv round {r}: {rep}")
-    print(f"{passed} passed, {failed} failed", flush=True)
+        pause_s, rep = sleeper.pause("kv", keep=False)
+        resume_s, back = sleeper.resume("kv")
+        say("kv", round=r, bytes=n, pause_s=pause_s, resume_s=resume_s,
+            released=rep.bytes_released if rep else n, kept=rep.bytes_kept if rep else 0)
+        if rep:
+            checks.check(rep.bytes_kept == 0 and rep.bytes_released >= n, f"kv round {r}: {rep}")
+    del kv, kv_hold
+    say("done", seconds=time.perf_counter() - T0)
+    return checks.done()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
