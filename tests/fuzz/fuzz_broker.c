@@ -21,6 +21,7 @@
  * as a repeat, with no fd. */
 #include "../../shim/broker/broker.c"
 #include "../../shim/broker/dir.c"
+#include "../../shim/broker/holders.c"
 
 #include <stdint.h>
 #include <stdlib.h>
