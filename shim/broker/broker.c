@@ -632,7 +632,7 @@ static void conn_accept(const broker_cfg *cfg, broker_conn *conns, const struct 
 static void *broker_thread(void *arg)
 {
     broker_cfg cfg = *(const broker_cfg *)arg;
-    vmm__holders_on_broker = true;
+    vmm__holders_broker_conns = g_conn_fds;
     broker_conn conns[BROKER_MAX_CONNS];
     for (int i = 0; i < BROKER_MAX_CONNS; i++) conns[i] = (broker_conn){.fd = -1, .slot = i};
     struct pollfd pf[2 + BROKER_MAX_CONNS]; /* the last one after the connections: the wake fd */
@@ -827,8 +827,6 @@ void vmm__broker_forget_after_fork(void)
     vmm__broker_warn_again();
     __atomic_store_n(&g_state, ST_IDLE, __ATOMIC_RELEASE);
 }
-
-int vmm__broker_conn_fd(int i) { return __atomic_load_n(&g_conn_fds[i], __ATOMIC_ACQUIRE) - 1; }
 
 void vmm__broker_set_idle(vmm__broker_idle_fn fn) { __atomic_store_n(&g_idle, fn, __ATOMIC_RELEASE); }
 

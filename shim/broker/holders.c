@@ -48,7 +48,7 @@ static struct {
 } g_fold[FOLD_MAX];
 static uint32_t g_n_fold;
 
-_Thread_local bool vmm__holders_on_broker;
+_Thread_local const int *vmm__holders_broker_conns;
 
 uint64_t vmm__holders_start_of(pid_t pid)
 {
@@ -251,7 +251,7 @@ static void drain(int ms, bool *skip, uint8_t *buf, size_t cap)
     struct pollfd pf[MAX_CONNS];
     int at[MAX_CONNS], n = 0;
     for (int i = 0; i < MAX_CONNS; i++) {
-        int fd = vmm__broker_conn_fd(i);
+        int fd = __atomic_load_n(&vmm__holders_broker_conns[i], __ATOMIC_ACQUIRE) - 1;
         if (fd < 0 || skip[i]) continue;
         at[n] = i;
         pf[n++] = (struct pollfd){.fd = fd, .events = POLLIN};
@@ -291,7 +291,7 @@ void vmm__holders_wait(const uint64_t *keys, const uint64_t *sizes, size_t n, un
     if (!n) return;
     wanted *w = malloc(n * sizeof *w);
     size_t cap = sizeof(vmm_broker_release5) + VMM_BROKER_MAX_RELEASES * sizeof(vmm_broker_gone5);
-    uint8_t *buf = vmm__holders_on_broker ? malloc(cap) : NULL;
+    uint8_t *buf = vmm__holders_broker_conns ? malloc(cap) : NULL;
     if (!w) { /* no memory for the wait: say nothing rather than guess */
         free(buf);
         return;

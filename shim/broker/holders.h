@@ -39,8 +39,8 @@ void vmm__holders_wait(const uint64_t *keys, const uint64_t *sizes, size_t n, un
 /* In a fork child: the parent's holders are not the child's. */
 void vmm__holders_forget_after_fork(void);
 
-/* Set on the broker thread (broker.c), so that a wait there reads the releases itself. */
-extern _Thread_local bool vmm__holders_on_broker;
-/* broker.c: the fd of open connection i (0 .. 63), or -1. */
-int vmm__broker_conn_fd(int i);
+/* Set on the broker thread only (broker.c): its open connections' fds + 1 (0: none), 64 of them,
+ * so that a wait there reads the releases itself; NULL on every other thread.  Handed over this
+ * way so that this file calls nothing of broker.c's (which calls it). */
+extern _Thread_local const int *vmm__holders_broker_conns;
 #endif
