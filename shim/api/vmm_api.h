@@ -278,6 +278,12 @@ typedef struct vmm_sleep_report {
     uint64_t ns;             /* how long the call took */
     uint64_t segments;       /* physical handles released (pause) or made (resume) */
     uint64_t allocations;    /* live allocations paused or resumed */
+    /* Appended (a caller passing the shorter struct's size gets the six fields above only).  Pause:
+     * of bytes_released, the bytes companions still held after the wait (VMMSHIM_PAUSE_HOLD_WAIT_MS)
+     * with live imports of it; the device gets them back when those let go.  0 for a resume. */
+    uint64_t bytes_held;
+    uint32_t n_holders;      /* how many processes hold them */
+    uint32_t holders[8];     /* the first n_holders (at most 8) of their pids */
 } vmm_sleep_report;
 
 vmm_status vmm_pause(const char *tag, unsigned flags);

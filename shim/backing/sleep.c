@@ -43,6 +43,7 @@
 #include "backing/internal.h"
 #include "backing/sleep.h"
 #include "broker/broker.h"
+#include "broker/holders.h"
 #include "broker/protocol.h"
 #include "core/log.h"
 #include "core/options.h"
@@ -189,6 +190,54 @@ static void release_seg(vmm__seg *s)
     c->paused = 1;
 }
 
+/* A released segment's key and size, for the wait for its holders (a failed growth leaves that
+ * segment out of the wait: it is still released, and its holders go unreported). */
+static void note_gone(vmm__sleep_out *out, uint64_t key, uint64_t size)
+{
+    if (out->n_gone == out->cap_gone) {
+        size_t cap = out->cap_gone ? 2 * out->cap_gone : 64;
+        uint64_t *k = realloc(out->gone_keys, cap * sizeof *k);
+        if (k) out->gone_keys = k;
+        uint64_t *z = k ? realloc(out->gone_sizes, cap * sizeof *z) : NULL;
+        if (z) out->gone_sizes = z;
+        if (!k || !z) return;
+        out->cap_gone = cap;
+    }
+    out->gone_keys[out->n_gone] = key;
+    out->gone_sizes[out->n_gone++] = size;
+}
+
+/* After a pause released segments (and rang the keeper): wait a bounded time for the companions
+ * that imported them to let go, then report who still holds what, in out and in one warning line.
+ * The keeper, rung already, closed its fds without a word (it took them raw): its pid is dropped. */
+static void wait_for_holders(vmm__sleep_out *out)
+{
+    if (out->n_gone && vmm__S.registry_ok) {
+        vmm_reg_proc *me = vmm__reg_self(&vmm__S.reg);
+        uint32_t keeper = me ? __atomic_load_n(&me->keeper_pid, __ATOMIC_RELAXED) : 0;
+        if (keeper) vmm__holders_drop((pid_t)keeper, out->gone_keys, out->n_gone);
+    }
+    vmm__held h;
+    vmm__holders_wait(out->gone_keys, out->gone_sizes, out->n_gone, (unsigned)vmm__opt_int(VMM__OPT_PAUSE_HOLD_WAIT_MS),
+                      &h);
+    free(out->gone_keys);
+    free(out->gone_sizes);
+    out->gone_keys = out->gone_sizes = NULL;
+    out->n_gone = out->cap_gone = 0;
+    out->held = h.bytes;
+    out->n_holders = h.n_pids;
+    memcpy(out->holders, h.pids, sizeof out->holders);
+    if (!h.n_pids) return;
+    char pids[8 * 12 + 32]; /* on the stack: a warning never allocates */
+    size_t at = 0;
+    uint32_t shown = h.n_pids < VMM__HOLDERS_REPORT ? h.n_pids : VMM__HOLDERS_REPORT;
+    for (uint32_t i = 0; i < shown; i++)
+        at += (size_t)snprintf(pids + at, sizeof pids - at, "%s%u", i ? ", " : "", h.pids[i]);
+    if (h.n_pids > shown) snprintf(pids + at, sizeof pids - at, " and %u more", h.n_pids - shown);
+    vmm__log(VMM__LOG_WARNING, "pause: %llu bytes of paused memory still held by pid %s (imports not released); the "
+             "device gets them back when they let go", (unsigned long long)h.bytes, pids);
+}
+
 static void mark_records_locked(vmm__arena *a, int paused)
 {
     if (!vmm__S.registry_ok) return;
@@ -245,6 +294,7 @@ static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_i
     vmm__pool_set_paused(p, a, 1);
     for (vmm__seg *s = p->segs; s; s = s->snext) {
         if (s->arena != a || ((vseg *)s->mech)->paused) continue;
+        note_gone(out, ((vseg *)s->mech)->id, s->size);
         release_seg(s);
         out->released += s->size;
         out->segments++;
@@ -307,6 +357,7 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
     /* a keeper holding these segments lets go of them before the call returns (at most
      * VMM__KEEP_LET_GO_MS; one relaxed load when nobody keeps us) */
     if (out->segments && vmm__S.registry_ok) vmm__keep_ring(&vmm__S.reg, VMM__KEEP_LET_GO_MS);
+    wait_for_holders(out);
     return rc;
 }
 

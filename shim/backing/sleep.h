@@ -17,6 +17,14 @@ typedef struct vmm__sleep_out {
                              the pause cannot release (no stand-in), left on the device */
     uint64_t segments;    /* handles released or made */
     uint64_t allocations; /* live allocations paused or resumed */
+    /* pause: of the bytes released, those companions still held after the wait
+     * (VMMSHIM_PAUSE_HOLD_WAIT_MS), how many pids held them, the first of those */
+    uint64_t held;
+    uint32_t n_holders;
+    uint32_t holders[8];
+    /* pause, while it runs: each released segment's key (its id) and size, for that wait */
+    uint64_t *gone_keys, *gone_sizes;
+    size_t n_gone, cap_gone;
 } vmm__sleep_out;
 
 /* flags: VMM_PAUSE_* (api/vmm_api.h).  0, or: -ENODEV the shim is not active; -ENOENT no pool

@@ -7,6 +7,7 @@
  * See README.md in this directory for the design and its threats. */
 #include "broker/broker.h"
 #include "broker/dir.h"
+#include "broker/holders.h"
 
 #include "broker/protocol.h"
 #include "core/log.h"
@@ -170,6 +171,8 @@ typedef struct broker_conn {
     bool allowed;
     bool stalled;         /* its batch's last send met ETOOMANYREFS: tried again after a tick */
     int slot;             /* its index among the connections (g_batch_fds), -1 outside the thread */
+    pid_t pid;            /* the peer and its start time, for the holders table (holders.c) */
+    uint64_t start;
     struct timespec last; /* CLOCK_MONOTONIC of its last request, or of its batch's last message queued */
     broker_batch *batch;  /* a v3 batch being answered: no request is read meanwhile */
 } broker_conn;
@@ -250,8 +253,9 @@ static int export_checked(const broker_cfg *cfg, const uint8_t *id, uint64_t slo
 }
 
 /* v1: the allocation's one handle, or -EPROTONOSUPPORT when it has several. */
-static void serve_v1(const broker_cfg *cfg, int sock, const vmm_broker_request *q)
+static void serve_v1(const broker_cfg *cfg, const broker_conn *c, const vmm_broker_request *q)
 {
+    int sock = c->fd;
     int fd = -1;
     uint64_t size = 0, key;
     uint32_t n_here, n_total, device, ns;
@@ -266,11 +270,13 @@ static void serve_v1(const broker_cfg *cfg, int sock, const vmm_broker_request *
         return;
     }
     send_reply(sock, 0, size, device, fd, ns);
+    vmm__holders_add(c->pid, c->start, q->slot, q->generation, &key, 1);
     close(fd); /* the peer holds its own reference now (or never will) */
 }
 
-static void serve_v2(const broker_cfg *cfg, int sock, const vmm_broker_request2 *q)
+static void serve_v2(const broker_cfg *cfg, const broker_conn *c, const vmm_broker_request2 *q)
 {
+    int sock = c->fd;
     vmm_broker_reply2 rep;
     memset(&rep, 0, sizeof rep);
     rep.magic = VMM_BROKER_MAGIC;
@@ -289,6 +295,7 @@ static void serve_v2(const broker_cfg *cfg, int sock, const vmm_broker_request2 
         return;
     }
     send_datagram(sock, &rep, sizeof rep, fds, rep.n_here);
+    vmm__holders_add(c->pid, c->start, q->slot, q->generation, keys, rep.n_here);
     for (uint32_t i = 0; i < rep.n_here; i++) close(fds[i]);
 }
 
@@ -381,6 +388,7 @@ static void batch_build(const broker_cfg *cfg, broker_conn *c)
                             &n_total, &device, &ns);
         if (rc != 0) break;
         ns_total += ns;
+        vmm__holders_add(c->pid, c->start, e->slot, e->generation, keys, got); /* repeats too: per allocation */
         for (uint32_t k = 0; k < got; k++) {
             bool again = b->repeats && passed_before(b, keys[k]);
             if (again)
@@ -531,7 +539,7 @@ static bool serve_request(const broker_cfg *cfg, broker_conn *c)
     if (n < 0) return errno == EAGAIN;
     uint8_t *big = NULL;
     if ((size_t)n > sizeof in.raw && (size_t)n <= BROKER_MAX_REQUEST && c->allowed &&
-        in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION3)
+        in.req.magic == VMM_BROKER_MAGIC && (in.req.version == VMM_BROKER_VERSION3 || in.req.version == VMM_BROKER_VERSION5))
         big = malloc((size_t)n);
     do n = big ? recv(c->fd, big, (size_t)n, MSG_DONTWAIT | MSG_TRUNC)
                : recv(c->fd, in.raw, sizeof in.raw, MSG_DONTWAIT | MSG_TRUNC);
@@ -556,16 +564,21 @@ static bool serve_request(const broker_cfg *cfg, broker_conn *c)
         free(big);
         return keep;
     }
+    if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION5 && (big || (size_t)n <= sizeof in.raw) &&
+        vmm__holders_serve_release(c->pid, big ? big : in.raw, (size_t)n)) {
+        free(big);
+        return true; /* no reply: the peer is not listening for one */
+    }
     free(big);
     /* magic and version lie at the same offsets in both requests */
     if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION &&
         (size_t)n == sizeof(vmm_broker_request)) {
-        serve_v1(cfg, c->fd, &in.req);
+        serve_v1(cfg, c, &in.req);
         return true; /* a stale allocation is the peer's news, not the connection's fault */
     }
     if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION2 &&
         (size_t)n == sizeof(vmm_broker_request2)) {
-        serve_v2(cfg, c->fd, &in.req2);
+        serve_v2(cfg, c, &in.req2);
         return true;
     }
     if (in.req.magic == VMM_BROKER_MAGIC && in.req.version == VMM_BROKER_VERSION4 &&
@@ -612,12 +625,14 @@ static void conn_accept(const broker_cfg *cfg, broker_conn *conns, const struct 
     conns[slot].slot = slot;
     conns[slot].stalled = false;
     conns[slot].batch = NULL;
+    vmm__holders_peer(fd, &conns[slot].pid, &conns[slot].start);
     __atomic_store_n(&g_conn_fds[slot], fd + 1, __ATOMIC_RELEASE);
 }
 
 static void *broker_thread(void *arg)
 {
     broker_cfg cfg = *(const broker_cfg *)arg;
+    vmm__holders_broker_conns = g_conn_fds;
     broker_conn conns[BROKER_MAX_CONNS];
     for (int i = 0; i < BROKER_MAX_CONNS; i++) conns[i] = (broker_conn){.fd = -1, .slot = i};
     struct pollfd pf[2 + BROKER_MAX_CONNS]; /* the last one after the connections: the wake fd */
@@ -808,6 +823,7 @@ void vmm__broker_forget_after_fork(void)
     }
     g_path[0] = 0;
     g_owner_pid = 0;
+    vmm__holders_forget_after_fork();
     vmm__broker_warn_again();
     __atomic_store_n(&g_state, ST_IDLE, __ATOMIC_RELEASE);
 }

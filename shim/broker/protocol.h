@@ -4,7 +4,7 @@
  * peer reconnects when its next request finds the connection closed.  Little-endian fixed-width
  * fields; a reader in any language can speak it.
  *
- * Four request versions, told apart by `version` and the datagram's exact length:
+ * Five request versions, told apart by `version` and the datagram's exact length:
  *
  *   v1 (vmm_broker_request, 40 bytes): one handle.  The reply is a vmm_broker_reply (24 bytes)
  *   with one fd.  An allocation made of several handles (registry MULTI-HANDLE records) cannot be
@@ -61,6 +61,17 @@
  *   predates v4 answers -EPROTO (v1 form) and closes the connection: the client says the owner's
  *   shim is too old for a remote pause; there is nothing to fall back to.
  *
+ *   v5 (vmm_broker_release5, 16 + 24 * n bytes): no reply, no fd.  A companion says which imports
+ *   of the owner's memory it let go of (its import cache unmapped them), so that a pause can tell
+ *   who still holds paused memory (shim/broker/holders.c).  Entry i names what went: `key` (a
+ *   segment id as the owner's export gave it: the chunk id of a one-handle record) drops every
+ *   entry of that key the sender's pid holds; with key VMM_BROKER_NO_KEY, (slot, generation)
+ *   drops what the sender took by asking for that allocation.  n is 1 .. VMM_BROKER_MAX_RELEASES,
+ *   flags 0; anything else is -EPROTO (v1 form) and the connection closes, as a broker older than
+ *   v5 answers any v5 datagram: a client that finds that answer queued stops telling that owner.
+ *   The client sends these on a connection of their own, never on its request connection, so
+ *   that no reply it does not wait for lands among those it does.
+ *
  * An error reply to a v2 request is a vmm_broker_reply2 as well, and to a v3 request a
  * vmm_broker_reply3, except for requests the broker cannot read (wrong length, magic or version:
  * -EPROTO) and refused peers (-EACCES): those get a vmm_broker_reply, whatever was sent, since the
@@ -77,6 +88,8 @@
 #define VMM_BROKER_VERSION2 2u       /* vmm_broker_request2: a run of handles */
 #define VMM_BROKER_VERSION3 3u       /* vmm_broker_request3: a batch of runs, a stream of replies */
 #define VMM_BROKER_VERSION4 4u       /* vmm_broker_request4: pause or resume, one vmm_broker_reply4 */
+#define VMM_BROKER_VERSION5 5u       /* vmm_broker_release5: imports let go of, no reply */
+#define VMM_BROKER_MAX_RELEASES 2048u /* entries in one v5 datagram: 16 + 24 * 2048 bytes (48 KiB) */
 #define VMM_BROKER_OP_PAUSE 1u       /* vmm_broker_request4.op */
 #define VMM_BROKER_OP_RESUME 2u
 #define VMM_BROKER_TAG_LEN 64u       /* vmm_broker_request4.tag: a tag and its NUL (a shim's tag has 32) */
@@ -184,7 +197,25 @@ typedef struct vmm_broker_reply4 {
     char why[VMM_BROKER_WHY_LEN]; /* with status != 0: the owner's one line, NUL-terminated */
 } vmm_broker_reply4; /* 256 */
 
+typedef struct vmm_broker_release5 {
+    uint32_t magic;
+    uint32_t version;     /* VMM_BROKER_VERSION5 */
+    uint32_t n;           /* 1 .. VMM_BROKER_MAX_RELEASES; the datagram is 16 + 24 * n bytes */
+    uint32_t flags;       /* 0 */
+    /* followed by n vmm_broker_gone5 */
+} vmm_broker_release5; /* 16 */
+
+typedef struct vmm_broker_gone5 {
+    uint64_t key;         /* a segment id, or VMM_BROKER_NO_KEY (UINT64_MAX): by slot and generation */
+    uint64_t slot;
+    uint64_t generation;
+} vmm_broker_gone5; /* 24 */
+
 _Static_assert(sizeof(vmm_broker_request) == 40, "request size");
+_Static_assert(sizeof(vmm_broker_release5) == 16, "release5 size");
+_Static_assert(offsetof(vmm_broker_release5, n) == 8, "release5.n");
+_Static_assert(sizeof(vmm_broker_gone5) == 24, "gone5 size");
+_Static_assert(offsetof(vmm_broker_gone5, generation) == 16, "gone5.generation");
 _Static_assert(offsetof(vmm_broker_request, slot) == 8, "request.slot");
 _Static_assert(offsetof(vmm_broker_request, generation) == 16, "request.generation");
 _Static_assert(offsetof(vmm_broker_request, alloc_id) == 24, "request.alloc_id");

@@ -126,6 +126,11 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
      * it stays locked; a colocated-RL trainer pauses the same optimizer state and gradients every
      * step (AdamW's two fp32 moments and bf16 gradients: 10 bytes a parameter, so 64G covers ~6B
      * parameters), while a process that pauses once keeps no more than this locked for good. */
+    /* 500 ms: five ticks of a companion's reaper (100 ms), which unmaps an idle mapping of paused memory */
+    OPT(PAUSE_HOLD_WAIT_MS, T_INT, "500", 0, 60000, NULL, NULL,
+        "How long `vmm_pause` waits, after releasing, for companions holding imports of the paused memory to let "
+        "go (their import caches tell the owner's broker; a pid that exits counts as let go); then it reports what "
+        "is still held and by which pid (one warning line; `vmm_sleep_report.bytes_held` and `holders`). 0: no wait."),
     OPT(PAUSE_HOST_CACHE, T_SIZE, "64G", 0, TiB, NULL, NULL,
         "Bytes of pinned host memory a process keeps from one kept pause to the next: after a resume each "
         "allocation's pinned copy stays (while they fit) and its next pause copies straight into it, since pinning "

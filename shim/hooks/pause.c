@@ -46,7 +46,9 @@ static vmm_status finish(const char *fn, int rc, const char *why, const vmm__sle
     else last_error[0] = 0;
     if (report && report_size) {
         vmm_sleep_report r = {.bytes_released = o->released, .bytes_kept = o->kept, .bytes_not_shim = o->not_shim,
-                              .ns = now_ns() - t0, .segments = o->segments, .allocations = o->allocations};
+                              .ns = now_ns() - t0, .segments = o->segments, .allocations = o->allocations,
+                              .bytes_held = o->held, .n_holders = o->n_holders};
+        memcpy(r.holders, o->holders, sizeof r.holders);
         memcpy(report, &r, report_size < sizeof r ? report_size : sizeof r);
     }
     return status_of(rc);

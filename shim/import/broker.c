@@ -235,6 +235,7 @@ int vmm__broker_roundtrip(vmm_registry *reg, const vmm_alloc_info *a, owner_ref 
     for (int attempt = 0;; attempt++) {
         bool fresh = o->sock < 0;
         if (fresh && (*open_st = vmm__broker_open(reg, a, &o->sock)) != VMM_OK) return -ENOTCONN;
+        if (fresh) vmm__release_note_path(o);
         uint64_t t0 = vmm__now_ns();
         ssize_t n;
         do n = send(o->sock, req, req_len, MSG_NOSIGNAL | MSG_DONTWAIT);

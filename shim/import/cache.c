@@ -52,7 +52,9 @@ vmm_status vmm__owner_get(const vmm_alloc_info *a, owner_ref **out)
     fresh->pidns = a->owner_pidns;
     fresh->pidfd = vmm__owner_pidfd(a);
     fresh->sock = -1;
+    fresh->rel_sock = -1;
     pthread_mutex_init(&fresh->io, NULL);
+    pthread_mutex_init(&fresh->rel_io, NULL);
     fresh->busy = 1;
     pthread_mutex_lock(&vmm__chunks_lock);
     if ((o = owner_find_locked(a)) != NULL) {
@@ -271,6 +273,7 @@ static vmm_status unmap_list(chunk *list)
         chunk *c = list;
         list = c->next;
         vmm_status s1 = vmm__unmap_chunk(c);
+        if (s1 == VMM_OK) vmm__release_tell(c); /* a pause of its owner waits to hear it */
         if (st == VMM_OK) st = s1;
         vmm__chunk_free(c);
     }

@@ -82,6 +82,12 @@ typedef struct owner_ref {
     int sock;             /* the kept connection to its broker, -1 none; used under io */
     pthread_mutex_t io;   /* one request at a time on sock */
     bool no_repeats;      /* its broker predates VMM_BROKER_REQ3_REPEATS (under io) */
+    /* Telling its broker what the chunk cache unmapped (protocol v5, release.c), under rel_io: a
+     * connection of its own, so that no reply we do not wait for lands among those io waits for */
+    pthread_mutex_t rel_io;
+    int rel_sock;         /* -1 none */
+    bool no_release;      /* its broker predates v5 (it answered -EPROTO): told nothing more */
+    char path[108];       /* its broker's socket, as the kept connection found it ("" not yet) */
     unsigned long chunks; /* chunks of it in the chunk table, held or idle */
     unsigned long busy;   /* threads using the entry outside vmm__chunks_lock */
     uint64_t last_used_ns;
@@ -311,4 +317,12 @@ vmm_status vmm__range_layout(range_plan *p);
 vmm_status vmm__range_place(const range_plan *p, placed **out, size_t *n_out);
 /* Unmap what was mapped, free the reservation (or give back the range's part of it), free m. */
 vmm_status vmm__range_unmap(range_map *m);
+
+/* ---- telling the owner's broker what was let go of (release.c) ---- */
+
+/* o->sock was just connected (o->io held): its peer's path is where releases go. */
+void vmm__release_note_path(owner_ref *o);
+/* c's mapping is gone: tell its owner's broker, fire and forget (never blocks for long). */
+void vmm__release_tell(const chunk *c);
+
 #endif

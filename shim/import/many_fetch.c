@@ -229,6 +229,7 @@ static vmm_status batch_request(many *m, const uint32_t *list, uint32_t count, b
             st = vmm__broker_open(m->reg, a0, &o->sock);
             vmm__mt.connect_ns += vmm__now_ns() - t0;
             if (st != VMM_OK) break;
+            vmm__release_note_path(o);
             vmm__mt.connects++;
         }
         uint64_t t0 = vmm__now_ns(), imported0 = __atomic_load_n(&m->import_ns, __ATOMIC_RELAXED);

@@ -41,8 +41,10 @@ int vmm__owner_pidfd(const vmm_alloc_info *a)
 void vmm__owner_free(owner_ref *o)
 {
     if (o->sock >= 0) close(o->sock);
+    if (o->rel_sock >= 0) close(o->rel_sock);
     if (o->pidfd >= 0) close(o->pidfd);
     pthread_mutex_destroy(&o->io);
+    pthread_mutex_destroy(&o->rel_io);
     free(o);
 }
 

@@ -18,9 +18,11 @@
  * ends the stream; the export function checks each call against the same model.  Each handle
  * has a key (bits 3.. of its slot and its index), so that with VMM_BROKER_REQ3_REPEATS a batch
  * naming a handle again (the same slot twice, or two slots that share those bits) must name it
- * as a repeat, with no fd. */
+ * as a repeat, with no fd.  A well-formed v5 release (n entries of 24 bytes: at most 9 fit here)
+ * must be taken in silence, the connection kept; a malformed one gets -EPROTO like any other. */
 #include "../../shim/broker/broker.c"
 #include "../../shim/broker/dir.c"
+#include "../../shim/broker/holders.c"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -173,6 +175,13 @@ static sent parse(const uint8_t *dg, size_t len)
         q.v3_n = h.n_entries;
         q.v3_flags = h.flags;
         memcpy(q.e, dg + sizeof h, h.n_entries * sizeof(vmm_broker_entry3));
+        return q;
+    }
+    vmm_broker_release5 g;
+    memcpy(&g, &r, sizeof g);
+    if (r.version == VMM_BROKER_VERSION5 && len >= sizeof g && g.flags == 0 && g.n >= 1 &&
+        g.n <= VMM_BROKER_MAX_RELEASES && len == sizeof g + g.n * sizeof(vmm_broker_gone5)) {
+        q.version = 5; /* a release: applied to the holders table, never answered */
         return q;
     }
     if (r.version == VMM_BROKER_VERSION && len == sizeof(vmm_broker_request)) {
@@ -426,7 +435,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     shutdown(sv[1], SHUT_WR);
 
     broker_cfg cfg = {.listen_fd = -1, .export_fn = fake_export, .uid = geteuid()};
-    broker_conn c = {.fd = sv[0], .allowed = allowed, .slot = -1};
+    broker_conn c = {.fd = sv[0], .allowed = allowed, .slot = -1, .pid = getpid()}; /* the holders table fills */
     size_t served = 0;
     for (;; served++) {
         g_exports = 0;
@@ -458,6 +467,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (c.batch || !keep || g_exports != (int)w.calls) abort();
             for (int i = 0; i < g_n_given; i++)
                 if (g_given[i] >= 0 && fcntl(g_given[i], F_GETFD) != -1) abort();
+            continue;
+        }
+        if (g_sent.version == 5 && allowed && served < n) {
+            uint8_t none[8];
+            if (!keep || g_exports || recv(sv[1], none, sizeof none, MSG_DONTWAIT) != -1 || errno != EAGAIN)
+                abort(); /* a release keeps the connection, exports nothing and gets no reply */
             continue;
         }
         for (int i = 0; i < g_n_given; i++)

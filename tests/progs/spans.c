@@ -20,7 +20,8 @@
  *   "x <code>"       exit(code), answering nothing (tests/unit/test_keep.c: how an owner ended)
  *   "s"              raises SIGSEGV, as a crash would (no handler of its own)
  *   "P <flags> [tag]" vmm_pause_ex (the shim's; no tag: NULL, every allocation); answers "ok <bytes
- *                    released> <kept> <not the shim's> <segments> <allocations>", or "error <status> <why>"
+ *                    released> <kept> <not the shim's> <segments> <allocations> <bytes held> <holders>
+ *                    <their pids...>", or "error <status> <why>"
  *   "R [tag]"        vmm_resume_ex; answers as "P"
  *   "v <index> <seed>" reads the buffer back (cudaMemcpy) and compares it with what "w" wrote;
  *                    answers "ok" or "error mismatch at word <k>"
@@ -85,10 +86,13 @@ typedef vmm_status (*resume_fn)(const char *, vmm_sleep_report *, size_t);
 /* Answer a pause's or resume's outcome. */
 static void sleep_answer(vmm_status st, const vmm_sleep_report *r)
 {
-    if (st == VMM_OK)
-        printf("ok %llu %llu %llu %llu %llu\n", (unsigned long long)r->bytes_released, (unsigned long long)r->bytes_kept,
-               (unsigned long long)r->bytes_not_shim, (unsigned long long)r->segments, (unsigned long long)r->allocations);
-    else {
+    if (st == VMM_OK) {
+        printf("ok %llu %llu %llu %llu %llu %llu %u", (unsigned long long)r->bytes_released, (unsigned long long)r->bytes_kept,
+               (unsigned long long)r->bytes_not_shim, (unsigned long long)r->segments, (unsigned long long)r->allocations,
+               (unsigned long long)r->bytes_held, r->n_holders);
+        for (uint32_t i = 0; i < r->n_holders && i < 8; i++) printf(" %u", r->holders[i]);
+        printf("\n");
+    } else {
         void *sym = dlsym(RTLD_DEFAULT, "vmm_sleep_error");
         const char *(*why)(void) = NULL;
         memcpy(&why, &sym, sizeof why);

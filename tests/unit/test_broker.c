@@ -8,6 +8,7 @@
  * only as root (as CI does). */
 #include "../../shim/broker/broker.c" /* test equipment: the broker's statics stay reachable */
 #include "../../shim/broker/dir.c"
+#include "../../shim/broker/holders.c"
 
 #include "check.h"
 #include "registry/registry.h"

@@ -19,6 +19,7 @@
  * watch's JSON ticks with deltas, its table on a terminal, SIGTERM. */
 #include "../../shim/broker/broker.c" /* test equipment: a real broker in the forked owner */
 #include "../../shim/broker/dir.c"
+#include "../../shim/broker/holders.c"
 
 #include "../fakecuda/fakecuda.h"
 #include "check.h"

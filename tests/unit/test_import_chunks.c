@@ -15,6 +15,7 @@
  * was freed. */
 #include "../../shim/broker/broker.c" /* test equipment: a real broker in the owner */
 #include "../../shim/broker/dir.c"
+#include "../../shim/broker/holders.c"
 
 #include "../fakecuda/fakecuda.h"
 #include "backing/ipc.h"

@@ -17,6 +17,7 @@
  * over several pages; a dead owner. */
 #include "../../shim/broker/broker.c" /* test equipment: a real broker in the owner */
 #include "../../shim/broker/dir.c"
+#include "../../shim/broker/holders.c"
 
 #include "../fakecuda/fakecuda.h"
 #include "check.h"

@@ -142,7 +142,11 @@ class SleepReport:
     """What a pause or resume of another process did (Registry.pause, Registry.resume; the
     owner's vmm_sleep_report): bytes_released (pause: given back to the device; resume: mapped
     again), bytes_kept (copied out, or back), bytes_not_shim (its device memory the shim does not
-    own, left there), segments, allocations, and seconds (the owner's time)."""
+    own, left there), segments, allocations, seconds (the owner's time), and for a pause
+    bytes_held and holders: of bytes_released, what companions still held with live imports once
+    the owner's wait (VMMSHIM_PAUSE_HOLD_WAIT_MS) was over, and their pids (at most 8 named;
+    n_holders counts them all).  A pause from outside (Registry.pause) reports none: protocol v4's
+    reply has no room for them."""
 
     def __init__(self, r):
         self.bytes_released = r.bytes_released
@@ -151,10 +155,15 @@ class SleepReport:
         self.segments = r.segments
         self.allocations = r.allocations
         self.seconds = r.ns / 1e9
+        self.bytes_held = r.bytes_held
+        self.n_holders = r.n_holders
+        self.holders = [r.holders[i] for i in range(min(r.n_holders, 8))]
 
     def __repr__(self):
         return (f"<vmmshim.SleepReport released {self.bytes_released} kept {self.bytes_kept} bytes, "
-                f"{self.allocations} allocations, {self.seconds * 1e3:.1f} ms>")
+                f"{self.allocations} allocations, {self.seconds * 1e3:.1f} ms"
+                + (f", {self.bytes_held} bytes still held by pid {', '.join(map(str, self.holders))}"
+                   if self.n_holders else "") + ">")
 
 
 class Tensor:

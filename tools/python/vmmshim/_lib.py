@@ -139,7 +139,8 @@ class TensorDesc(ctypes.Structure):
 class SleepReport(ctypes.Structure):
     """vmm_sleep_report."""
     _fields_ = [(name, c_u64) for name in (
-        "bytes_released", "bytes_kept", "bytes_not_shim", "ns", "segments", "allocations")]
+        "bytes_released", "bytes_kept", "bytes_not_shim", "ns", "segments", "allocations", "bytes_held")] + [
+            ("n_holders", c_u32), ("holders", c_u32 * 8)]
 
 
 PAUSE_DISCARD, PAUSE_FILE = 1, 2  # VMM_PAUSE_*
