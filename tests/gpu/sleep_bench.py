@@ -257,8 +257,9 @@ def main():
     sleeper = TmsSleeper() if MODE == "tms" else ShimSleeper()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        import torch.utils.deterministic  # noqa: PLC0415
-        torch.utils.deterministic.fill_uninitialized_memory = False  # a 40 GB torch.empty stays a malloc
+        # `import torch.utils.deterministic` here would make torch a local name of main()
+        from torch.utils import deterministic  # noqa: PLC0415
+        deterministic.fill_uninitialized_memory = False  # a 40 GB torch.empty stays a malloc
     except (ImportError, AttributeError):
         pass
     say("setup", mode=MODE, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default") or "default",
