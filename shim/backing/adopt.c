@@ -337,6 +337,14 @@ CUresult vmm__adopt_pin(CUmemGenericAllocationHandle h, CUmemGenericAllocationHa
     return rc;
 }
 
+void vmm__adopt_shared(CUmemGenericAllocationHandle h)
+{
+    pthread_mutex_lock(&A.lock);
+    handle_entry *e = stand_in_locked(h);
+    if (e) e->shared = 1;
+    pthread_mutex_unlock(&A.lock);
+}
+
 void vmm__adopt_unpin(CUmemGenericAllocationHandle h)
 {
     pthread_mutex_lock(&A.lock);

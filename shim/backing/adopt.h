@@ -29,6 +29,11 @@ static inline int vmm__adopt_is_stand_in(CUmemGenericAllocationHandle h) { retur
  * (no memory stands behind it until vmm_resume).  A stand-in the shim does not know: *real = h. */
 CUresult vmm__adopt_pin(CUmemGenericAllocationHandle h, CUmemGenericAllocationHandle *real);
 void vmm__adopt_unpin(CUmemGenericAllocationHandle h);
+/* The program exported stand-in h itself (cuMemExportToShareableHandle succeeded): another process
+ * (NCCL's peer, a torch.multiprocessing receiver) may map the same physical memory, which a pause
+ * cannot tell to let go and a resume could not give back, so h stays on the device from now on,
+ * counted in the pause's bytes_not_shim. */
+void vmm__adopt_shared(CUmemGenericAllocationHandle h);
 typedef CUresult (*vmm__mem_release_fn)(CUmemGenericAllocationHandle);
 typedef CUresult (*vmm__mem_props_fn)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
 /* cuMemRelease and cuMemGetAllocationPropertiesFromHandle of stand-in h (paused: the program's

@@ -25,6 +25,7 @@ typedef struct vmm__adopt_handle {
     int stand_in; /* VMMSHIM_SLEEP_ADOPTED: the program holds a stand-in, the shim the driver's handle */
     int paused;   /* released by vmm_pause: no driver handle until vmm_resume */
     int mark;     /* adopt_sleep.c: chosen by the pause or resume under way */
+    int shared;   /* the program exported it itself (vmm__adopt_shared): never paused */
     /* The program's references: 1 at cuMemCreate, +1 each cuMemRetainAllocationHandle, -1 each
      * cuMemRelease.  Without a stand-in only "released" (0) matters, as before.  With one, the
      * driver's handle carries exactly one reference of the shim's while refs > 0, none at 0

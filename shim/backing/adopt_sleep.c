@@ -23,7 +23,10 @@
  * cuMemGetAllocationPropertiesFromHandle answers what it did before, cuMemMap and
  * cuMemExportToShareableHandle fail with CUDA_ERROR_INVALID_HANDLE (no memory stands behind the
  * handle until vmm_resume), and cuMemRetainAllocationHandle fails as for any unmapped address.
- * The program must not touch the memory while paused, as for the pools. */
+ * The program must not touch the memory while paused, as for the pools.  A handle the program
+ * exported itself (NCCL's buffers, which its peers map while a communicator lives; a tensor sent
+ * through torch.multiprocessing) is never chosen: a peer's mapping would keep the old memory alive
+ * and never see the new, so it stays on the device, counted in bytes_not_shim. */
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
@@ -58,7 +61,7 @@ static void survey(const char *tag, int *any, int *paused, int *awake, uint64_t 
     pthread_mutex_lock(&A.lock);
     for (handle_entry *e = A.handles; e; e = e->hh.next) {
         if (!vmm__tag_selects(tag, e->tag)) continue;
-        if (!can || !e->stand_in) { /* the program holds the driver's handle: it stays on the device */
+        if (!can || !e->stand_in || e->shared) { /* the program holds the driver's handle, or shared it: it stays */
             *left += e->size;
             continue;
         }
@@ -75,7 +78,7 @@ static int contexts(const char *tag, CUcontext *ctx, int max)
     if (!pausable()) return 0;
     pthread_mutex_lock(&A.lock);
     for (handle_entry *e = A.handles; e; e = e->hh.next) {
-        if (!e->stand_in || e->paused || !e->ctx || !vmm__tag_selects(tag, e->tag)) continue;
+        if (!e->stand_in || e->shared || e->paused || !e->ctx || !vmm__tag_selects(tag, e->tag)) continue;
         int seen = 0;
         for (int i = 0; i < n; i++) seen |= ctx[i] == e->ctx;
         if (!seen && n < max) ctx[n++] = e->ctx;
@@ -92,7 +95,7 @@ static int choose_locked(const char *tag, int paused)
     for (int tries = 0; tries < 2000; tries++) {
         int pinned = 0;
         for (handle_entry *e = A.handles; e; e = e->hh.next) {
-            e->mark = e->stand_in && e->paused == paused && vmm__tag_selects(tag, e->tag);
+            e->mark = e->stand_in && !e->shared && e->paused == paused && vmm__tag_selects(tag, e->tag);
             pinned |= e->mark && e->pins;
         }
         if (!pinned) return 0;

@@ -459,6 +459,7 @@ VMM_HOOK CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllo
     vmm__enter();
     rc = real_(shareable, real_handle, type, flags);
     vmm__leave();
+    if (rc == CUDA_SUCCESS) vmm__adopt_shared(handle);
     vmm__adopt_unpin(handle);
     return rc;
 }

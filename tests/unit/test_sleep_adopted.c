@@ -98,7 +98,6 @@ static void with_stand_ins(void)
     CHECK(ask("H 0", v) == 3 && v[0] == 0 && (uint64_t)v[1] == a_h && v[2] == 0,
           "a retain of the released handle's memory gives its stand-in: %lld 0x%llx %lld", v[0],
           (unsigned long long)v[1], v[2]);
-    CHECK(ask("X 1", v) == 1 && v[0] == 0, "export of the held stand-in: %lld", v[0]);
     vmm_registry *reg = NULL;
     CHECK(vmm_open(g_reg, &reg) == VMM_OK, "vmm_open: %s", vmm_last_error());
     if (!reg) return;
@@ -193,6 +192,35 @@ static void with_stand_ins(void)
     owner_stop();
 }
 
+/* Memory the program exported itself (NCCL's buffers, which its peers map) stays through a pause,
+ * reported in bytes_not_shim, while its other memory goes. */
+static void shared(void)
+{
+    setenv("VMMSHIM_SLEEP_ADOPTED", "1", 1);
+    CHECK(spans_start(), "cannot start the owner");
+    owner_mem_t m0 = owner_mem();
+    uint64_t a_addr = 0, a_h = 0, b_addr = 0, b_h = 0;
+    int a = own_filled(4 * MIB, 0, 401, &a_addr, &a_h), b = own_filled(2 * MIB, 0, 402, &b_addr, &b_h);
+    CHECK(a >= 0 && b >= 0, "the owner could not map its own memory");
+    long long v[3];
+    CHECK(ask("X 1", v) == 1 && v[0] == 0, "export of the held stand-in: %lld", v[0]);
+    owner_mem_t m1 = owner_mem();
+    sleep_ans p = sleep_cmd("P 0");
+    owner_mem_t m2 = owner_mem();
+    CHECK(p.ok, "pause: %s", p.line);
+    CHECK_EQ(p.released, 4 * MIB);
+    CHECK_EQ(p.not_shim, 2 * MIB);
+    CHECK_EQ(m1.phys - m2.phys, 4 * MIB); /* the exported handle's memory stayed on the device */
+    CHECK(verify(b, 402), "the exported memory stays mapped and readable while the rest sleeps");
+    CHECK(ask("X 1", v) == 1 && v[0] == 0, "it can be exported again while the rest sleeps: %lld", v[0]);
+    sleep_ans r = sleep_cmd("R");
+    CHECK(r.ok && r.released == 4 * MIB && r.not_shim == 2 * MIB, "resume: %s", r.line);
+    CHECK(verify(a, 401) && verify(b, 402), "both after the resume");
+    CHECK(owner_cmd(NULL, "U %d", a) && owner_cmd(NULL, "U %d", b), "unmap and release");
+    CHECK_EQ(owner_mem().phys, m0.phys);
+    owner_stop();
+}
+
 /* VMMSHIM_SLEEP_ADOPTED=0 (the default): the program's memory stays, reported. */
 static void without(void)
 {
@@ -234,6 +262,7 @@ int main(void)
     setenv("VMMSHIM_REGISTRY", g_reg, 1);
     signal(SIGPIPE, SIG_IGN);
     with_stand_ins();
+    shared();
     without();
     char path[128];
     snprintf(path, sizeof path, "/dev/shm%s", g_reg);
