@@ -104,7 +104,7 @@ $(PUBLIC_H): tools/include/vmmshim.h shim/api/vmm_api.h
 	@if grep -n '^#include "\.\./' $@; then echo "vmmshim: error: $@ still includes a path of the tree"; rm -f $@; exit 1; fi
 
 # vmmctl keep serves a kept process's broker requests with the owner's own broker code.
-$(VMMCTL): $(call obj,$(CTL_SRC)) $(BUILD)/obj/shim/broker/broker.o $(BUILD)/obj/shim/broker/dir.o $(BUILD)/obj/shim/broker/holders.o $(CLIENT_A) $(CORE_A)
+$(VMMCTL): $(call obj,$(CTL_SRC)) $(BUILD)/obj/shim/broker/broker.o $(BUILD)/obj/shim/broker/dir.o $(BUILD)/obj/shim/broker/holders.o $(BUILD)/obj/shim/broker/control.o $(CLIENT_A) $(CORE_A)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 # Test equipment only: an emulated libcuda.so.1, never installed.

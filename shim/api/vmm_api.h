@@ -284,7 +284,13 @@ typedef struct vmm_sleep_report {
     uint64_t bytes_held;
     uint32_t n_holders;      /* how many processes hold them */
     uint32_t holders[8];     /* the first n_holders (at most 8) of their pids */
+    /* Appended in the struct's tail padding (its size stays 96, so a caller of the older struct
+     * passing sizeof gets it written where it reads nothing): VMM_SLEEP_HOLDERS_UNKNOWN when
+     * bytes_held and n_holders are 0 because nobody could say, not because nobody holds: a pause
+     * from outside (vmm_pause_process) of an owner whose shim predates reporting them. */
+    uint32_t flags;
 } vmm_sleep_report;
+#define VMM_SLEEP_HOLDERS_UNKNOWN 1u /* vmm_sleep_report.flags */
 
 vmm_status vmm_pause(const char *tag, unsigned flags);
 vmm_status vmm_resume(const char *tag);

@@ -541,7 +541,7 @@ static uint64_t mono_ns(void)
  * is touched.  With it this is exactly an in-process vmm_pause (devices waited for first); the
  * broker thread holds no lock and pins no segment here, so the pause's own waits cannot wait for
  * it, and an in-process pause at the same time is serialized by vmm__S.lock. */
-static void remote_control(const vmm_broker_request4 *q, vmm_broker_reply4 *rep)
+static void remote_control(const vmm_broker_request4 *q, vmm_broker_reply4 *rep, vmm_broker_held4 *held)
 {
     if (!vmm__opt_bool(VMM__OPT_REMOTE_PAUSE)) {
         rep->status = -EPERM;
@@ -562,6 +562,9 @@ static void remote_control(const vmm_broker_request4 *q, vmm_broker_reply4 *rep)
     rep->segments = o.segments;
     rep->allocations = o.allocations;
     rep->ns = mono_ns() - t0;
+    held->bytes_held = o.held; /* the wait's findings, as vmm_pause_ex's report has them */
+    held->n_holders = o.n_holders;
+    memcpy(held->holders, o.holders, sizeof held->holders);
 }
 
 void vmm__sleep_serve_remote(void) { vmm__broker_set_control(remote_control); }

@@ -54,7 +54,6 @@ static int g_batch_fds[BROKER_MAX_CONNS][VMM_BROKER_MAX_FDS];
 static int g_atexit_done;
 static int g_wake_fd = -1;                     /* eventfd: vmm__broker_wake has the thread run g_idle */
 static vmm__broker_idle_fn g_idle;
-static vmm__broker_control_fn g_control;       /* v4 requests; NULL: answered -EOPNOTSUPP */
 
 /* Everything the thread needs, fixed before it starts. */
 typedef struct broker_cfg {
@@ -493,27 +492,12 @@ static bool serve_v3(const broker_cfg *cfg, broker_conn *c, const uint8_t *raw, 
 }
 
 /* v4: pause or resume, run here on the broker thread (every peer waits meanwhile, as for an
- * export: the owner's memory is what they would import anyway).  The backing's control function
- * decides; the broker checks only the form. */
+ * export: the owner's memory is what they would import anyway); control.c builds the answer. */
 static void serve_v4(int sock, const vmm_broker_request4 *q)
 {
-    vmm_broker_reply4 rep;
-    memset(&rep, 0, sizeof rep);
-    vmm__broker_control_fn control = __atomic_load_n(&g_control, __ATOMIC_ACQUIRE);
-    if ((q->op != VMM_BROKER_OP_PAUSE && q->op != VMM_BROKER_OP_RESUME) ||
-        memchr(q->tag, 0, sizeof q->tag) == NULL) {
-        rep.status = -EINVAL;
-        snprintf(rep.why, sizeof rep.why, "malformed control request (op %u)", (unsigned)q->op);
-    } else if (!control) {
-        rep.status = -EOPNOTSUPP;
-        snprintf(rep.why, sizeof rep.why, "this broker pauses nothing (a keeper, or no memory of the shim's pools yet)");
-    } else
-        control(q, &rep);
-    rep.magic = VMM_BROKER_MAGIC;
-    rep.version = VMM_BROKER_VERSION4;
-    rep.op = q->op;
-    rep.why[sizeof rep.why - 1] = 0;
-    send_datagram(sock, &rep, sizeof rep, NULL, 0);
+    vmm_broker_reply4h rep;
+    size_t len = vmm__broker_control(q, &rep);
+    send_datagram(sock, &rep, len, NULL, 0);
 }
 
 /* The longest datagram a peer may send: a full v3 batch. */
@@ -599,10 +583,13 @@ static void conn_close(broker_conn *c, int slot)
     c->fd = -1;
 }
 
-/* A new peer.  When every slot is taken, the connection idle the longest makes room: its peer
- * reconnects on its next request. */
-static void conn_accept(const broker_cfg *cfg, broker_conn *conns, const struct timespec *now)
+/* A new peer.  When every slot is taken, the connection idle the longest makes room (unless
+ * !evict: then the peer waits in the backlog): its peer reconnects on its next request. */
+static void conn_accept(const broker_cfg *cfg, broker_conn *conns, const struct timespec *now, bool evict)
 {
+    bool room = evict;
+    for (int i = 0; i < BROKER_MAX_CONNS && !room; i++) room = conns[i].fd < 0;
+    if (!room) return;
     int fd = accept4(cfg->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
         int e = errno;
@@ -629,11 +616,26 @@ static void conn_accept(const broker_cfg *cfg, broker_conn *conns, const struct 
     __atomic_store_n(&g_conn_fds[slot], fd + 1, __ATOMIC_RELEASE);
 }
 
+/* The holders' wait during a pause served here (holders.h): new peers only into free slots, so
+ * that no connection the loop is serving, the pause's own included, is closed under it. */
+static _Thread_local const broker_cfg *t_cfg;
+static _Thread_local broker_conn *t_conns;
+static void accept_in_wait(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    conn_accept(t_cfg, t_conns, &now, false);
+}
+
 static void *broker_thread(void *arg)
 {
     broker_cfg cfg = *(const broker_cfg *)arg;
-    vmm__holders_broker_conns = g_conn_fds;
     broker_conn conns[BROKER_MAX_CONNS];
+    t_cfg = &cfg;
+    t_conns = conns;
+    vmm__holders_broker_conns = g_conn_fds;
+    vmm__holders_broker_listen = cfg.listen_fd;
+    vmm__holders_broker_accept = accept_in_wait;
     for (int i = 0; i < BROKER_MAX_CONNS; i++) conns[i] = (broker_conn){.fd = -1, .slot = i};
     struct pollfd pf[2 + BROKER_MAX_CONNS]; /* the last one after the connections: the wake fd */
     int at[1 + BROKER_MAX_CONNS]; /* pf[k] watches conns[at[k]] */
@@ -679,7 +681,7 @@ static void *broker_thread(void *arg)
         }
         for (int i = 0; i < BROKER_MAX_CONNS; i++)
             if (conns[i].fd >= 0 && ms_since(&conns[i].last, &now) > BROKER_IDLE_MS) conn_close(&conns[i], i);
-        if (pr > 0 && (pf[0].revents & POLLIN)) conn_accept(&cfg, conns, &now);
+        if (pr > 0 && (pf[0].revents & POLLIN)) conn_accept(&cfg, conns, &now, true);
         if (pr > 0 && wake >= 0 && (pf[n].revents & POLLIN)) {
             uint64_t v;
             (void)!read(wake, &v, sizeof v);
@@ -829,8 +831,6 @@ void vmm__broker_forget_after_fork(void)
 }
 
 void vmm__broker_set_idle(vmm__broker_idle_fn fn) { __atomic_store_n(&g_idle, fn, __ATOMIC_RELEASE); }
-
-void vmm__broker_set_control(vmm__broker_control_fn fn) { __atomic_store_n(&g_control, fn, __ATOMIC_RELEASE); }
 
 void vmm__broker_wake(void)
 {

@@ -2,7 +2,10 @@
  * Wire format (shared with shim/import/import.c) is in broker/protocol.h. */
 #ifndef VMM_BROKER_H
 #define VMM_BROKER_H
+#include <stddef.h>
 #include <stdint.h>
+
+#include "broker/protocol.h"
 
 /* Supplied by the shim's backing: fresh fds for handles [first, first + max) of the live
  * allocation (slot, generation) whose id matches, in address order (an allocation may span
@@ -33,13 +36,16 @@ typedef int (*vmm__broker_idle_fn)(vmm__broker_export_fn export_fn);
 void vmm__broker_set_idle(vmm__broker_idle_fn fn);
 /* Control requests (protocol v4: pause or resume the owner's memory from outside), run on the
  * broker thread itself, one at a time like every request: fills rep's status, report fields and
- * why (magic, version and op are the broker's).  Supplied by the shim's backing
- * (shim/backing/sleep.c), which decides whether the process accepts them; a broker without one (a
- * keeper's) answers -EOPNOTSUPP.  Set at any time (atomic). */
-struct vmm_broker_request4;
-struct vmm_broker_reply4;
-typedef void (*vmm__broker_control_fn)(const struct vmm_broker_request4 *q, struct vmm_broker_reply4 *rep);
+ * why (magic, version and op are the broker's), and held's fields for a pause (who still holds
+ * the released memory: sent only to a peer that asked, VMM_BROKER_REQ4_HOLDERS, a bit the
+ * function never sees in q->flags).  Supplied by the shim's backing (shim/backing/sleep.c), which
+ * decides whether the process accepts them; a broker without one (a keeper's) answers
+ * -EOPNOTSUPP.  Set at any time (atomic). */
+typedef void (*vmm__broker_control_fn)(const vmm_broker_request4 *q, vmm_broker_reply4 *rep, vmm_broker_held4 *held);
 void vmm__broker_set_control(vmm__broker_control_fn fn);
+/* The answer to v4 request q (control.c): built into *out, its length returned, sizeof(reply4) or,
+ * when q asked for the holders, sizeof(reply4h). */
+size_t vmm__broker_control(const vmm_broker_request4 *q, vmm_broker_reply4h *out);
 /* Has the broker thread call its idle function soon (an eventfd write; nothing while no broker runs). */
 void vmm__broker_wake(void);
 #endif

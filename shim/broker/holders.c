@@ -49,6 +49,8 @@ static struct {
 static uint32_t g_n_fold;
 
 _Thread_local const int *vmm__holders_broker_conns;
+_Thread_local int vmm__holders_broker_listen = -1;
+_Thread_local void (*vmm__holders_broker_accept)(void);
 
 uint64_t vmm__holders_start_of(pid_t pid)
 {
@@ -245,18 +247,24 @@ static void look(wanted *w, size_t n, vmm__held *out)
 
 /* On the broker thread: read the v5 datagrams waiting first on its open connections, for up to ms.
  * A connection whose next datagram is anything else is left for the broker (skip), and not
- * polled again in this wait, so that it does not wake every poll. */
+ * polled again in this wait, so that it does not wake every poll.  A new connection is taken in
+ * (the next drain polls it): a companion's first release comes on one. */
 static void drain(int ms, bool *skip, uint8_t *buf, size_t cap)
 {
-    struct pollfd pf[MAX_CONNS];
-    int at[MAX_CONNS], n = 0;
+    struct pollfd pf[MAX_CONNS + 1];
+    int at[MAX_CONNS], n = 0, open = 0;
     for (int i = 0; i < MAX_CONNS; i++) {
         int fd = __atomic_load_n(&vmm__holders_broker_conns[i], __ATOMIC_ACQUIRE) - 1;
+        open += fd >= 0;
         if (fd < 0 || skip[i]) continue;
         at[n] = i;
         pf[n++] = (struct pollfd){.fd = fd, .events = POLLIN};
     }
-    int pr = poll(pf, (nfds_t)n, ms);
+    /* with every slot taken a waiting peer stays in the backlog: polling for it would spin */
+    bool listen = vmm__holders_broker_listen >= 0 && vmm__holders_broker_accept && open < MAX_CONNS;
+    if (listen) pf[n] = (struct pollfd){.fd = vmm__holders_broker_listen, .events = POLLIN};
+    int pr = poll(pf, (nfds_t)n + listen, ms);
+    if (pr > 0 && listen && (pf[n].revents & POLLIN)) vmm__holders_broker_accept();
     for (int k = 0; pr > 0 && k < n; k++) {
         if (!(pf[k].revents & POLLIN)) {
             if (pf[k].revents) skip[at[k]] = true; /* hung up: the broker closes it later */

@@ -43,4 +43,9 @@ void vmm__holders_forget_after_fork(void);
  * so that a wait there reads the releases itself; NULL on every other thread.  Handed over this
  * way so that this file calls nothing of broker.c's (which calls it). */
 extern _Thread_local const int *vmm__holders_broker_conns;
+/* Also the broker thread's only: its listening socket (-1 elsewhere) and how it takes one new
+ * connection into a free slot (never closing another).  A companion that lets go during a wait
+ * says so on a connection of its own, often a new one, which nothing else accepts meanwhile. */
+extern _Thread_local int vmm__holders_broker_listen;
+extern _Thread_local void (*vmm__holders_broker_accept)(void);
 #endif

@@ -60,6 +60,16 @@
  *   as long as the copy (seconds for GBs) and other peers wait meanwhile.  A broker that
  *   predates v4 answers -EPROTO (v1 form) and closes the connection: the client says the owner's
  *   shim is too old for a remote pause; there is nothing to fall back to.
+ *   Holders (flags | VMM_BROKER_REQ4_HOLDERS, a bit of the wire's, never passed on as a pause
+ *   flag): the reply is a vmm_broker_reply4 followed by a vmm_broker_held4 (304 bytes in all,
+ *   whatever the status), which says what vmm_pause's report appended: of bytes_released, the
+ *   bytes companions still held after the owner's bounded wait, how many pids held them and the
+ *   first 8 of those (all 0 for a resume).  A reply4 alone had no room for them.  A broker that
+ *   predates the flag hands it to its pause with the rest of the flags, which refuses it as
+ *   unknown before touching anything: its reply is the 256-byte form with -EINVAL (or an earlier
+ *   refusal, -EPERM ...).  So a 256-byte answer to a flagged request means "an owner that cannot
+ *   say who holds": the peer asks again on the same connection without the flag (a refusal other
+ *   than -EINVAL is final as it stands) and reports the holders as unknown, not as none.
  *
  *   v5 (vmm_broker_release5, 16 + 24 * n bytes): no reply, no fd.  A companion says which imports
  *   of the owner's memory it let go of (its import cache unmapped them), so that a pause can tell
@@ -92,6 +102,10 @@
 #define VMM_BROKER_MAX_RELEASES 2048u /* entries in one v5 datagram: 16 + 24 * 2048 bytes (48 KiB) */
 #define VMM_BROKER_OP_PAUSE 1u       /* vmm_broker_request4.op */
 #define VMM_BROKER_OP_RESUME 2u
+/* vmm_broker_request4.flags: answer with a vmm_broker_held4 after the reply4.  The top bit, far
+ * from the VMM_PAUSE_* bits (which grow from the bottom), so that no pause flag ever means it. */
+#define VMM_BROKER_REQ4_HOLDERS 0x80000000u
+#define VMM_BROKER_HELD_PIDS 8u      /* vmm_broker_held4.holders: vmm_sleep_report's holders[8] */
 #define VMM_BROKER_TAG_LEN 64u       /* vmm_broker_request4.tag: a tag and its NUL (a shim's tag has 32) */
 #define VMM_BROKER_WHY_LEN 192u      /* vmm_broker_reply4.why: one line, NUL-terminated */
 /* fds in one v2 or v3 reply: 64 ints of SCM_RIGHTS stay far under the kernel's 253 per message */
@@ -197,6 +211,20 @@ typedef struct vmm_broker_reply4 {
     char why[VMM_BROKER_WHY_LEN]; /* with status != 0: the owner's one line, NUL-terminated */
 } vmm_broker_reply4; /* 256 */
 
+/* After a vmm_broker_reply4 in the answer to a request flagged VMM_BROKER_REQ4_HOLDERS. */
+typedef struct vmm_broker_held4 {
+    uint64_t bytes_held;  /* of bytes_released, what companions still held after the wait */
+    uint32_t n_holders;   /* how many pids held it (all of them; holders names the first 8) */
+    uint32_t reserved;    /* 0 */
+    uint32_t holders[VMM_BROKER_HELD_PIDS]; /* the first min(n_holders, 8) pids; the rest 0 */
+} vmm_broker_held4; /* 48 */
+
+/* The whole answer to a flagged v4 request, as one datagram. */
+typedef struct vmm_broker_reply4h {
+    vmm_broker_reply4 r;
+    vmm_broker_held4 held;
+} vmm_broker_reply4h; /* 304 */
+
 typedef struct vmm_broker_release5 {
     uint32_t magic;
     uint32_t version;     /* VMM_BROKER_VERSION5 */
@@ -273,4 +301,9 @@ _Static_assert(offsetof(vmm_broker_reply4, op) == 12, "reply4.op");
 _Static_assert(offsetof(vmm_broker_reply4, bytes_released) == 16, "reply4.bytes_released");
 _Static_assert(offsetof(vmm_broker_reply4, allocations) == 56, "reply4.allocations");
 _Static_assert(offsetof(vmm_broker_reply4, why) == 64, "reply4.why");
+_Static_assert(sizeof(vmm_broker_held4) == 48, "held4 size");
+_Static_assert(offsetof(vmm_broker_held4, n_holders) == 8, "held4.n_holders");
+_Static_assert(offsetof(vmm_broker_held4, holders) == 16, "held4.holders");
+_Static_assert(sizeof(vmm_broker_reply4h) == 304, "reply4h size");
+_Static_assert(offsetof(vmm_broker_reply4h, held) == 256, "reply4h.held");
 #endif

@@ -23,6 +23,7 @@
 #include "../../shim/broker/broker.c"
 #include "../../shim/broker/dir.c"
 #include "../../shim/broker/holders.c"
+#include "../../shim/broker/control.c"
 
 #include <stdint.h>
 #include <stdlib.h>

@@ -9,6 +9,7 @@
 #include "../../shim/broker/broker.c" /* test equipment: the broker's statics stay reachable */
 #include "../../shim/broker/dir.c"
 #include "../../shim/broker/holders.c"
+#include "../../shim/broker/control.c"
 
 #include "check.h"
 #include "registry/registry.h"

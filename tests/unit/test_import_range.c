@@ -18,6 +18,7 @@
 #include "../../shim/broker/broker.c" /* test equipment: a real broker in the owner */
 #include "../../shim/broker/dir.c"
 #include "../../shim/broker/holders.c"
+#include "../../shim/broker/control.c"
 
 #include "../fakecuda/fakecuda.h"
 #include "check.h"

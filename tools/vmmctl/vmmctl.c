@@ -64,10 +64,15 @@ static const char usage_text[] =
     "                 have PID give its memory (--tag: tag T's) back to the device, as its own\n"
     "                 vmm_pause would: contents kept in its host memory (--to-file: an unlinked\n"
     "                 file; --discard: not kept); PID must run with VMMSHIM_REMOTE_PAUSE=1,\n"
-    "                 else it refuses.  One line: what was released and kept, and how long\n"
+    "                 else it refuses.  One line: what was released and kept, and how long;\n"
+    "                 then, when companions still hold imports of it after PID's wait, a\n"
+    "                 second: \"still held by pid P, Q: N bytes\" (\"unknown\" when PID's shim\n"
+    "                 predates saying so)\n"
     "  resume PID [--tag T]\n"
     "                 map PID's paused memory again at the same addresses, contents restored\n"
-    "  config         every VMMSHIM_* option: its value and where it came from\n"
+    "  config         every VMMSHIM_* option: its value and where it came from\n";
+/* apart: one string literal may be 4095 bytes at most in ISO C (-Woverlength-strings) */
+static const char usage_options[] =
     "\n"
     "options:\n"
     "  --registry NAME  registry shm name, /NAME or NAME (default: $VMMSHIM_REGISTRY, the\n"
@@ -84,6 +89,7 @@ int main(int argc, char **argv)
         const char *a = argv[i];
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
             fputs(usage_text, stdout);
+            fputs(usage_options, stdout);
             return EXIT_OK;
         }
         if (strcmp(a, "-V") == 0 || strcmp(a, "--version") == 0) {
@@ -111,6 +117,7 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "resume") == 0) return vmm__ctl_cmd_resume(n, rest);
     if (strcmp(cmd, "help") == 0) {
         fputs(usage_text, stdout);
+        fputs(usage_options, stdout);
         return EXIT_OK;
     }
     vmm__ctl_usage_error("unknown command '%s'", cmd);
