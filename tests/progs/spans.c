@@ -23,6 +23,8 @@
  *                    released> <kept> <not the shim's> <segments> <allocations> <bytes held> <holders>
  *                    <their pids...>", or "error <status> <why>"
  *   "R [tag]"        vmm_resume_ex; answers as "P"
+ *   "g [tag]"        vmm_set_thread_tag (the shim's): later allocations of this (the only) thread
+ *                    carry that tag; no tag: none again (the process's VMMSHIM_TAG); answers "ok"
  *   "v <index> <seed>" reads the buffer back (cudaMemcpy) and compares it with what "w" wrote;
  *                    answers "ok" or "error mismatch at word <k>"
  *   "m"              answers "ok <physical bytes> <handles> <host allocations> <cuMemHostAlloc calls>
@@ -80,6 +82,7 @@ static int counters_now(struct fakecuda_counters *c)
     return 0;
 }
 
+typedef const char *(*thread_tag_fn)(const char *);
 typedef vmm_status (*pause_fn)(const char *, unsigned, vmm_sleep_report *, size_t);
 typedef vmm_status (*resume_fn)(const char *, vmm_sleep_report *, size_t);
 
@@ -208,6 +211,18 @@ int main(void)
             memcpy(&pause, &sym, sizeof pause);
             vmm_sleep_report r = {0};
             sleep_answer(pause ? pause(has_tag ? tag : NULL, (unsigned)a, &r, sizeof r) : VMM_ERR_NO_SHIM, &r);
+        } else if (line[0] == 'g') {
+            char tag[64];
+            int has_tag = sscanf(line + 1, "%63s", tag) == 1;
+            void *sym = sym_of("vmm_set_thread_tag");
+            thread_tag_fn set_tag = NULL;
+            memcpy(&set_tag, &sym, sizeof set_tag);
+            if (set_tag) {
+                (void)set_tag(has_tag ? tag : NULL);
+                printf("ok\n");
+            } else {
+                printf("error no shim\n");
+            }
         } else if (line[0] == 'R') {
             char tag[64];
             int has_tag = sscanf(line + 1, "%63s", tag) == 1;
