@@ -19,7 +19,11 @@
  * has a key (bits 3.. of its slot and its index), so that with VMM_BROKER_REQ3_REPEATS a batch
  * naming a handle again (the same slot twice, or two slots that share those bits) must name it
  * as a repeat, with no fd.  A well-formed v5 release (n entries of 24 bytes: at most 9 fit here)
- * must be taken in silence, the connection kept; a malformed one gets -EPROTO like any other. */
+ * must be taken in silence, the connection kept; a malformed one gets -EPROTO like any other.
+ * A v4 control request (80 bytes) gets one reply4, followed by a held4 (304 bytes in all) exactly
+ * when it asked with VMM_BROKER_REQ4_HOLDERS: a bad op or a tag without its NUL -EINVAL, else the
+ * fake control function's answer, which never sees the holders bit (it aborts if it does) and
+ * names more pids than n_holders, so that the reply must show the first n_holders only. */
 #include "../../shim/broker/broker.c"
 #include "../../shim/broker/dir.c"
 #include "../../shim/broker/holders.c"
@@ -46,6 +50,7 @@ typedef struct sent {
     uint32_t first, max;
     uint32_t v3_n, v3_flags;
     vmm_broker_entry3 e[MAX_ENTRIES];
+    vmm_broker_request4 q4; /* version 4: the request as sent */
 } sent;
 
 /* Where the export calls of a v3 batch stand, as the broker should make them. */
@@ -159,6 +164,41 @@ static int fake_export(uint64_t slot, uint64_t generation, const uint8_t alloc_i
     }
 }
 
+/* The control function (v4): a status from the flags, and held fields from the tag's first byte:
+ * n_holders = tag[0] % 12, every one of the 8 pids set (the broker zeroes those past n_holders). */
+static void fake_control(const vmm_broker_request4 *q, vmm_broker_reply4 *rep, vmm_broker_held4 *held)
+{
+    if (q->flags & VMM_BROKER_REQ4_HOLDERS) abort(); /* the wire's bit, never the pause's */
+    rep->status = -(int32_t)(q->flags & 0x3f);
+    rep->bytes_released = q->op;
+    held->bytes_held = 4096;
+    held->n_holders = (uint8_t)q->tag[0] % 12;
+    for (uint32_t i = 0; i < VMM_BROKER_HELD_PIDS; i++) held->holders[i] = 100 + i;
+}
+
+/* Read and check the one answer a v4 request owes (allowed peer). */
+static void take_reply4(int fd, const vmm_broker_request4 *q)
+{
+    vmm_broker_reply4h rep;
+    uint8_t raw[sizeof rep + 8];
+    ssize_t n = recv(fd, raw, sizeof raw, MSG_DONTWAIT);
+    bool held = q->flags & VMM_BROKER_REQ4_HOLDERS;
+    if (n != (ssize_t)(held ? sizeof rep : sizeof rep.r)) abort();
+    memset(&rep, 0, sizeof rep);
+    memcpy(&rep, raw, (size_t)n);
+    bool sound = (q->op == VMM_BROKER_OP_PAUSE || q->op == VMM_BROKER_OP_RESUME) && memchr(q->tag, 0, sizeof q->tag);
+    uint32_t pause_flags = q->flags & ~VMM_BROKER_REQ4_HOLDERS;
+    int32_t want = sound ? -(int32_t)(pause_flags & 0x3f) : -EINVAL;
+    if (rep.r.magic != VMM_BROKER_MAGIC || rep.r.version != VMM_BROKER_VERSION4 || rep.r.op != q->op ||
+        rep.r.status != want || rep.r.why[sizeof rep.r.why - 1] != 0 || rep.r.bytes_released != (sound ? q->op : 0))
+        abort();
+    if (!held) return;
+    uint32_t n_holders = sound ? (uint8_t)q->tag[0] % 12 : 0;
+    if (rep.held.n_holders != n_holders || rep.held.bytes_held != (sound ? 4096u : 0u) || rep.held.reserved) abort();
+    for (uint32_t i = 0; i < VMM_BROKER_HELD_PIDS; i++)
+        if (rep.held.holders[i] != (i < n_holders ? 100 + i : 0)) abort();
+}
+
 /* What the peer sent, as the broker should read it. */
 static sent parse(const uint8_t *dg, size_t len)
 {
@@ -183,6 +223,11 @@ static sent parse(const uint8_t *dg, size_t len)
     if (r.version == VMM_BROKER_VERSION5 && len >= sizeof g && g.flags == 0 && g.n >= 1 &&
         g.n <= VMM_BROKER_MAX_RELEASES && len == sizeof g + g.n * sizeof(vmm_broker_gone5)) {
         q.version = 5; /* a release: applied to the holders table, never answered */
+        return q;
+    }
+    if (r.version == VMM_BROKER_VERSION4 && len == sizeof(vmm_broker_request4)) {
+        q.version = 4;
+        memcpy(&q.q4, dg, sizeof q.q4);
         return q;
     }
     if (r.version == VMM_BROKER_VERSION && len == sizeof(vmm_broker_request)) {
@@ -435,6 +480,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     shutdown(sv[1], SHUT_WR);
 
+    vmm__broker_set_control(fake_control);
     broker_cfg cfg = {.listen_fd = -1, .export_fn = fake_export, .uid = geteuid()};
     broker_conn c = {.fd = sv[0], .allowed = allowed, .slot = -1, .pid = getpid()}; /* the holders table fills */
     size_t served = 0;
@@ -468,6 +514,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (c.batch || !keep || g_exports != (int)w.calls) abort();
             for (int i = 0; i < g_n_given; i++)
                 if (g_given[i] >= 0 && fcntl(g_given[i], F_GETFD) != -1) abort();
+            continue;
+        }
+        if (g_sent.version == 4 && allowed && served < n) {
+            if (!keep || g_exports) abort(); /* control keeps the connection and exports nothing */
+            take_reply4(sv[1], &g_sent.q4);
             continue;
         }
         if (g_sent.version == 5 && allowed && served < n) {

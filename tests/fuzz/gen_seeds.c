@@ -394,6 +394,25 @@ static void broker_seeds(void)
         b.n -= 8;
     }
     put("broker", "v3-short", b.p, b.n);
+
+    /* v4 control on one connection: a pause asking for the holders (the 304-byte answer), the same
+     * without the flag (256 bytes), a resume asking for them ('c': 3 of 8 named), a bad op, and a
+     * tag without its NUL */
+    b.n = 0;
+    add_u8(&b, 1);
+    for (int k = 0; k < 5; k++) {
+        vmm_broker_request4 q;
+        memset(&q, 0, sizeof q);
+        q.magic = VMM_BROKER_MAGIC;
+        q.version = VMM_BROKER_VERSION4;
+        q.op = k == 2 ? VMM_BROKER_OP_RESUME : k == 3 ? 7u : VMM_BROKER_OP_PAUSE;
+        q.flags = k == 0 ? VMM_BROKER_REQ4_HOLDERS | 1u : k == 1 ? 2u : k == 2 ? VMM_BROKER_REQ4_HOLDERS : 0u;
+        if (k == 4) memset(q.tag, 'x', sizeof q.tag);
+        else snprintf(q.tag, sizeof q.tag, "%c", k == 0 ? 'k' : 'a' + k); /* 'k' % 12: 11 holders, 8 named */
+        add_u8(&b, sizeof q);
+        add(&b, &q, sizeof q);
+    }
+    put("broker", "v4-control", b.p, b.n);
     free(b.p);
 }
 

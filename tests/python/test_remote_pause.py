@@ -1,7 +1,8 @@
 """Registry.pause and Registry.resume (vmm_pause_process, vmm_resume_process: protocol v4) over the
 emulated driver: owners run tests/progs/owner under the shim.  One without VMMSHIM_REMOTE_PAUSE is
 refused (Access, naming the option) and reads as before; one with it is paused (a SleepReport, an
-open refused with Paused), resumed (the same bytes), paused discarding by its tag, and told a
+open refused with Paused), resumed (the same bytes), paused discarding by its tag, paused while
+this process holds an import (the report names its pid; nobody when it let go), and told a
 resume of nothing (WrongState), an unknown tag (NotFound), a dead owner (OwnerDead).  Ends with
 "N passed, N failed"."""
 import os
@@ -37,6 +38,9 @@ def main():
         r = reg.pause(sleeper.pid)
         T.check(isinstance(r, vmmshim.SleepReport) and r.bytes_kept == 4 * MiB and r.allocations == 2 and
                 r.bytes_released >= 4 * MiB and r.seconds > 0, f"pause report: {r!r}")
+        # this process's import went idle in its cache, and let go during the owner's wait
+        T.check(r.holders_known and r.n_holders == 0 and r.holders == [] and r.bytes_held == 0,
+                f"a pause nobody holds: {r!r}")
         T.check(reg.find(sleeper.pid, address).flags & vmmshim.ALLOC_PAUSED, "the record is not marked paused")
         T.raises(vmmshim.Paused, lambda: reg.open(sleeper.pid, address), "an open while paused", "paused")
         T.raises(vmmshim.WrongState, lambda: reg.pause(sleeper.pid), "a second pause")
@@ -53,6 +57,15 @@ def main():
         T.check(r.bytes_released >= 4 * MiB and r.bytes_kept == 0, f"resume after a discard: {r!r}")
         with reg.open(sleeper.pid, address) as buf:
             T.check(buf.size == size, "open after the resume")
+        # a live import through the pause: its holder (this process) is named in the report
+        held = reg.open(sleeper.pid, address)
+        r = reg.pause(sleeper.pid)
+        T.check(r.holders_known and r.n_holders == 1 and r.holders == [os.getpid()] and
+                size <= r.bytes_held <= r.bytes_released, f"a pause while this process holds an import: {r!r}")
+        T.check("still held by pid" in repr(r), f"repr names the holder: {r!r}")
+        held.close()
+        r = reg.resume(sleeper.pid)
+        T.check(r.bytes_held == 0 and r.n_holders == 0 and r.holders_known, f"a resume holds nothing: {r!r}")
         sleeper.kill()
         T.raises(vmmshim.OwnerDead, lambda: reg.pause(sleeper.pid), "a dead owner", "exited")
         reg.close()

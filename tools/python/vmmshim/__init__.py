@@ -145,8 +145,9 @@ class SleepReport:
     own, left there), segments, allocations, seconds (the owner's time), and for a pause
     bytes_held and holders: of bytes_released, what companions still held with live imports once
     the owner's wait (VMMSHIM_PAUSE_HOLD_WAIT_MS) was over, and their pids (at most 8 named;
-    n_holders counts them all).  A pause from outside (Registry.pause) reports none: protocol v4's
-    reply has no room for them."""
+    n_holders counts them all).  holders_known is False when nobody could say (a Registry.pause of
+    an owner whose shim predates reporting them): bytes_held and n_holders are then 0 for want of
+    an answer, not because nobody holds."""
 
     def __init__(self, r):
         self.bytes_released = r.bytes_released
@@ -158,12 +159,14 @@ class SleepReport:
         self.bytes_held = r.bytes_held
         self.n_holders = r.n_holders
         self.holders = [r.holders[i] for i in range(min(r.n_holders, 8))]
+        self.holders_known = not (r.flags & _lib.SLEEP_HOLDERS_UNKNOWN)
 
     def __repr__(self):
         return (f"<vmmshim.SleepReport released {self.bytes_released} kept {self.bytes_kept} bytes, "
                 f"{self.allocations} allocations, {self.seconds * 1e3:.1f} ms"
                 + (f", {self.bytes_held} bytes still held by pid {', '.join(map(str, self.holders))}"
-                   if self.n_holders else "") + ">")
+                   if self.n_holders else "")
+                + ("" if self.holders_known else ", holders unknown") + ">")
 
 
 class Tensor:

@@ -140,10 +140,11 @@ class SleepReport(ctypes.Structure):
     """vmm_sleep_report."""
     _fields_ = [(name, c_u64) for name in (
         "bytes_released", "bytes_kept", "bytes_not_shim", "ns", "segments", "allocations", "bytes_held")] + [
-            ("n_holders", c_u32), ("holders", c_u32 * 8)]
+            ("n_holders", c_u32), ("holders", c_u32 * 8), ("flags", c_u32)]
 
 
 PAUSE_DISCARD, PAUSE_FILE = 1, 2  # VMM_PAUSE_*
+SLEEP_HOLDERS_UNKNOWN = 1  # vmm_sleep_report.flags
 
 
 class ManyTiming(ctypes.Structure):
