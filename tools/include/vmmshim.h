@@ -342,7 +342,10 @@ vmm_status vmm_import_copy(const vmm_imported *imp, uint64_t offset, uint64_t le
  * VMM_ERR_NOT_FOUND (pid not in the registry, or no broker yet), VMM_ERR_OWNER_DEAD,
  * VMM_ERR_NO_SHIM (the socket's server pauses nothing: a keeper), VMM_ERR_VERSION (the owner's
  * shim predates remote pause).  The owner's report (its time, ns, is the owner's) goes into the
- * first report_size bytes of *report; the reason into vmm_last_error(). */
+ * first report_size bytes of *report; the reason into vmm_last_error().  A pause's report names
+ * the companions still holding imports of what it released after the owner's wait (bytes_held,
+ * n_holders, holders), as vmm_pause_ex's does; an owner whose shim predates saying so is asked
+ * again without, and its report has VMM_SLEEP_HOLDERS_UNKNOWN in flags (0 holders: unknown). */
 vmm_status vmm_pause_process(vmm_registry *reg, uint32_t pid, const char *tag, unsigned flags,
                              vmm_sleep_report *report, size_t report_size);
 vmm_status vmm_resume_process(vmm_registry *reg, uint32_t pid, const char *tag, vmm_sleep_report *report,
