@@ -456,7 +456,12 @@ int vmm__reg_for_each(const vmm__reg *r, vmm__reg_visit_fn fn, void *ctx)
     return 0;
 }
 
-vmm_reg_proc *vmm__reg_self(vmm__reg *r) { return r->attached ? proc_at(r, r->proc_index) : NULL; }
+/* Atomic: other threads ask without the lock (a pause from outside runs on the broker thread, which
+ * may still be at it while the exit path detaches under the lock). */
+vmm_reg_proc *vmm__reg_self(vmm__reg *r)
+{
+    return __atomic_load_n(&r->attached, __ATOMIC_ACQUIRE) ? proc_at(r, r->proc_index) : NULL;
+}
 
 /* ---- the files beside the registry ---- */
 

@@ -189,7 +189,7 @@ void vmm__reg_detach(vmm__reg *r)
     /* an older writer claiming the slot next leaves 504 alone (layout.h, COVERAGE) */
     __atomic_store_n(&p->unpublished, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&p->claim, (uint64_t)r->proc_gen << 32, __ATOMIC_RELEASE);
-    r->attached = false;
+    __atomic_store_n(&r->attached, false, __ATOMIC_RELEASE); /* vmm__reg_self reads it unlocked */
     pthread_mutex_unlock(&r->lock);
 }
 
