@@ -262,8 +262,11 @@ static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_i
                        size_t len)
 {
     int dropped;
-    out->released += vmm__pool_release_arena(p, a, &dropped);
+    uint64_t t0 = vmm__now_ns(NULL);
+    out->released += vmm__pool_release_arena(p, a, &dropped); /* its empty segments first */
+    out->ns_release += vmm__now_ns(NULL) - t0;
     if (dropped) return 0;
+    t0 = vmm__now_ns(NULL);
     if (!(flags & VMM_PAUSE_DISCARD)) {
         uint64_t kept = 0;
         int rc = 0;
@@ -290,6 +293,8 @@ static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_i
         }
         out->kept += kept;
     }
+    uint64_t t1 = vmm__now_ns(NULL);
+    out->ns_copy += t1 - t0;
     for (vmm__block *b = a->first; b; b = b->next) out->allocations += !b->free && b->live;
     vmm__pool_set_paused(p, a, 1);
     for (vmm__seg *s = p->segs; s; s = s->snext) {
@@ -300,6 +305,7 @@ static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_i
         out->segments++;
     }
     mark_records_locked(a, 1);
+    out->ns_release += vmm__now_ns(NULL) - t1;
     return 0;
 }
 
@@ -314,7 +320,9 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
         return vmm__sleep_say(why, len, -EIO, "the driver lacks cuMemcpyDtoH/cuMemcpyHtoD: only VMM_PAUSE_DISCARD works");
     if (__atomic_load_n(&vmm__S.captures, __ATOMIC_ACQUIRE) > 0)
         return vmm__sleep_say(why, len, -EBUSY, "a stream is being captured: waiting for the device would break the capture");
+    uint64_t t0 = vmm__now_ns(NULL);
     wait_for_devices(tag); /* no queued work may touch memory about to go */
+    out->ns_device = vmm__now_ns(NULL) - t0;
     /* the program's own VMM memory is surveyed and paused with no lock of ours held: adopt.c
      * takes vmm__S.lock under its own */
     const vmm__sleep_adopted *ad = adopted_ops();
@@ -358,6 +366,12 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
      * VMM__KEEP_LET_GO_MS; one relaxed load when nobody keeps us) */
     if (out->segments && vmm__S.registry_ok) vmm__keep_ring(&vmm__S.reg, VMM__KEEP_LET_GO_MS);
     wait_for_holders(out);
+    if (!rc)
+        vmm__info("pause of %s%s%s: %llu bytes released, %llu kept in %.1f ms (waiting for the device %.1f ms, "
+                  "copies %.1f ms, releases %.1f ms; the program's own memory, the keeper and holders the rest)",
+                  tag ? "\"" : "everything", tag ? tag : "", tag ? "\"" : "", (unsigned long long)out->released,
+                  (unsigned long long)out->kept, (double)(vmm__now_ns(NULL) - t0) / 1e6, (double)out->ns_device / 1e6,
+                  (double)out->ns_copy / 1e6, (double)out->ns_release / 1e6);
     return rc;
 }
 

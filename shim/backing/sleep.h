@@ -22,6 +22,9 @@ typedef struct vmm__sleep_out {
     uint64_t held;
     uint32_t n_holders;
     uint32_t holders[8];
+    /* pause: where its time went (the one info line at its end; VMMSHIM_LOG_LEVEL=info), since
+     * a kept pause is judged against the link's bandwidth and only the copies move bytes */
+    uint64_t ns_device, ns_copy, ns_release;
     /* pause, while it runs: each released segment's key (its id) and size, for that wait */
     uint64_t *gone_keys, *gone_sizes;
     size_t n_gone, cap_gone;

@@ -105,7 +105,7 @@ fi
 
 # command_of SETTING: sets cmd, the process's command with its environment
 command_of() {
-  local shim=(LD_PRELOAD="${BASE_PRELOAD:+$BASE_PRELOAD }$B/libvmmshim.so")
+  local shim=(LD_PRELOAD="${BASE_PRELOAD:+$BASE_PRELOAD }$B/libvmmshim.so" VMMSHIM_LOG_LEVEL=info VMMSHIM_LOG_FILE="$W/$1.shim.log")
   if [ "$DRY" = 1 ]; then
     case $1 in
       shim-default) cmd=(env "${shim[@]}" python3 -u tests/gpu/sleep_standin.py) ;;

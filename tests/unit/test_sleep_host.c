@@ -244,6 +244,41 @@ static void test_bad_value(void)
           "the owner's stderr: %s", text);
 }
 
+/* VMMSHIM_LOG_LEVEL=info: a pause ends with one line saying where its time went (the device
+ * wait, the copies, the releases), so a pause under the link's bandwidth can be taken apart. */
+static void test_phases(void)
+{
+    char info[] = "VMMSHIM_LOG_LEVEL=info", path[] = "/tmp/vmmshim-sleephost-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    close(fd);
+    char *envs[] = {info, NULL};
+    CHECK(owner_with(envs, path), "cannot start the owner");
+    uint64_t addr;
+    int x = alloc_filled('a', 24 * MIB, 51, &addr);
+    sleep_ans p = sleep_cmd("P 0"), r = sleep_cmd("R"), d = sleep_cmd("P 1"), r2 = sleep_cmd("R");
+    CHECK(x >= 0 && p.ok && r.ok && d.ok && r2.ok, "two cycles: %s / %s / %s / %s", p.line, r.line, d.line, r2.line);
+    spans_stop();
+    char text[8192] = "";
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(text, 1, sizeof text - 1, f) : 0;
+    text[n] = 0;
+    if (f) fclose(f);
+    unlink(path);
+    int lines = 0;
+    double total = -1, dev = -1, copies = -1, rel = -1;
+    unsigned long long released = 0, kept = 1;
+    for (char *l = text; (l = strstr(l, "vmmshim: info: pause of everything: ")); l++, lines++)
+        if (lines == 0 && sscanf(l, "vmmshim: info: pause of everything: %llu bytes released, %llu kept in %lf ms (waiting for "
+                                 "the device %lf ms, copies %lf ms, releases %lf ms",
+                                 &released, &kept, &total, &dev, &copies, &rel) != 6)
+            total = -2;
+    CHECK(lines == 2, "one line a pause (kept, then discarded): %d in %s", lines, text);
+    CHECK(released >= 24 * MIB && kept == 24 * MIB, "the kept pause's line: %llu released, %llu kept (%s)", released, kept, text);
+    CHECK(total >= 0 && dev >= 0 && copies >= 0 && rel >= 0 && dev + copies + rel <= total + 0.05,
+          "its phases fit in its time: %.3f >= %.3f + %.3f + %.3f ms", total, dev, copies, rel);
+}
+
 int main(void)
 {
     const char *b = getenv("VMMSHIM_TEST_BUILD");
@@ -260,6 +295,7 @@ int main(void)
     test_cap("0", 0);
     test_failed_copy();
     test_bad_value();
+    test_phases();
     char path[128];
     snprintf(path, sizeof path, "/dev/shm%s", g_reg);
     unlink(path);
