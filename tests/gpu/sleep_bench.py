@@ -51,26 +51,14 @@ sys.path.insert(0, HERE)
 # cuBLAS reads it when it makes a handle: without it deterministic mode refuses cuBLAS
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-from sleep_common import MiB, Checks, DeviceView, Neighbour, knob, pinned_bandwidth, say  # noqa: E402
+from sleep_common import (BATCH, FFN, HEADROOM, HEADS, KV_FRACTION, KV_HEADS, LAYERS, PINNED, ROUNDS,  # noqa: E402
+                          SEQ, SLACK, STEPS, VOCAB, WIDTH, Checks, DeviceView, MiB, Neighbour,
+                          pinned_bandwidth, say)
 
 MODE = "tms" if "--tms" in sys.argv else "shim"
 T0 = time.perf_counter()
 view = DeviceView()  # before CUDA starts: what others use
 
-ROUNDS = knob("SLEEP_ROUNDS", 3)
-STEPS = knob("SLEEP_STEPS", 4)
-LAYERS = knob("SLEEP_LAYERS", 22)
-WIDTH = knob("SLEEP_WIDTH", 2048)
-HEADS = knob("SLEEP_HEADS", 32)
-KV_HEADS = knob("SLEEP_KV_HEADS", 4)
-FFN = knob("SLEEP_FFN", 5632)
-VOCAB = knob("SLEEP_VOCAB", 32000)
-BATCH = knob("SLEEP_BATCH", 4)
-SEQ = knob("SLEEP_SEQ", 512)
-PINNED = knob("SLEEP_PINNED_MB", 2048) * MiB
-HEADROOM = knob("SLEEP_HEADROOM_MB", 2048) * MiB
-KV_FRACTION = knob("SLEEP_KV_FRACTION", 0.5, float)
-SLACK = 256 * MiB  # the neighbour asks for the released bytes less this: its own rounding and the pool's tail
 checks = Checks(report_only=MODE == "tms")
 
 try:

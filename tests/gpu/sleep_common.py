@@ -31,6 +31,23 @@ def knob(name, default, kind=int):
     return kind(v) if v not in (None, "") else default
 
 
+# The trainers' sizes (sleep_bench.py and sleep_bench_jax.py: TinyLlama's shape) and the rounds.
+ROUNDS = knob("SLEEP_ROUNDS", 3)
+STEPS = knob("SLEEP_STEPS", 4)
+LAYERS = knob("SLEEP_LAYERS", 22)
+WIDTH = knob("SLEEP_WIDTH", 2048)
+HEADS = knob("SLEEP_HEADS", 32)
+KV_HEADS = knob("SLEEP_KV_HEADS", 4)
+FFN = knob("SLEEP_FFN", 5632)
+VOCAB = knob("SLEEP_VOCAB", 32000)
+BATCH = knob("SLEEP_BATCH", 4)
+SEQ = knob("SLEEP_SEQ", 512)
+PINNED = knob("SLEEP_PINNED_MB", 2048) * MiB
+HEADROOM = knob("SLEEP_HEADROOM_MB", 2048) * MiB
+KV_FRACTION = knob("SLEEP_KV_FRACTION", 0.5, float)
+SLACK = 256 * MiB  # the neighbour asks for the released bytes less this: its own rounding and the pool's tail
+
+
 def say(kind, **fields):
     """One "R kind key=value ..." line; floats to 6 significant digits, the rest as they print."""
     parts = [f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()]

@@ -1,10 +1,11 @@
 /* The `progs/spans` owner under the shim, driven line by line over pipes, shared by the tests of
  * imports across the pool's segments (test_import_multi, test_import_many).  Its freed segments
  * stay (VMMSHIM_GIVE_BACK_MS and VMMSHIM_CACHE_SIZE high) so a later request can span them.
- * Header-only, for tests/unit only; the test sets g_build and g_preload before spans_start. */
+ * Header-only, for tests/unit only; the test calls spans_setup first. */
 #ifndef VMMSHIM_TESTS_SPANSOWNER_H
 #define VMMSHIM_TESTS_SPANSOWNER_H
 #include <fcntl.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -13,6 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "spawn.h"
 #include "vmmshim.h"
 
 static char g_build[512], g_preload[700], g_reg[64];
@@ -24,6 +26,20 @@ static char *g_owner_env[8];
 
 /* The k-th 64-bit word `w <index> <seed>` writes. */
 static inline uint64_t word(uint64_t seed, uint64_t k) { return seed * 0x9e3779b97f4a7c15ull + k; }
+
+/* A test's start: its build (VMMSHIM_TEST_BUILD, else "build"), the shim its owners preload, a
+ * registry of its own (/vmmshim-NAME-PID), and no death by a pipe whose owner went away. */
+static inline void spans_setup(const char *name)
+{
+    const char *b = getenv("VMMSHIM_TEST_BUILD");
+    snprintf(g_build, sizeof g_build, "%s", b ? b : "build");
+    char shim[600];
+    snprintf(shim, sizeof shim, "%s/libvmmshim.so", g_build);
+    spawn_preload(g_preload, sizeof g_preload, shim);
+    snprintf(g_reg, sizeof g_reg, "/vmmshim-%s-%d", name, (int)getpid());
+    setenv("VMMSHIM_REGISTRY", g_reg, 1);
+    signal(SIGPIPE, SIG_IGN);
+}
 
 static inline bool spans_start(void)
 {

@@ -139,15 +139,8 @@ static void drop_all(void) { CHECK(vmm_import_drop_idle() == VMM_OK, "drop_idle:
 
 int main(void)
 {
-    const char *b = getenv("VMMSHIM_TEST_BUILD");
-    snprintf(g_build, sizeof g_build, "%s", b ? b : "build");
-    char shim[600];
-    snprintf(shim, sizeof shim, "%s/libvmmshim.so", g_build);
-    spawn_preload(g_preload, sizeof g_preload, shim);
-    snprintf(g_reg, sizeof g_reg, "/vmmshim-devices-%d", (int)getpid());
-    setenv("VMMSHIM_REGISTRY", g_reg, 1);
+    spans_setup("devices");
     setenv("FAKECUDA_DEVICES", "2", 1); /* here and in the owner: read when the driver loads */
-    signal(SIGPIPE, SIG_IGN);
     void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     void *fn = drv ? dlsym(drv, "fakecuda_counters") : NULL;
     memcpy(&g_counters, &fn, sizeof fn);

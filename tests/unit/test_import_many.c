@@ -212,14 +212,7 @@ static bool same_as_before(struct fakecuda_counters c0, const char *what)
 
 int main(void)
 {
-    const char *b = getenv("VMMSHIM_TEST_BUILD");
-    snprintf(g_build, sizeof g_build, "%s", b ? b : "build");
-    char shim[600];
-    snprintf(shim, sizeof shim, "%s/libvmmshim.so", g_build);
-    spawn_preload(g_preload, sizeof g_preload, shim);
-    snprintf(g_reg, sizeof g_reg, "/vmmshim-many-%d", (int)getpid());
-    setenv("VMMSHIM_REGISTRY", g_reg, 1);
-    signal(SIGPIPE, SIG_IGN);
+    spans_setup("many");
     setenv("FAKECUDA_DEVICES", "2", 1); /* the owner's memory may lie on either (case 9) */
     void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     void *fn = drv ? dlsym(drv, "fakecuda_counters") : NULL;

@@ -351,14 +351,7 @@ static void stale_cases(vmm_registry *reg, const vmm_alloc_info *a, int idx)
 
 int main(void)
 {
-    const char *b = getenv("VMMSHIM_TEST_BUILD");
-    snprintf(g_build, sizeof g_build, "%s", b ? b : "build");
-    char shim[600];
-    snprintf(shim, sizeof shim, "%s/libvmmshim.so", g_build);
-    spawn_preload(g_preload, sizeof g_preload, shim);
-    snprintf(g_reg, sizeof g_reg, "/vmmshim-multi-%d", (int)getpid());
-    setenv("VMMSHIM_REGISTRY", g_reg, 1);
-    signal(SIGPIPE, SIG_IGN);
+    spans_setup("multi");
     void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     void *fn = drv ? dlsym(drv, "fakecuda_counters") : NULL;
     memcpy(&g_counters, &fn, sizeof fn);

@@ -102,15 +102,8 @@ static bool stop_owner(void)
 
 int main(void)
 {
-    const char *b = getenv("VMMSHIM_TEST_BUILD");
-    snprintf(g_build, sizeof g_build, "%s", b ? b : "build");
-    char shim[600];
-    snprintf(shim, sizeof shim, "%s/libvmmshim.so", g_build);
-    spawn_preload(g_preload, sizeof g_preload, shim);
-    snprintf(g_reg, sizeof g_reg, "/vmmshim-preexport-%d", (int)getpid());
-    setenv("VMMSHIM_REGISTRY", g_reg, 1);
+    spans_setup("preexport");
     setenv("VMMSHIM_PREEXPORT_MS", "150", 1);
-    signal(SIGPIPE, SIG_IGN);
     /* kept fds live above 1023: the owner (which inherits this limit) needs room there */
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < 4096 && rl.rlim_max > rl.rlim_cur) {

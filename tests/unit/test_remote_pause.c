@@ -133,19 +133,12 @@ static void owner_stop(void)
 
 int main(void)
 {
-    const char *b = getenv("VMMSHIM_TEST_BUILD");
-    snprintf(g_build, sizeof g_build, "%s", b ? b : "build");
+    spans_setup("rpause");
     snprintf(vmmctl, sizeof vmmctl, "%s/vmmctl", g_build);
-    char shim[600];
-    snprintf(shim, sizeof shim, "%s/libvmmshim.so", g_build);
-    spawn_preload(g_preload, sizeof g_preload, shim);
-    snprintf(g_reg, sizeof g_reg, "/vmmshim-rpause-%d", (int)getpid());
-    setenv("VMMSHIM_REGISTRY", g_reg, 1);
     setenv("VMMSHIM_TAG", TAG, 1);
     char pause_dir[] = "/tmp/vmmshim-rpause-XXXXXX";
     CHECK(mkdtemp(pause_dir) != NULL, "mkdtemp");
     setenv("VMMSHIM_PAUSE_DIR", pause_dir, 1);
-    signal(SIGPIPE, SIG_IGN);
     char pid_s[32];
     result r;
     vmm_sleep_report rep;

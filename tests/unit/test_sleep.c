@@ -75,18 +75,11 @@ static int dir_entries(const char *path)
 
 int main(void)
 {
-    const char *b = getenv("VMMSHIM_TEST_BUILD");
-    snprintf(g_build, sizeof g_build, "%s", b ? b : "build");
-    char shim[600];
-    snprintf(shim, sizeof shim, "%s/libvmmshim.so", g_build);
-    spawn_preload(g_preload, sizeof g_preload, shim);
-    snprintf(g_reg, sizeof g_reg, "/vmmshim-sleep-%d", (int)getpid());
-    setenv("VMMSHIM_REGISTRY", g_reg, 1);
+    spans_setup("sleep");
     setenv("VMMSHIM_TAG", TAG, 1);
     char pause_dir[] = "/tmp/vmmshim-sleep-XXXXXX";
     CHECK(mkdtemp(pause_dir) != NULL, "mkdtemp");
     setenv("VMMSHIM_PAUSE_DIR", pause_dir, 1);
-    signal(SIGPIPE, SIG_IGN);
     CHECK(spans_start(), "cannot start the owner");
     /* a large cudaMalloc (a segment of its own), a stream-ordered one, a small one */
     uint64_t a_addr = 0, s_addr = 0, c_addr = 0;

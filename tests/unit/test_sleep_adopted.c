@@ -253,14 +253,7 @@ static void without(void)
 
 int main(void)
 {
-    const char *bd = getenv("VMMSHIM_TEST_BUILD");
-    snprintf(g_build, sizeof g_build, "%s", bd ? bd : "build");
-    char shim[600];
-    snprintf(shim, sizeof shim, "%s/libvmmshim.so", g_build);
-    spawn_preload(g_preload, sizeof g_preload, shim);
-    snprintf(g_reg, sizeof g_reg, "/vmmshim-sleepad-%d", (int)getpid());
-    setenv("VMMSHIM_REGISTRY", g_reg, 1);
-    signal(SIGPIPE, SIG_IGN);
+    spans_setup("sleepad");
     with_stand_ins();
     shared();
     without();

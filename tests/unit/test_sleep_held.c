@@ -173,14 +173,7 @@ static bool ctl_pause(char *out, size_t len)
 
 int main(void)
 {
-    const char *b = getenv("VMMSHIM_TEST_BUILD");
-    snprintf(g_build, sizeof g_build, "%s", b ? b : "build");
-    char shim[600];
-    snprintf(shim, sizeof shim, "%s/libvmmshim.so", g_build);
-    spawn_preload(g_preload, sizeof g_preload, shim);
-    snprintf(g_reg, sizeof g_reg, "/vmmshim-held-%d", (int)getpid());
-    setenv("VMMSHIM_REGISTRY", g_reg, 1);
-    signal(SIGPIPE, SIG_IGN);
+    spans_setup("held");
     static char remote[] = "VMMSHIM_REMOTE_PAUSE=1"; /* the owner only: for the pauses from outside */
     g_owner_env[0] = remote;
     CHECK(spans_start(), "cannot start the owner");

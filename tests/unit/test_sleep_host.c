@@ -62,6 +62,26 @@ static bool owner_with(char *const *env, const char *stderr_path)
     return ok;
 }
 
+/* An owner with these settings whose stderr goes to a fresh file made from the mkstemp template path. */
+static bool owner_logging(char *const *env, char *path)
+{
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    if (fd < 0) return false;
+    close(fd);
+    return owner_with(env, path);
+}
+
+/* What that owner wrote to its stderr (read once it stopped); the file goes. */
+static void owner_log_read(const char *path, char *text, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(text, 1, cap - 1, f) : 0;
+    text[n] = 0;
+    if (f) fclose(f);
+    unlink(path);
+}
+
 /* Every cycle: new contents, a kept pause, a resume, the contents checked word by word. */
 static void test_cycles(void)
 {
@@ -219,11 +239,8 @@ static void test_failed_copy(void)
 static void test_bad_value(void)
 {
     char bad[] = "VMMSHIM_PAUSE_HOST_CACHE=12Q", path[] = "/tmp/vmmshim-sleephost-XXXXXX";
-    int fd = mkstemp(path);
-    CHECK(fd >= 0, "mkstemp");
-    close(fd);
     char *envs[] = {bad, NULL};
-    CHECK(owner_with(envs, path), "cannot start the owner");
+    CHECK(owner_logging(envs, path), "cannot start the owner");
     owner_mem_t base = owner_mem();
     uint64_t addr;
     int x = alloc_filled('a', 2 * MIB, 41, &addr);
@@ -231,12 +248,8 @@ static void test_bad_value(void)
     CHECK(x >= 0 && p.ok && r.ok && verify(x, 41), "a cycle: %s / %s", p.line, r.line);
     CHECK_EQ(owner_mem().host - base.host, 1); /* the default (64G) keeps it */
     spans_stop();
-    char text[2048] = "";
-    FILE *f = fopen(path, "r");
-    size_t n = f ? fread(text, 1, sizeof text - 1, f) : 0;
-    text[n] = 0;
-    if (f) fclose(f);
-    unlink(path);
+    char text[2048];
+    owner_log_read(path, text, sizeof text);
     int lines = 0;
     for (char *c = text; *c; c++) lines += *c == '\n';
     CHECK(lines == 1 && !strncmp(text, "vmmshim: warning: VMMSHIM_PAUSE_HOST_CACHE='12Q' is not a size", 62) &&
@@ -249,22 +262,15 @@ static void test_bad_value(void)
 static void test_phases(void)
 {
     char info[] = "VMMSHIM_LOG_LEVEL=info", path[] = "/tmp/vmmshim-sleephost-XXXXXX";
-    int fd = mkstemp(path);
-    CHECK(fd >= 0, "mkstemp");
-    close(fd);
     char *envs[] = {info, NULL};
-    CHECK(owner_with(envs, path), "cannot start the owner");
+    CHECK(owner_logging(envs, path), "cannot start the owner");
     uint64_t addr;
     int x = alloc_filled('a', 24 * MIB, 51, &addr);
     sleep_ans p = sleep_cmd("P 0"), r = sleep_cmd("R"), d = sleep_cmd("P 1"), r2 = sleep_cmd("R");
     CHECK(x >= 0 && p.ok && r.ok && d.ok && r2.ok, "two cycles: %s / %s / %s / %s", p.line, r.line, d.line, r2.line);
     spans_stop();
-    char text[8192] = "";
-    FILE *f = fopen(path, "r");
-    size_t n = f ? fread(text, 1, sizeof text - 1, f) : 0;
-    text[n] = 0;
-    if (f) fclose(f);
-    unlink(path);
+    char text[8192];
+    owner_log_read(path, text, sizeof text);
     int lines = 0;
     double total = -1, dev = -1, copies = -1, rel = -1;
     unsigned long long released = 0, kept = 1;
@@ -281,15 +287,8 @@ static void test_phases(void)
 
 int main(void)
 {
-    const char *b = getenv("VMMSHIM_TEST_BUILD");
-    snprintf(g_build, sizeof g_build, "%s", b ? b : "build");
-    char shim[600];
-    snprintf(shim, sizeof shim, "%s/libvmmshim.so", g_build);
-    spawn_preload(g_preload, sizeof g_preload, shim);
-    snprintf(g_reg, sizeof g_reg, "/vmmshim-sleephost-%d", (int)getpid());
-    setenv("VMMSHIM_REGISTRY", g_reg, 1);
+    spans_setup("sleephost");
     setenv("VMMSHIM_TAG", TAG, 1);
-    signal(SIGPIPE, SIG_IGN);
     test_cycles();
     test_cap("10M", 2);
     test_cap("0", 0);
