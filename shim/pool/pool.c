@@ -289,46 +289,13 @@ static int set_backed(vmm__pool *p, vmm__arena *a, uint64_t lo, uint64_t hi, int
     return 0;
 }
 
-/* Address space for an arena of `size`: the one kept from the last arena dropped when it has
- * that size.  Reserving and freeing 1 GiB of address space costs ~65 us a pair on an H200, so a
- * program that frees and allocates the same large size (a native pair costs ~700 us) would pay
- * ~9% more than native for address space alone. */
-static int va_take(vmm__pool *p, uint64_t size, uint64_t *base)
+/* The last arena dropped is parked whole (its address space, its per-page tables and its one
+ * free block) rather than rebuilt: a program that frees and allocates the same large size (a
+ * native 1 GiB pair costs ~700 us) would otherwise reserve and free the address space (~65 us a
+ * pair on an H200) and allocate, fill and unmap tables of a pointer per 2 MiB page of a device-sized
+ * arena (1.1 MiB on an H200) every pair.  Nothing is mapped there: it holds no memory. */
+static void arena_free(vmm__pool *p, vmm__arena *a)
 {
-    if (p->va_size == size) {
-        *base = p->va_base;
-        p->va_size = 0;
-        return 0;
-    }
-    return p->ops.reserve(p->ops.ctx, size, base);
-}
-
-static void va_drop(vmm__pool *p)
-{
-    if (p->va_size) p->ops.unreserve(p->ops.ctx, p->va_base, p->va_size);
-    p->va_size = 0;
-}
-
-/* Keep one dropped arena's address space (no memory: nothing is mapped there), the last one:
- * the one a program's next request of that size wants. */
-static void va_put(vmm__pool *p, uint64_t base, uint64_t size)
-{
-    va_drop(p);
-    p->va_base = base;
-    p->va_size = size;
-    p->va_since = p->ops.now_ns(p->ops.ctx);
-}
-
-/* An arena with no segment holds only free, unmapped blocks: its address space goes back, but
- * for the last one given back, which holds no memory either (va_put).  One whose growth failed
- * goes whole: a program that fails to allocate and exits leaves nothing reserved, as natively. */
-static void arena_drop(vmm__pool *p, vmm__arena *a, int keep_va)
-{
-    for (vmm__arena **pp = &p->arenas; *pp; pp = &(*pp)->next)
-        if (*pp == a) {
-            *pp = a->next;
-            break;
-        }
     for (vmm__block *b = a->first, *n; b; b = n) {
         n = b->next;
         bin_remove(p, b);
@@ -336,11 +303,60 @@ static void arena_drop(vmm__pool *p, vmm__arena *a, int keep_va)
         b->event = NULL;
         block_recycle(p, b);
     }
-    if (keep_va) va_put(p, a->base, a->size);
-    else p->ops.unreserve(p->ops.ctx, a->base, a->size);
+    p->ops.unreserve(p->ops.ctx, a->base, a->size);
     free(a->seg);
     free(a->blk);
     free(a);
+}
+
+static void unpark(vmm__pool *p)
+{
+    if (p->parked) arena_free(p, p->parked);
+    p->parked = NULL;
+}
+
+/* An arena with no segment holds only free, unmapped blocks: it goes, but for the last one given
+ * back, parked when it is one free block (the pool coalesces free neighbours of one kind).  One
+ * whose growth failed goes whole: a program that fails to allocate and exits leaves nothing
+ * reserved, as natively. */
+static void arena_drop(vmm__pool *p, vmm__arena *a, int keep)
+{
+    for (vmm__arena **pp = &p->arenas; *pp; pp = &(*pp)->next)
+        if (*pp == a) {
+            *pp = a->next;
+            break;
+        }
+    vmm__block *b = a->first;
+    if (!keep || a->paused || b->next || !b->free || b->backed) {
+        arena_free(p, a);
+        return;
+    }
+    unpark(p);
+    bin_remove(p, b);
+    vmm__ev_put(p, b->event);
+    b->event = NULL;
+    a->next = NULL;
+    p->parked = a;
+    p->parked_since = p->ops.now_ns(p->ops.ctx);
+}
+
+/* The parked arena when it has this size, back in the pool with its free block binned. */
+static vmm__arena *unpark_for(vmm__pool *p, int small, uint64_t size)
+{
+    vmm__arena *a = p->parked;
+    if (!a || a->size != size) return NULL;
+    p->parked = NULL;
+    a->small = small;
+    a->next = p->arenas;
+    p->arenas = a;
+    vmm__block *b = a->first; /* as new: every page's table entry names it still */
+    memset(b, 0, sizeof *b);
+    b->arena = a;
+    b->addr = a->base;
+    b->size = a->size;
+    b->free = 1;
+    bin_insert(p, b);
+    return a;
 }
 
 static void seg_release(vmm__pool *p, vmm__seg *s)
@@ -386,7 +402,7 @@ static uint64_t release_until(vmm__pool *p, uint64_t keep_reserved, uint64_t kee
 uint64_t vmm__pool_release(vmm__pool *p, uint64_t keep_reserved, uint64_t keep_empty, uint64_t until)
 {
     uint64_t given = release_until(p, keep_reserved, keep_empty, until);
-    if (p->va_size && p->va_since <= until) va_drop(p);
+    if (p->parked && p->parked_since <= until) unpark(p);
     return given;
 }
 
@@ -580,12 +596,14 @@ static uint64_t map_one(vmm__pool *p, vmm__arena *a, uint64_t at, uint64_t hi, u
 static vmm__arena *arena_add(vmm__pool *p, int small, uint64_t need)
 {
     uint64_t size = need > p->arena_size ? round_up(need, p->granule) : p->arena_size;
+    vmm__arena *a = unpark_for(p, small, size);
+    if (a) return a;
     uint64_t pages = size / p->granule;
-    vmm__arena *a = calloc(1, sizeof *a);
+    a = calloc(1, sizeof *a);
     vmm__block *b = block_new(p);
     if (a) a->seg = calloc(pages, sizeof *a->seg);
     if (a) a->blk = calloc(pages, sizeof *a->blk);
-    if (!a || !b || !a->seg || !a->blk || va_take(p, size, &a->base) != 0) {
+    if (!a || !b || !a->seg || !a->blk || p->ops.reserve(p->ops.ctx, size, &a->base) != 0) {
         if (a) free(a->seg), free(a->blk);
         free(a);
         if (b) block_recycle(p, b);
@@ -920,7 +938,7 @@ void vmm__pool_destroy(vmm__pool *p)
         free(a->blk);
         free(a);
     }
-    va_drop(p);
+    unpark(p);
     while (p->spare) {
         vmm__block *b = p->spare;
         p->spare = b->fnext;

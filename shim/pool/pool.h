@@ -130,8 +130,9 @@ typedef struct vmm__pool {
     vmm__block *spare;
     vmm__block *retired;                 /* old places of moved segments (via fnext), oldest first */
     vmm__ev *spare_ev;
-    uint64_t va_base, va_size, va_since; /* the address space of the last arena dropped, kept for the next
-                                            until a give-back reaches it (since: ops.now_ns) */
+    vmm__arena *parked;                  /* the last arena dropped, whole and empty, kept for the next until a
+                                            give-back reaches it (parked_since: ops.now_ns) */
+    uint64_t parked_since;
     uint64_t reserved, reserved_high, used, used_high, empty_bytes;
     uint64_t footprint_high;             /* reserved_high, but never reset by the program */
     uint64_t n_segs, segs_made, segs_released, segs_moved;

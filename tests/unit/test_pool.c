@@ -300,9 +300,14 @@ static void test_va_kept(void)
     vmm__pool_release_newest(&p, 0);
     CHECK(p.reserved == 0 && dev.in_use == 0 && dev.unreserves == 0, "the memory goes back, its address space stays "
           "(%" PRIu64 " reserved, %u unreserves)", p.reserved, dev.unreserves);
+    vmm__arena *parked = p.parked;
+    CHECK(!p.arenas && parked && parked->base == at && parked->first && !parked->first->next && !parked->first->backed,
+          "the arena is parked whole: out of the pool's list, one unmapped free block");
     vmm__block *b = take(&p, 20 * GiB, 0, 0);
     CHECK(b && b->addr == at && dev.reserves == reserves, "the same size again: the same address, no reserve "
           "(%u reserves, want %u)", dev.reserves, reserves);
+    CHECK(b && b->arena == parked && p.arenas == parked && !p.parked && vmm__pool_block_at(parked, p.granule, at + 10 * GiB) == b,
+          "it comes back as it was parked, its page tables kept (not rebuilt: a pointer per 2 MiB of a device)");
     vmm__pool_free(&p, b, 0, NULL);
     vmm__pool_release_newest(&p, 0);
     vmm__block *c = take(&p, 30 * GiB, 0, 0);
