@@ -257,56 +257,117 @@ static void mark_records_locked(vmm__arena *a, int paused)
     }
 }
 
-/* Pause arena a of p: copy out, release, mark.  0, or an error with nothing of a released. */
-static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_io *io, vmm__sleep_out *out, char *why,
-                       size_t len)
+/* Marks every MARK_BYTES of copies queued: the segments below a mark go while the copies above
+ * it still move, so only the last piece's releases add to the pause. */
+#define MARK_BYTES (128ull << 20)
+
+typedef struct mark {
+    CUevent ev;
+    uint64_t below; /* every live block starting below this is copied once ev is reached */
+} mark;
+
+/* Release the arena's segments (in address order from *at) that end at or below `below`. */
+static void release_below(vmm__pool *p, vmm__arena *a, uint64_t *at, uint64_t below, vmm__sleep_out *out)
 {
-    int dropped;
-    uint64_t t0 = vmm__now_ns(NULL);
-    out->released += vmm__pool_release_arena(p, a, &dropped); /* its empty segments first */
-    out->ns_release += vmm__now_ns(NULL) - t0;
-    if (dropped) return 0;
-    t0 = vmm__now_ns(NULL);
-    if (!(flags & VMM_PAUSE_DISCARD)) {
-        uint64_t kept = 0;
-        int rc = 0;
-        vmm__block *b;
-        for (b = a->first; b && !rc; b = b->next) {
-            if (b->free || !b->live) continue;
-            int pushed = push(b->ctx);
-            rc = vmm__sleep_keep(io, b->addr, b->requested, &b->kept);
-            if (pushed) pop();
-            if (rc)
-                vmm__sleep_say(why, len, rc, "copying %llu bytes at 0x%llx out %s", (unsigned long long)b->requested,
-                               (unsigned long long)b->addr,
-                               rc == -ENOMEM ? "failed: no host memory" : io->f ? "to the file failed" : "failed (a driver call)");
-            kept += b->requested;
+    uint64_t end = a->base + a->size;
+    while (*at < end) {
+        vmm__seg *s = vmm__pool_seg_at(a, p->granule, *at);
+        if (!s) {
+            *at += p->granule;
+            continue;
         }
-        /* the copies are queued: nothing of the arena is released before they are done */
-        if (!rc && (rc = vmm__sleep_wait(io)))
-            vmm__sleep_say(why, len, rc, "copying the %llu bytes of an arena out failed (a driver call)", (unsigned long long)kept);
-        if (rc) { /* nothing of the arena is released: the contents copied so far go, their buffers stay */
-            (void)vmm__sleep_wait(io);
-            for (vmm__block *u = a->first; u != b; u = u->next)
-                if (vmm__sleep_holds(u->kept)) vmm__sleep_kept_done(&u->kept);
-            return rc;
-        }
-        out->kept += kept;
-    }
-    uint64_t t1 = vmm__now_ns(NULL);
-    out->ns_copy += t1 - t0;
-    for (vmm__block *b = a->first; b; b = b->next) out->allocations += !b->free && b->live;
-    vmm__pool_set_paused(p, a, 1);
-    for (vmm__seg *s = p->segs; s; s = s->snext) {
-        if (s->arena != a || ((vseg *)s->mech)->paused) continue;
+        if (s->base + s->size > below) return;
+        *at = s->base + s->size;
+        if (((vseg *)s->mech)->paused) continue;
         note_gone(out, ((vseg *)s->mech)->id, s->size);
         release_seg(s);
         out->released += s->size;
         out->segments++;
     }
+}
+
+/* Queue the copies of a's live blocks, in address order, with a mark every MARK_BYTES while marks
+ * can be made (*n_marks of them in *marks).  0, or an error with the copies waited for and
+ * nothing of the arena held. */
+static int copy_arena(vmm__arena *a, vmm__sleep_io *io, mark **marks, size_t *n_marks, uint64_t *kept, char *why, size_t len)
+{
+    size_t cap = 0;
+    int rc = 0, marking = 1;
+    uint64_t since = 0;
+    vmm__block *b;
+    for (b = a->first; b && !rc; b = b->next) {
+        if (b->free || !b->live) continue;
+        int pushed = push(b->ctx);
+        rc = vmm__sleep_keep(io, b->addr, b->requested, &b->kept);
+        if (pushed) pop();
+        if (rc) {
+            vmm__sleep_say(why, len, rc, "copying %llu bytes at 0x%llx out %s", (unsigned long long)b->requested,
+                           (unsigned long long)b->addr,
+                           rc == -ENOMEM ? "failed: no host memory" : io->f ? "to the file failed" : "failed (a driver call)");
+            break;
+        }
+        *kept += b->requested;
+        if ((since += b->requested) < MARK_BYTES || !marking) continue;
+        since = 0;
+        if (*n_marks == cap) {
+            mark *m = realloc(*marks, (cap = cap ? 2 * cap : 64) * sizeof *m);
+            if (!m) {
+                marking = 0;
+                continue;
+            }
+            *marks = m;
+        }
+        mark *m = &(*marks)[*n_marks];
+        if (!(marking = vmm__sleep_mark(io, &m->ev))) continue;
+        m->below = b->addr + b->size;
+        ++*n_marks;
+    }
+    if (!rc) return 0;
+    /* nothing of the arena is released: the contents copied so far go, their buffers stay */
+    for (size_t i = 0; i < *n_marks; i++) vmm__cu.EventDestroy((*marks)[i].ev);
+    *n_marks = 0;
+    (void)vmm__sleep_wait(io);
+    for (vmm__block *u = a->first; u != b; u = u->next)
+        if (vmm__sleep_holds(u->kept)) vmm__sleep_kept_done(&u->kept);
+    return rc;
+}
+
+/* Pause arena a of p: copy out, release, mark.  0, or an error: one found while queueing the
+ * copies (no host memory, a driver call refused) leaves nothing of a released; a copy that fails
+ * on the device (a sticky error: the context is lost anyway) is reported after the arena went. */
+static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_io *io, vmm__sleep_out *out, char *why,
+                       size_t len)
+{
+    int dropped, rc = 0;
+    uint64_t t0 = vmm__now_ns(NULL);
+    out->released += vmm__pool_release_arena(p, a, &dropped); /* its empty segments first */
+    out->ns_release += vmm__now_ns(NULL) - t0;
+    if (dropped) return 0;
+    t0 = vmm__now_ns(NULL);
+    mark *marks = NULL;
+    size_t n_marks = 0;
+    uint64_t kept = 0, at = a->base;
+    if (!(flags & VMM_PAUSE_DISCARD) && (rc = copy_arena(a, io, &marks, &n_marks, &kept, why, len))) {
+        free(marks);
+        return rc;
+    }
+    for (vmm__block *b = a->first; b; b = b->next) out->allocations += !b->free && b->live;
+    vmm__pool_set_paused(p, a, 1);
+    for (size_t i = 0; i < n_marks; i++) { /* what is copied goes while the rest still moves */
+        if (vmm__sleep_wait_mark(io, marks[i].ev) && !rc)
+            rc = vmm__sleep_say(why, len, -EIO, "a copy out failed on the device; the contents are undefined");
+        release_below(p, a, &at, marks[i].below, out);
+    }
+    free(marks);
+    if (vmm__sleep_wait(io) && !rc)
+        rc = vmm__sleep_say(why, len, -EIO, "a copy out failed on the device; the contents are undefined");
+    out->kept += kept;
+    uint64_t t1 = vmm__now_ns(NULL);
+    out->ns_copy += t1 - t0; /* the releases under the copies count as copying: they cost nothing more */
+    release_below(p, a, &at, UINT64_MAX, out);
     mark_records_locked(a, 1);
     out->ns_release += vmm__now_ns(NULL) - t1;
-    return 0;
+    return rc;
 }
 
 int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char *why, size_t len)

@@ -72,6 +72,11 @@ int vmm__sleep_io_file(vmm__sleep_io *io, char *why, size_t len);
 void vmm__sleep_io_end(vmm__sleep_io *io);
 /* Waits for every copy queued through io: 0, or -EIO when one failed (which one is not known). */
 int vmm__sleep_wait(vmm__sleep_io *io);
+/* A mark after the copies queued so far, when they all went to one context: 1 with *ev (an event
+ * recorded behind them), else 0 (more contexts, or no event could be made: wait for it all). */
+int vmm__sleep_mark(vmm__sleep_io *io, CUevent *ev);
+/* Waits for the copies queued before mark ev, and destroys it: 0, or -EIO. */
+int vmm__sleep_wait_mark(vmm__sleep_io *io, CUevent ev);
 
 /* Copy n bytes at addr out (the memory's context current), into *kept: a copy made now, or the
  * buffer *kept kept idle from the last cycle.  The copy may be queued: nothing reads or frees the

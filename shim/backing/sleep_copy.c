@@ -24,7 +24,10 @@
  * synchronizes each context that queued one, once; so the per-call cost of many pieces
  * overlaps their transfers instead of adding up.  Nothing may read, unmap or free either side
  * before that wait (FAKECUDA_ASYNC_DEFER makes the tests catch it).  Pageable and file copies
- * stay synchronous: the driver stages pageable memory through its own pinned buffer anyway. */
+ * stay synchronous: the driver stages pageable memory through its own pinned buffer anyway.
+ * Marks (events behind the copies queued so far) let a pause release the segments whose copies
+ * are done while the rest still move: releasing takes ~25 us a segment, ~10% of a pause of many
+ * allocations if it waited for the last copy. */
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -173,6 +176,26 @@ int vmm__sleep_wait(vmm__sleep_io *io)
         vmm__sleep_pop();
     }
     io->n_ctx = 0;
+    return rc;
+}
+
+int vmm__sleep_mark(vmm__sleep_io *io, CUevent *ev)
+{
+    if (io->n_ctx != 1 || !vmm__sleep_push(io->ctx[0])) return 0;
+    int ok = vmm__cu.EventCreate(ev, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS;
+    if (ok && vmm__cu.EventRecord(*ev, NULL) != CUDA_SUCCESS) { /* the legacy stream, as the copies */
+        vmm__cu.EventDestroy(*ev);
+        ok = 0;
+    }
+    vmm__sleep_pop();
+    return ok;
+}
+
+int vmm__sleep_wait_mark(vmm__sleep_io *io, CUevent ev)
+{
+    (void)io;
+    int rc = vmm__cu.EventSynchronize(ev) == CUDA_SUCCESS ? 0 : -EIO;
+    vmm__cu.EventDestroy(ev);
     return rc;
 }
 

@@ -111,6 +111,7 @@ typedef struct fc_event {
     unsigned flags;
     int recorded;
     unsigned long long done_at;
+    unsigned long long copies; /* FAKECUDA_ASYNC_DEFER: the copies queued before its record */
     UT_hash_handle hh;
 } fc_event;
 
@@ -143,11 +144,14 @@ typedef struct fc_pending {
     void *dst;
     const void *src;
     size_t n;
+    unsigned long long seq;
     struct fc_pending *next;
 } fc_pending;
 static int g_async_defer;
 static fc_pending *g_pending, **g_pending_tail = &g_pending;
+static unsigned long long g_pending_seq; /* copies ever queued; an event's record notes it */
 static void pending_flush(void);
+static void pending_flush_through(unsigned long long seq);
 static unsigned long long g_export_delay_us; /* each POSIX fd export takes this long (an H100: ~600) */
 static unsigned long long g_unmap_delay_us;  /* each cuMemUnmap takes this long */
 static int g_initialized;
@@ -2193,21 +2197,30 @@ static CUresult copy_async(void *dst, const void *src, size_t n, CUstream s)
     if (!copy_allowed(dst, n) || !copy_allowed(src, n)) return CUDA_ERROR_INVALID_VALUE;
     fc_pending *q = malloc(sizeof *q);
     if (!q) return CUDA_ERROR_OUT_OF_MEMORY;
-    *q = (fc_pending){dst, src, n, NULL};
+    *q = (fc_pending){dst, src, n, 0, NULL};
     LOCK();
+    q->seq = ++g_pending_seq;
     *g_pending_tail = q;
     g_pending_tail = &q->next;
     UNLOCK();
     return CUDA_SUCCESS;
 }
 
-/* FAKECUDA_ASYNC_DEFER: a synchronization moves the queued copies' bytes, oldest first. */
-static void pending_flush(void)
+/* FAKECUDA_ASYNC_DEFER: a synchronization moves the queued copies' bytes, oldest first; an
+ * event's, those queued before its record (on any stream: the real driver may move them earlier). */
+static void pending_flush(void) { pending_flush_through(~0ull); }
+
+static void pending_flush_through(unsigned long long seq)
 {
     LOCK();
-    fc_pending *q = g_pending;
-    g_pending = NULL;
-    g_pending_tail = &g_pending;
+    fc_pending *q = NULL, **cut = &g_pending;
+    while (*cut && (*cut)->seq <= seq) cut = &(*cut)->next;
+    if (cut != &g_pending) { /* [g_pending, *cut) move now; cut is the last one's next */
+        q = g_pending;
+        g_pending = *cut;
+        *cut = NULL;
+        if (!g_pending) g_pending_tail = &g_pending;
+    }
     UNLOCK();
     while (q) {
         fc_pending *next = q->next;
@@ -2515,6 +2528,7 @@ static CUresult event_record(CUevent hEvent, CUstream hStream)
     s->busy_until = t;
     e->recorded = 1;
     e->done_at = t;
+    e->copies = g_pending_seq;
     UNLOCK();
     return CUDA_SUCCESS;
 }
@@ -2556,10 +2570,11 @@ FC_API CUresult cuEventSynchronize(CUevent hEvent)
     FC_ENTER("cuEventSynchronize");
     LOCK();
     fc_event *e = event_get(hEvent);
-    unsigned long long t = e ? e->done_at : 0;
+    unsigned long long t = e ? e->done_at : 0, copies = e ? e->copies : 0;
     UNLOCK();
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
     sleep_until(t);
+    if (g_async_defer) pending_flush_through(copies);
     return CUDA_SUCCESS;
 }
 

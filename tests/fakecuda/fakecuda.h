@@ -28,7 +28,8 @@
  *                                 longer (events recorded after it complete then)
  *   FAKECUDA_ASYNC_DEFER=1        an asynchronous copy (cuMemcpy*Async) moves its bytes only at the
  *                                 next cuCtxSynchronize or cuStreamSynchronize (of any stream),
- *                                 in the order queued; until then its source may still change
+ *                                 or cuEventSynchronize of an event recorded after it, in the
+ *                                 order queued; until then its source may still change
  *                                 and its destination holds the old bytes, so a caller that reads
  *                                 or frees either side before synchronizing is caught
  *   FAKECUDA_COUNTERS_AT_EXIT=path  write the counters as key=value lines at exit

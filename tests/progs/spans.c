@@ -243,8 +243,9 @@ int main(void)
         } else if (line[0] == 'm') {
             struct fakecuda_counters c;
             if (counters_now(&c) == 0) {
-                printf("ok %llu %llu %llu %llu %llu %llu %llu\n", c.phys_bytes_live, c.handles_live, c.host_allocs_live,
-                       c.calls_cuMemHostAlloc, c.calls_cuMemFreeHost, c.calls_cuMemcpyDtoHAsync, c.calls_cuMemcpyHtoDAsync);
+                printf("ok %llu %llu %llu %llu %llu %llu %llu %llu\n", c.phys_bytes_live, c.handles_live, c.host_allocs_live,
+                       c.calls_cuMemHostAlloc, c.calls_cuMemFreeHost, c.calls_cuMemcpyDtoHAsync, c.calls_cuMemcpyHtoDAsync,
+                       c.calls_cuEventRecord);
             } else {
                 printf("error no emulated driver\n");
             }

@@ -99,10 +99,11 @@ static inline int owner_alloc_with(char how, uint64_t bytes, uint64_t *addr)
     return idx;
 }
 /* The emulated device as the owner sees it (`m`): live physical bytes, handles, host allocations;
- * and the calls so far of cuMemHostAlloc, cuMemFreeHost, cuMemcpyDtoHAsync and cuMemcpyHtoDAsync. */
+ * and the calls so far of cuMemHostAlloc, cuMemFreeHost, cuMemcpyDtoHAsync, cuMemcpyHtoDAsync and
+ * cuEventRecord. */
 typedef struct owner_mem_t {
     unsigned long long phys, handles, host;
-    unsigned long long host_made, host_freed, dtoh_async, htod_async;
+    unsigned long long host_made, host_freed, dtoh_async, htod_async, event_records;
 } owner_mem_t;
 
 static inline owner_mem_t owner_mem(void)
@@ -110,8 +111,8 @@ static inline owner_mem_t owner_mem(void)
     owner_mem_t m;
     memset(&m, 0, sizeof m);
     char a[256];
-    if (!owner_cmd(a, "m") || sscanf(a, "ok %llu %llu %llu %llu %llu %llu %llu", &m.phys, &m.handles, &m.host, &m.host_made,
-                                     &m.host_freed, &m.dtoh_async, &m.htod_async) != 7)
+    if (!owner_cmd(a, "m") || sscanf(a, "ok %llu %llu %llu %llu %llu %llu %llu %llu", &m.phys, &m.handles, &m.host, &m.host_made,
+                                     &m.host_freed, &m.dtoh_async, &m.htod_async, &m.event_records) != 8)
         fprintf(stderr, "owner: m: %s", a);
     return m;
 }

@@ -192,6 +192,37 @@ static void with_stand_ins(void)
     owner_stop();
 }
 
+/* More than a mark's worth of copies (128 MiB) over several handles, the copies held back until a
+ * synchronization: the handles a mark covers go while the later copies still move (one released
+ * before its copy makes the owner fault or read wrong bytes); marks were taken, every byte comes
+ * back, and nothing is left after the program unmaps it all. */
+static void marks(void)
+{
+    setenv("VMMSHIM_SLEEP_ADOPTED", "1", 1);
+    static char defer[] = "FAKECUDA_ASYNC_DEFER=1";
+    g_owner_env[0] = defer;
+    CHECK(spans_start(), "cannot start the owner");
+    g_owner_env[0] = NULL;
+    owner_mem_t m0 = owner_mem();
+    int idx[5];
+    uint64_t addr, h;
+    for (int i = 0; i < 5; i++) idx[i] = own_filled(48 * MIB, 1, 300 + (uint64_t)i, &addr, &h);
+    CHECK(idx[0] >= 0 && idx[4] >= 0, "the owner could not map its own memory");
+    owner_mem_t m1 = owner_mem();
+    sleep_ans p = sleep_cmd("P 0");
+    owner_mem_t m2 = owner_mem();
+    CHECK(p.ok && p.kept == 5 * 48 * MIB && m2.phys == m0.phys, "pause: %s", p.line);
+    CHECK(m2.event_records > m1.event_records, "no mark taken: %llu events recorded", m2.event_records - m1.event_records);
+    sleep_ans r = sleep_cmd("R");
+    CHECK(r.ok, "resume: %s", r.line);
+    int same = 1;
+    for (int i = 0; i < 5; i++) same &= verify(idx[i], 300 + (uint64_t)i);
+    CHECK(same, "bytes differ after a pause released handles under its marks");
+    for (int i = 0; i < 5; i++) owner_cmd(NULL, "U %d", idx[i]);
+    CHECK_EQ(owner_mem().phys, m0.phys);
+    owner_stop();
+}
+
 /* Memory the program exported itself (NCCL's buffers, which its peers map) stays through a pause,
  * reported in bytes_not_shim, while its other memory goes. */
 static void shared(void)
@@ -255,6 +286,7 @@ int main(void)
 {
     spans_setup("sleepad");
     with_stand_ins();
+    marks();
     shared();
     without();
     char path[128];
