@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The sleep table of issue 29 on one GPU, one command of at most 8 minutes (about 5 on an H100):
 #   BUILD=build tests/gpu/sleep.sh        (build/ and .tms carried from a development machine)
-# SLEEP_OUTER (2) outer rounds; each runs one process per setting, the order reversed every other
+# SLEEP_OUTER (2) outer rounds of SLEEP_SETTINGS (all five below); each runs one process per setting, the order reversed every other
 # outer round, each process SLEEP_ROUNDS (3) pause/resume rounds of its own (the trainers and what
 # they measure: tests/gpu/sleep_bench.py and sleep_bench_jax.py):
 #   shim-default     sleep_bench.py under the shim, PyTorch's default caching allocator
@@ -60,7 +60,7 @@ if [ ! -f "$B/libvmmshim.so" ] || [ ! -f "$B/libvmmshim-client.so" ]; then
   finish 1
 fi
 
-SETTINGS="shim-default shim-expandable shim-async tms jax"
+SETTINGS=${SLEEP_SETTINGS:-shim-default shim-expandable shim-async tms jax}
 table_args=()
 if [ "$DRY" = 1 ]; then
   if [ ! -f "$B/fakecuda/libcuda.so.1" ]; then
