@@ -70,6 +70,8 @@ static int load_driver(char *why, size_t len)
         LOAD(MemcpyHtoD, cuMemcpyHtoD);
         LOAD(MemHostAlloc, cuMemHostAlloc);
         LOAD(MemFreeHost, cuMemFreeHost);
+        LOAD(MemHostRegister, cuMemHostRegister);
+        LOAD(MemHostUnregister, cuMemHostUnregister);
         LOAD(MemcpyDtoHAsync, cuMemcpyDtoHAsync);
         LOAD(MemcpyHtoDAsync, cuMemcpyHtoDAsync);
     }

@@ -163,7 +163,7 @@ static unsigned long long g_next_handle = 0xfc0001;
 static unsigned long long g_next_buffer_id = 1;
 
 static fc_handle *g_handles;
-static fc_range *g_resv, *g_maps, *g_allocs, *g_host;
+static fc_range *g_resv, *g_maps, *g_allocs, *g_host, *g_registered;
 static fc_stream *g_streams;
 static fc_event *g_events;
 static fc_stream g_legacy_stream, g_ptds_stream;
@@ -2138,6 +2138,50 @@ FC_API CUresult cuMemFreeHost(void *p)
     return CUDA_SUCCESS;
 }
 
+/* Page-locking the program's own memory: tracked, so that an overlap, an unregister of anything
+ * else, or a second unregister fail as the driver's do. */
+FC_API CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)
+{
+    FC_ENTER("cuMemHostRegister");
+    uintptr_t base = (uintptr_t)p;
+    if (!p || !bytesize || (Flags & ~0xFu)) return CUDA_ERROR_INVALID_VALUE;
+    if (!ctx_of(cur_ctx())) return CUDA_ERROR_INVALID_CONTEXT;
+    fc_range *r, *tmp;
+    LOCK();
+    HASH_ITER(hh, g_registered, r, tmp) {
+        if (base < r->base + r->size && r->base < base + bytesize) {
+            UNLOCK();
+            return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+        }
+    }
+    UNLOCK();
+    if (!(r = calloc(1, sizeof *r))) return CUDA_ERROR_OUT_OF_MEMORY;
+    r->base = base;
+    r->size = bytesize;
+    LOCK();
+    HASH_ADD(hh, g_registered, base, sizeof r->base, r);
+    UNLOCK();
+    CNT_ADD(host_registered_live, 1);
+    CNT_ADD(calls_cuMemHostRegister, 1);
+    return CUDA_SUCCESS;
+}
+
+FC_API CUresult cuMemHostUnregister(void *p)
+{
+    FC_ENTER("cuMemHostUnregister");
+    uintptr_t base = (uintptr_t)p;
+    fc_range *r;
+    LOCK();
+    HASH_FIND(hh, g_registered, &base, sizeof base, r);
+    if (r) HASH_DEL(g_registered, r);
+    UNLOCK();
+    if (!r) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+    free(r);
+    CNT_SUB(host_registered_live, 1);
+    CNT_ADD(calls_cuMemHostUnregister, 1);
+    return CUDA_SUCCESS;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Copies and memsets: synchronous host operations                                              */
 
@@ -2763,6 +2807,8 @@ struct fc_sym {
     S("cuMemAllocHost", 2000, cuMemAllocHost)                                                   \
     S("cuMemHostAlloc", 2020, cuMemHostAlloc)                                                   \
     S("cuMemFreeHost", 2000, cuMemFreeHost)                                                     \
+    S("cuMemHostRegister", 6050, cuMemHostRegister_v2)                                          \
+    S("cuMemHostUnregister", 4000, cuMemHostUnregister)                                         \
     S("cuPointerGetAttributes", 7000, cuPointerGetAttributes)                                   \
     P("cuMemcpy", 4000, cuMemcpy, cuMemcpy_ptds)                                                \
     P("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds)                              \

@@ -51,6 +51,7 @@
     X(memalloc_live)         /* cuMemAlloc/AllocAsync/AllocPitch/AllocManaged not yet freed */ \
     X(ipc_opens_live)        /* cuIpcOpenMemHandle mappings not yet closed */                  \
     X(host_allocs_live)      /* cuMemAllocHost/cuMemHostAlloc not yet cuMemFreeHost'd */       \
+    X(host_registered_live)  /* cuMemHostRegister'd ranges not yet unregistered */             \
     X(fds_open)              /* fds on the memory of no live handle: exported or received and  \
                                 never closed (read from /proc/self/fd at each snapshot) */     \
     X(calls_cuMemCreate)                                                                       \
@@ -73,6 +74,8 @@
     X(calls_cuDeviceSetMemPool) /* and cuMemSetMemPool */                                      \
     X(calls_cuMemHostAlloc)  /* successful cuMemHostAlloc calls (cuMemAllocHost not counted) */ \
     X(calls_cuMemFreeHost)   /* successful cuMemFreeHost calls */                              \
+    X(calls_cuMemHostRegister)   /* successful cuMemHostRegister calls */                      \
+    X(calls_cuMemHostUnregister) /* successful cuMemHostUnregister calls */                    \
     X(calls_cuMemcpyHtoDAsync) /* both exported variants */                                    \
     X(calls_legacy_abi)      /* pre-3.2 entry points with 32-bit pointers: always a bug */     \
     X(failures_injected)

@@ -243,9 +243,11 @@ int main(void)
         } else if (line[0] == 'm') {
             struct fakecuda_counters c;
             if (counters_now(&c) == 0) {
-                printf("ok %llu %llu %llu %llu %llu %llu %llu %llu\n", c.phys_bytes_live, c.handles_live, c.host_allocs_live,
-                       c.calls_cuMemHostAlloc, c.calls_cuMemFreeHost, c.calls_cuMemcpyDtoHAsync, c.calls_cuMemcpyHtoDAsync,
-                       c.calls_cuEventRecord);
+                /* pinned host buffers, however made: cuMemHostAlloc'd or the program's page-locked */
+                printf("ok %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", c.phys_bytes_live, c.handles_live,
+                       c.host_allocs_live + c.host_registered_live, c.calls_cuMemHostAlloc + c.calls_cuMemHostRegister,
+                       c.calls_cuMemFreeHost + c.calls_cuMemHostUnregister, c.calls_cuMemcpyDtoHAsync, c.calls_cuMemcpyHtoDAsync,
+                       c.calls_cuEventRecord, c.calls_cuMemHostRegister);
             } else {
                 printf("error no emulated driver\n");
             }

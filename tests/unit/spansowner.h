@@ -98,12 +98,12 @@ static inline int owner_alloc_with(char how, uint64_t bytes, uint64_t *addr)
     *addr = p;
     return idx;
 }
-/* The emulated device as the owner sees it (`m`): live physical bytes, handles, host allocations;
- * and the calls so far of cuMemHostAlloc, cuMemFreeHost, cuMemcpyDtoHAsync, cuMemcpyHtoDAsync and
- * cuEventRecord. */
+/* The emulated device as the owner sees it (`m`): live physical bytes, handles, pinned host buffers
+ * (cuMemHostAlloc'd or cuMemHostRegister'd); the pinned buffers made and freed so far (either way),
+ * the calls of cuMemcpyDtoHAsync, cuMemcpyHtoDAsync and cuEventRecord, and of cuMemHostRegister. */
 typedef struct owner_mem_t {
     unsigned long long phys, handles, host;
-    unsigned long long host_made, host_freed, dtoh_async, htod_async, event_records;
+    unsigned long long host_made, host_freed, dtoh_async, htod_async, event_records, registered;
 } owner_mem_t;
 
 static inline owner_mem_t owner_mem(void)
@@ -111,8 +111,9 @@ static inline owner_mem_t owner_mem(void)
     owner_mem_t m;
     memset(&m, 0, sizeof m);
     char a[256];
-    if (!owner_cmd(a, "m") || sscanf(a, "ok %llu %llu %llu %llu %llu %llu %llu %llu", &m.phys, &m.handles, &m.host, &m.host_made,
-                                     &m.host_freed, &m.dtoh_async, &m.htod_async, &m.event_records) != 8)
+    if (!owner_cmd(a, "m") || sscanf(a, "ok %llu %llu %llu %llu %llu %llu %llu %llu %llu", &m.phys, &m.handles, &m.host,
+                                     &m.host_made, &m.host_freed, &m.dtoh_async, &m.htod_async, &m.event_records,
+                                     &m.registered) != 9)
         fprintf(stderr, "owner: m: %s", a);
     return m;
 }

@@ -43,7 +43,8 @@
     X(cuDeviceGetMemPool) X(cuDeviceSetMemPool) X(cuMemGetDefaultMemPool) X(cuMemGetMemPool)     \
     X(cuMemSetMemPool) X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolSetAccess)              \
     X(cuMemPoolGetAccess) X(cuMemPoolSetAttribute) X(cuMemPoolGetAttribute) X(cuMemPoolTrimTo)   \
-    X(cuMemAllocFromPoolAsync) X(cuMemAllocHost) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuMemcpyDtoHAsync)
+    X(cuMemAllocFromPoolAsync) X(cuMemAllocHost) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuMemcpyDtoHAsync)      \
+    X(cuMemHostRegister) X(cuMemHostUnregister)
 
 #define DECL(name) static __typeof__(&name) p_##name;
 FNS(DECL)
@@ -823,6 +824,20 @@ static void test_host_memory_and_copy_delay(void)
     CUdriverProcAddressQueryResult st;
     CHECK(p_cuGetProcAddress("cuMemHostAlloc", &fn, 13000, 0, &st) == CUDA_SUCCESS && fn, "cuMemHostAlloc by name");
     CHECK(p_cuGetProcAddress("cuMemFreeHost", &fn, 13000, 0, &st) == CUDA_SUCCESS && fn, "cuMemFreeHost by name");
+
+    /* the program's own memory page-locked: an overlap, a stray or a second unregister refused */
+    static char own[3 * 4096] __attribute__((aligned(4096)));
+    unsigned long long reg = counters().host_registered_live;
+    CHECK_EQ(p_cuMemHostRegister(own, 2 * 4096, CU_MEMHOSTREGISTER_PORTABLE), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemHostRegister(own + 4096, 2 * 4096, 0), CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+    CHECK_EQ(p_cuMemHostRegister(own + 2 * 4096, 4096, 0), CUDA_SUCCESS);
+    CHECK_EQ(counters().host_registered_live - reg, 2);
+    CHECK_EQ(p_cuMemHostUnregister(own + 4096), CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
+    CHECK_EQ(p_cuMemHostUnregister(own), CUDA_SUCCESS);
+    CHECK_EQ(p_cuMemHostUnregister(own), CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
+    CHECK_EQ(p_cuMemHostUnregister(own + 2 * 4096), CUDA_SUCCESS);
+    CHECK_EQ(counters().host_registered_live, reg);
+    CHECK(p_cuGetProcAddress("cuMemHostRegister", &fn, 13000, 0, &st) == CUDA_SUCCESS && fn, "cuMemHostRegister by name");
 
     /* An asynchronous copy returns at once; an event recorded after it completes only when it
      * does, and a second copy queued behind it takes as long again. */

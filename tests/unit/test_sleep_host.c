@@ -11,7 +11,9 @@
  * they are; a free after the resume and a free while paused each free the allocation's buffer,
  * so at the end no host allocation is left.  VMMSHIM_PAUSE_HOST_CACHE caps the buffers kept (the
  * rest are freed at the resume and pinned anew at the next pause; 0 keeps none), a pause whose
- * copy fails releases nothing and leaks no buffer, and a bad value of the setting is one line. */
+ * copy fails releases nothing and leaks no buffer, and a bad value of the setting is one line.
+ * Pinned buffers are the shim's own mappings page-locked (cuMemHostRegister), cuMemHostAlloc'd
+ * where the driver refuses that; marks let a pause release what is copied while the rest moves. */
 #include "../fakecuda/fakecuda.h"
 #include "check.h"
 #include "spawn.h"
@@ -98,6 +100,7 @@ static void test_cycles(void)
     owner_mem_t m1 = owner_mem();
     CHECK(p.ok && p.kept == 28 * MIB + 64 * 1024 && m1.phys == 0, "pause: %s (live %llu)", p.line, m1.phys);
     CHECK_EQ(m1.host_made - m0.host_made, 2);
+    CHECK_EQ(m1.registered - m0.registered, 2); /* the program's own mapping, page-locked */
     CHECK_EQ(m1.host - m0.host, 2);
     CHECK_EQ(m1.dtoh_async - m0.dtoh_async, 2);
     p = sleep_cmd("R");
@@ -260,6 +263,31 @@ static void test_marks(void)
     spans_stop();
 }
 
+/* The driver refuses to page-lock the shim's own mapping: the buffers come from cuMemHostAlloc,
+ * the cycle keeps every byte, and a free gives each back the way it was made. */
+static void test_register_refused(void)
+{
+    char fail[] = "FAKECUDA_FAIL=cuMemHostRegister/libvmmshim.so@1:1000";
+    char *envs[] = {fail, NULL};
+    CHECK(owner_with(envs, NULL), "cannot start the owner");
+    owner_mem_t base = owner_mem();
+    uint64_t ua, va;
+    int u = alloc_filled('a', 3 * MIB, 61, &ua), v = alloc_filled('a', 2 * MIB, 62, &va);
+    owner_mem_t a = owner_mem();
+    sleep_ans p = sleep_cmd("P 0");
+    owner_mem_t b = owner_mem();
+    CHECK(u >= 0 && v >= 0 && p.ok && b.phys == 0, "pause: %s", p.line);
+    CHECK(b.registered == a.registered && b.host_made - a.host_made == 2, "buffers made: %llu registered, %llu in all",
+          b.registered - a.registered, b.host_made - a.host_made);
+    p = sleep_cmd("R");
+    CHECK(p.ok && verify(u, 61) && verify(v, 62), "resume: %s", p.line);
+    CHECK(owner_cmd(NULL, "f %d", u) && owner_cmd(NULL, "f %d", v), "free");
+    owner_mem_t c = owner_mem();
+    CHECK(c.host == base.host && c.host_freed - b.host_freed == 2, "after the frees: %llu host buffers live (%llu before), %llu freed",
+          c.host, base.host, c.host_freed - b.host_freed);
+    spans_stop();
+}
+
 /* A bad value: one warning line naming it, and the default in force (the buffers kept). */
 static void test_bad_value(void)
 {
@@ -319,6 +347,7 @@ int main(void)
     test_cap("0", 0);
     test_failed_copy();
     test_marks();
+    test_register_refused();
     test_bad_value();
     test_phases();
     char path[128];
