@@ -29,7 +29,6 @@
  * and never see the new, so it stays on the device, counted in bytes_not_shim. */
 #include <errno.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -124,25 +123,14 @@ static void drop_kept_locked(vmm__sleep_io *io)
             if (vmm__sleep_holds(r->kept)) vmm__sleep_kept_done(&r->kept);
 }
 
-/* Marks every this many bytes of copies queued (sleep.c's reason): the handles below one go while
- * the later copies still move. */
-#define MARK_BYTES (128ull << 20)
-
-typedef struct amark {
-    CUevent ev;
-    handle_entry *upto; /* every chosen handle up to this one, in A.handles' order, is copied at ev */
-} amark;
-
-/* Keep the chosen handles' access and contents (copies queued, a mark every MARK_BYTES while
- * marks can be made): 0, or an error with the copies waited for and nothing kept. */
-static int keep_chosen_locked(unsigned flags, int ndev, vmm__sleep_io *io, amark **marks, size_t *n_marks, char *why, size_t len)
+/* Keep the chosen handles' access and contents (copies queued, with marks (sleep.h) naming the last
+ * handle copied): 0, or an error with the copies waited for and nothing kept. */
+static int keep_chosen_locked(unsigned flags, int ndev, vmm__sleep_io *io, vmm__sleep_marks *mk, char *why, size_t len)
 {
-    size_t cap = 0;
-    int marking = 1;
-    uint64_t since = 0;
     for (handle_entry *e = A.handles; e; e = e->hh.next) {
         if (!e->mark) continue;
         int pushed = push(e->ctx);
+        uint64_t bytes = 0;
         for (range *r = e->ranges; r; r = r->next_of) {
             memset(r->access, 0, sizeof r->access);
             for (int d = 0; d < ndev; d++) {
@@ -154,26 +142,15 @@ static int keep_chosen_locked(unsigned flags, int ndev, vmm__sleep_io *io, amark
             int rc = vmm__sleep_keep(io, (CUdeviceptr)r->addr, r->size, &r->kept);
             if (rc) {
                 pop(pushed);
-                for (size_t i = 0; i < *n_marks; i++) (void)vmm__sleep_wait_mark(io, (*marks)[i].ev);
-                *n_marks = 0;
+                vmm__sleep_marks_end(mk);
                 drop_kept_locked(io);
                 return vmm__sleep_say(why, len, rc, "copying %llu bytes of the program's own VMM memory at 0x%llx out failed%s",
                                       (unsigned long long)r->size, (unsigned long long)r->addr, rc == -ENOMEM ? ": no host memory" : "");
             }
-            since += r->size;
+            bytes += r->size;
         }
         pop(pushed);
-        if (since < MARK_BYTES || !marking) continue;
-        since = 0;
-        if (*n_marks == cap) {
-            amark *m = realloc(*marks, (cap = cap ? 2 * cap : 64) * sizeof *m);
-            if (!m) {
-                marking = 0;
-                continue;
-            }
-            *marks = m;
-        }
-        if ((marking = vmm__sleep_mark(io, &(*marks)[*n_marks].ev))) (*marks)[(*n_marks)++].upto = e;
+        vmm__sleep_marks_add(io, mk, bytes, (uintptr_t)e);
     }
     return 0;
 }
@@ -188,31 +165,21 @@ static int pause_adopted(const char *tag, unsigned flags, vmm__sleep_io *io, vmm
         return vmm__sleep_say(why, len, -EBUSY, "a call on the program's own VMM memory kept its handle for 2 s");
     }
     /* first everything is kept (queued), so that a failure to queue releases nothing */
-    amark *marks = NULL;
-    size_t n_marks = 0, next = 0;
-    int rc = keep_chosen_locked(flags, ndev, io, &marks, &n_marks, why, len);
+    vmm__sleep_marks mk = {0};
+    int rc = keep_chosen_locked(flags, ndev, io, &mk, why, len);
     if (rc) {
-        free(marks);
         pthread_mutex_unlock(&A.lock);
         return rc;
     }
     /* a handle goes once its copies are done (its mark reached, else all of them): the later
      * copies still move meanwhile.  One that fails on the device (a sticky error) is reported after. */
-    handle_entry *copied_upto = NULL;
-    int all_copied = (flags & VMM_PAUSE_DISCARD) != 0;
+    uintptr_t copied_upto = 0;
+    int all_copied = (flags & VMM_PAUSE_DISCARD) != 0, failed = 0;
     for (handle_entry *e = A.handles; e; e = e->hh.next) {
         if (!e->mark) continue;
-        if (!all_copied && !copied_upto) {
-            int failed;
-            if (next < n_marks) {
-                failed = vmm__sleep_wait_mark(io, marks[next].ev);
-                copied_upto = marks[next++].upto;
-            } else {
-                failed = vmm__sleep_wait(io);
-                all_copied = 1;
-            }
-            if (failed && !rc) rc = vmm__sleep_say(why, len, -EIO, "copying the program's own VMM memory out failed on the device; "
-                                                   "the contents are undefined");
+        if (!all_copied && !copied_upto && !vmm__sleep_marks_next(&mk, &copied_upto, &failed)) {
+            failed |= vmm__sleep_wait(io) != 0;
+            all_copied = 1;
         }
         int pushed = push(e->ctx);
         CUresult unmap = CUDA_SUCCESS, release = CUDA_SUCCESS;
@@ -239,12 +206,14 @@ static int pause_adopted(const char *tag, unsigned flags, vmm__sleep_io *io, vmm
         e->paused = 1;
         out->released += e->size;
         out->segments++;
-        if (e == copied_upto) copied_upto = NULL;
+        if ((uintptr_t)e == copied_upto) copied_upto = 0;
     }
-    for (; next < n_marks; next++) (void)vmm__sleep_wait_mark(io, marks[next].ev);
-    free(marks);
+    vmm__sleep_marks_end(&mk);
     pthread_mutex_unlock(&A.lock);
-    return rc;
+    if (failed)
+        return vmm__sleep_say(why, len, -EIO, "copying the program's own VMM memory out failed on the device; the contents "
+                              "are undefined");
+    return 0;
 }
 
 /* A.lock held: handle h of e, made by this resume and mapped at e's ranges before `stop`, goes. */

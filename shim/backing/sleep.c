@@ -257,15 +257,6 @@ static void mark_records_locked(vmm__arena *a, int paused)
     }
 }
 
-/* Marks every MARK_BYTES of copies queued: the segments below a mark go while the copies above
- * it still move, so only the last piece's releases add to the pause. */
-#define MARK_BYTES (128ull << 20)
-
-typedef struct mark {
-    CUevent ev;
-    uint64_t below; /* every live block starting below this is copied once ev is reached */
-} mark;
-
 /* Release the arena's segments (in address order from *at) that end at or below `below`. */
 static void release_below(vmm__pool *p, vmm__arena *a, uint64_t *at, uint64_t below, vmm__sleep_out *out)
 {
@@ -286,14 +277,11 @@ static void release_below(vmm__pool *p, vmm__arena *a, uint64_t *at, uint64_t be
     }
 }
 
-/* Queue the copies of a's live blocks, in address order, with a mark every MARK_BYTES while marks
- * can be made (*n_marks of them in *marks).  0, or an error with the copies waited for and
- * nothing of the arena held. */
-static int copy_arena(vmm__arena *a, vmm__sleep_io *io, mark **marks, size_t *n_marks, uint64_t *kept, char *why, size_t len)
+/* Queue the copies of a's live blocks, in address order, with marks (sleep.h) naming the end of the
+ * last block copied.  0, or an error with the copies waited for and nothing of the arena held. */
+static int copy_arena(vmm__arena *a, vmm__sleep_io *io, vmm__sleep_marks *mk, uint64_t *kept, char *why, size_t len)
 {
-    size_t cap = 0;
-    int rc = 0, marking = 1;
-    uint64_t since = 0;
+    int rc = 0;
     vmm__block *b;
     for (b = a->first; b && !rc; b = b->next) {
         if (b->free || !b->live) continue;
@@ -307,25 +295,11 @@ static int copy_arena(vmm__arena *a, vmm__sleep_io *io, mark **marks, size_t *n_
             break;
         }
         *kept += b->requested;
-        if ((since += b->requested) < MARK_BYTES || !marking) continue;
-        since = 0;
-        if (*n_marks == cap) {
-            mark *m = realloc(*marks, (cap = cap ? 2 * cap : 64) * sizeof *m);
-            if (!m) {
-                marking = 0;
-                continue;
-            }
-            *marks = m;
-        }
-        mark *m = &(*marks)[*n_marks];
-        if (!(marking = vmm__sleep_mark(io, &m->ev))) continue;
-        m->below = b->addr + b->size;
-        ++*n_marks;
+        vmm__sleep_marks_add(io, mk, b->requested, (uintptr_t)(b->addr + b->size));
     }
     if (!rc) return 0;
     /* nothing of the arena is released: the contents copied so far go, their buffers stay */
-    for (size_t i = 0; i < *n_marks; i++) vmm__cu.EventDestroy((*marks)[i].ev);
-    *n_marks = 0;
+    vmm__sleep_marks_end(mk);
     (void)vmm__sleep_wait(io);
     for (vmm__block *u = a->first; u != b; u = u->next)
         if (vmm__sleep_holds(u->kept)) vmm__sleep_kept_done(&u->kept);
@@ -338,28 +312,22 @@ static int copy_arena(vmm__arena *a, vmm__sleep_io *io, mark **marks, size_t *n_
 static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_io *io, vmm__sleep_out *out, char *why,
                        size_t len)
 {
-    int dropped, rc = 0;
+    int dropped, rc = 0, failed = 0;
     uint64_t t0 = vmm__now_ns(NULL);
     out->released += vmm__pool_release_arena(p, a, &dropped); /* its empty segments first */
     out->ns_release += vmm__now_ns(NULL) - t0;
     if (dropped) return 0;
     t0 = vmm__now_ns(NULL);
-    mark *marks = NULL;
-    size_t n_marks = 0;
+    vmm__sleep_marks mk = {0};
     uint64_t kept = 0, at = a->base;
-    if (!(flags & VMM_PAUSE_DISCARD) && (rc = copy_arena(a, io, &marks, &n_marks, &kept, why, len))) {
-        free(marks);
-        return rc;
-    }
+    uintptr_t upto;
+    if (!(flags & VMM_PAUSE_DISCARD) && (rc = copy_arena(a, io, &mk, &kept, why, len))) return rc;
     for (vmm__block *b = a->first; b; b = b->next) out->allocations += !b->free && b->live;
     vmm__pool_set_paused(p, a, 1);
-    for (size_t i = 0; i < n_marks; i++) { /* what is copied goes while the rest still moves */
-        if (vmm__sleep_wait_mark(io, marks[i].ev) && !rc)
-            rc = vmm__sleep_say(why, len, -EIO, "a copy out failed on the device; the contents are undefined");
-        release_below(p, a, &at, marks[i].below, out);
-    }
-    free(marks);
-    if (vmm__sleep_wait(io) && !rc)
+    while (vmm__sleep_marks_next(&mk, &upto, &failed)) /* what is copied goes while the rest still moves */
+        release_below(p, a, &at, upto, out);
+    vmm__sleep_marks_end(&mk);
+    if (vmm__sleep_wait(io) || failed)
         rc = vmm__sleep_say(why, len, -EIO, "a copy out failed on the device; the contents are undefined");
     out->kept += kept;
     uint64_t t1 = vmm__now_ns(NULL);

@@ -72,11 +72,22 @@ int vmm__sleep_io_file(vmm__sleep_io *io, char *why, size_t len);
 void vmm__sleep_io_end(vmm__sleep_io *io);
 /* Waits for every copy queued through io: 0, or -EIO when one failed (which one is not known). */
 int vmm__sleep_wait(vmm__sleep_io *io);
-/* A mark after the copies queued so far, when they all went to one context: 1 with *ev (an event
- * recorded behind them), else 0 (more contexts, or no event could be made: wait for it all). */
-int vmm__sleep_mark(vmm__sleep_io *io, CUevent *ev);
-/* Waits for the copies queued before mark ev, and destroys it: 0, or -EIO. */
-int vmm__sleep_wait_mark(vmm__sleep_io *io, CUevent ev);
+/* Marks behind the copies queued through an io, one every 128 MiB of them while they all go to
+ * one context (else, or with no event or memory to be had, no more are taken): each names the
+ * caller's position (an address, a handle) up to which everything queued is copied once the mark
+ * is reached, so a pause can release that while the later copies still move.  Zeroed by the caller. */
+typedef struct vmm__sleep_marks {
+    struct vmm__sleep_mark *m;
+    size_t n, cap, next;
+    uint64_t since; /* bytes queued since the last mark */
+    int off;
+} vmm__sleep_marks;
+/* `bytes` more were queued through io, everything up to `upto` with them. */
+void vmm__sleep_marks_add(vmm__sleep_io *io, vmm__sleep_marks *mk, uint64_t bytes, uintptr_t upto);
+/* Waits for the next mark: 1 with *upto (*failed set when a copy before it failed), 0 when none is left. */
+int vmm__sleep_marks_next(vmm__sleep_marks *mk, uintptr_t *upto, int *failed);
+/* The marks not reached yet are waited for, and all of them go. */
+void vmm__sleep_marks_end(vmm__sleep_marks *mk);
 
 /* Copy n bytes at addr out (the memory's context current), into *kept: a copy made now, or the
  * buffer *kept kept idle from the last cycle.  The copy may be queued: nothing reads or frees the

@@ -185,24 +185,63 @@ int vmm__sleep_wait(vmm__sleep_io *io)
     return rc;
 }
 
-int vmm__sleep_mark(vmm__sleep_io *io, CUevent *ev)
+#define MARK_BYTES (128ull << 20)
+
+struct vmm__sleep_mark {
+    CUevent ev;
+    uintptr_t upto;
+};
+
+void vmm__sleep_marks_add(vmm__sleep_io *io, vmm__sleep_marks *mk, uint64_t bytes, uintptr_t upto)
 {
-    if (io->n_ctx != 1 || !vmm__sleep_push(io->ctx[0])) return 0;
-    int ok = vmm__cu.EventCreate(ev, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS;
-    if (ok && vmm__cu.EventRecord(*ev, NULL) != CUDA_SUCCESS) { /* the legacy stream, as the copies */
-        vmm__cu.EventDestroy(*ev);
+    if (mk->off || (mk->since += bytes) < MARK_BYTES) return;
+    mk->since = 0;
+    if (mk->n == mk->cap) {
+        size_t cap = mk->cap ? 2 * mk->cap : 64;
+        struct vmm__sleep_mark *m = realloc(mk->m, cap * sizeof *m);
+        if (!m) {
+            mk->off = 1;
+            return;
+        }
+        mk->m = m;
+        mk->cap = cap;
+    }
+    CUevent ev;
+    if (io->n_ctx != 1 || !vmm__sleep_push(io->ctx[0])) {
+        mk->off = 1;
+        return;
+    }
+    int ok = vmm__cu.EventCreate(&ev, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS;
+    if (ok && vmm__cu.EventRecord(ev, NULL) != CUDA_SUCCESS) { /* the legacy stream, as the copies */
+        vmm__cu.EventDestroy(ev);
         ok = 0;
     }
     vmm__sleep_pop();
-    return ok;
+    if (!ok) {
+        mk->off = 1;
+        return;
+    }
+    mk->m[mk->n++] = (struct vmm__sleep_mark){ev, upto};
 }
 
-int vmm__sleep_wait_mark(vmm__sleep_io *io, CUevent ev)
+int vmm__sleep_marks_next(vmm__sleep_marks *mk, uintptr_t *upto, int *failed)
 {
-    (void)io;
-    int rc = vmm__cu.EventSynchronize(ev) == CUDA_SUCCESS ? 0 : -EIO;
-    vmm__cu.EventDestroy(ev);
-    return rc;
+    if (mk->next == mk->n) return 0;
+    struct vmm__sleep_mark *m = &mk->m[mk->next++];
+    if (vmm__cu.EventSynchronize(m->ev) != CUDA_SUCCESS) *failed = 1;
+    vmm__cu.EventDestroy(m->ev);
+    *upto = m->upto;
+    return 1;
+}
+
+void vmm__sleep_marks_end(vmm__sleep_marks *mk)
+{
+    uintptr_t upto;
+    int failed = 0;
+    while (vmm__sleep_marks_next(mk, &upto, &failed)) {
+    }
+    free(mk->m);
+    memset(mk, 0, sizeof *mk);
 }
 
 /* ---- pinned buffers ---- */
