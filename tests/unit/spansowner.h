@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "spawn.h"
@@ -66,6 +67,22 @@ static inline bool spans_start(void)
     g_to = fdopen(in[1], "w");
     g_from = fdopen(out[0], "r");
     return g_to && g_from;
+}
+
+/* The owner asked to quit (its stdin closed) and reaped: its wait status, 0 when it exited with 0
+ * (-1: none was started).  Its pipes are closed. */
+static inline int spans_quit(void)
+{
+    if (g_to) {
+        fputs("q\n", g_to);
+        fclose(g_to);
+    }
+    int wst = -1;
+    if (g_pid > 0 && waitpid(g_pid, &wst, 0) != g_pid) wst = -1;
+    if (g_from) fclose(g_from);
+    g_to = g_from = NULL;
+    g_pid = 0;
+    return wst;
 }
 
 /* One command and its answer line; true when it is "ok". */

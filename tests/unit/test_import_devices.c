@@ -215,14 +215,8 @@ int main(void)
     memset(&c, 0, sizeof c);
     g_counters(&c);
     CHECK(c.fds_open == 0, "%llu fds on imported memory left open", c.fds_open);
-    if (g_to) {
-        fputs("q\n", g_to);
-        fclose(g_to);
-    }
-    int wst = 0;
-    if (g_pid > 0) waitpid(g_pid, &wst, 0);
-    CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0, "the owner ended with status 0x%x", wst);
-    if (g_from) fclose(g_from);
+    int wst = spans_quit();
+    CHECK(wst == 0, "the owner ended with status 0x%x", wst);
     if (g_r) vmm_close(g_r);
     shm_unlink(g_reg);
     CHECK_DONE();

@@ -757,12 +757,8 @@ int main(void)
     }
 
     /* 6. a dead owner: nothing imported */
-    fputs("q\n", g_to);
-    fclose(g_to);
-    g_to = NULL;
-    int wst = 0;
-    waitpid(g_pid, &wst, 0);
-    CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0, "the owner ended with status 0x%x", wst);
+    int wst = spans_quit();
+    CHECK(wst == 0, "the owner ended with status 0x%x", wst);
     {
         uint64_t addr[2] = {small[0], big};
         vmm_imported *out[2];
@@ -771,8 +767,6 @@ int main(void)
               (int)st, vmm_last_error());
     }
     /* 8. an owner killed as the request goes: a clean error, nothing left */
-    if (g_from) fclose(g_from);
-    g_from = NULL;
     if (spans_start()) {
         uint64_t kb[80];
         bool ok = true;

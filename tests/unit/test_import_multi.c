@@ -422,14 +422,8 @@ int main(void)
     }
     CHECK(vmm_import_drop_idle() == VMM_OK, "drop_idle: %s", vmm_last_error());
     CHECK(counters().fds_open == 0, "%llu fds on imported memory left open", counters().fds_open);
-    if (g_to) {
-        fputs("q\n", g_to);
-        fclose(g_to);
-    }
-    int wst = 0;
-    if (g_pid > 0) waitpid(g_pid, &wst, 0);
-    CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0, "the owner ended with status 0x%x", wst);
-    if (g_from) fclose(g_from);
+    int wst = spans_quit();
+    CHECK(wst == 0, "the owner ended with status 0x%x", wst);
     if (reg) vmm_close(reg);
     shm_unlink(g_reg);
     CHECK_DONE();

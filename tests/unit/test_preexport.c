@@ -89,16 +89,7 @@ static double take(vmm_registry *reg, const uint64_t *addr, const uint64_t *seed
     return ms;
 }
 
-static bool stop_owner(void)
-{
-    fputs("q\n", g_to);
-    fclose(g_to);
-    int wst = 0;
-    waitpid(g_pid, &wst, 0);
-    fclose(g_from);
-    g_to = g_from = NULL;
-    return WIFEXITED(wst) && WEXITSTATUS(wst) == 0;
-}
+static bool stop_owner(void) { return spans_quit() == 0; }
 
 int main(void)
 {

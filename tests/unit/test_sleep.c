@@ -253,12 +253,8 @@ int main(void)
     owner_allocs oa = {.pid = (uint32_t)g_pid};
     vmm_foreach_alloc(reg, count_allocs_fn, &oa);
     CHECK(oa.n >= 3, "records of the paused owner: %d", oa.n);
-    fputs("q\n", g_to);
-    fclose(g_to);
-    int wst = 0;
-    waitpid(g_pid, &wst, 0);
-    fclose(g_from);
-    CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0, "the owner exited with 0x%x while paused", wst);
+    int wst = spans_quit();
+    CHECK(wst == 0, "the owner exited with 0x%x while paused", wst);
     oa.n = 0;
     vmm_foreach_alloc(reg, count_allocs_fn, &oa);
     CHECK(oa.n == 0, "%d records left by an owner that exited while paused", oa.n);

@@ -65,12 +65,8 @@ static int is_stand_in(uint64_t h) { return (h >> 48) == 0xFA57; }
 
 static void owner_stop(void)
 {
-    fprintf(g_to, "q\n");
-    fflush(g_to);
-    fclose(g_to);
-    fclose(g_from);
-    int st = 0;
-    CHECK(waitpid(g_pid, &st, 0) == g_pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "the owner's exit: 0x%x", st);
+    int st = spans_quit();
+    CHECK(st == 0, "the owner's exit: 0x%x", st);
 }
 
 /* VMMSHIM_SLEEP_ADOPTED=1: the whole cycle. */

@@ -33,12 +33,8 @@ static char defer_env[] = "FAKECUDA_ASYNC_DEFER=1";
 
 static void spans_stop(void)
 {
-    fputs("q\n", g_to);
-    fclose(g_to);
-    int wst = 0;
-    waitpid(g_pid, &wst, 0);
-    fclose(g_from);
-    CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0, "the owner exited with 0x%x", wst);
+    int wst = spans_quit();
+    CHECK(wst == 0, "the owner exited with 0x%x", wst);
 }
 
 /* An owner with these settings ("NAME=value", NULL-ended) besides the deferred copies; stderr,
