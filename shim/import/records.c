@@ -288,27 +288,55 @@ static void proc_info_from(vmm_proc_info *o, const vmm_reg_proc *p, uint32_t pid
 
 #define SCAN_BATCH 32 /* proc records per pread: 16 KiB on the stack */
 
+/* The end of the stretch of the table, from `from`, that holds data (or the table's end when the
+ * file cannot say), and where that stretch begins in *data; 0 when nothing from `from` on is backed.
+ * A claimed slot is written, so its page is backed: the holes (4096 slots, 2 MiB, of which a
+ * machine uses a few pages) need no reading, which a cold reader otherwise pays ~0.3 ms for. */
+static uint64_t backed_stretch(int fd, uint64_t from, uint64_t end, uint64_t *data)
+{
+    off_t d = lseek(fd, (off_t)from, SEEK_DATA);
+    if (d < 0) {
+        if (errno == ENXIO) return 0; /* only holes past `from` */
+        *data = from;                 /* no SEEK_DATA here: read it all */
+        return end;
+    }
+    if ((uint64_t)d >= end) return 0;
+    off_t h = lseek(fd, d, SEEK_HOLE);
+    *data = (uint64_t)d;
+    return h < 0 || (uint64_t)h > end ? end : (uint64_t)h;
+}
+
 int vmm__scan_claims(const vmm__reg *r, vmm__claim_fn fn, void *ctx)
 {
     const vmm_reg_header *h = r->hdr;
     uint32_t cap = h->proc_capacity;
+    const uint64_t size = sizeof(vmm_reg_proc), table_end = h->proc_off + (uint64_t)cap * size;
     vmm_reg_proc buf[SCAN_BATCH];
-    for (uint32_t i = 0; i < cap; i += SCAN_BATCH) {
-        uint32_t n = cap - i < SCAN_BATCH ? cap - i : SCAN_BATCH;
-        off_t off = (off_t)(h->proc_off + (uint64_t)i * sizeof(vmm_reg_proc));
-        size_t want = n * sizeof(vmm_reg_proc);
-        ssize_t got = pread(r->fd, buf, want, off);
-        for (uint32_t k = 0; k < n; k++) {
-            uint64_t claim;
-            if (got == (ssize_t)want)
-                claim = buf[k].claim;
-            else /* cannot happen on tmpfs; fall back to the mapping */
-                claim = __atomic_load_n(
-                    &((const vmm_reg_proc *)(r->base + h->proc_off))[i + k].claim, __ATOMIC_ACQUIRE);
-            if ((uint32_t)claim == 0) continue;
-            int stop = fn(ctx, i + k, claim);
-            if (stop) return stop;
+    for (uint32_t i = 0; i < cap;) {
+        uint64_t data, stop = backed_stretch(r->fd, h->proc_off + (uint64_t)i * size, table_end, &data);
+        if (!stop) break;
+        uint32_t first = (uint32_t)((data - h->proc_off) / size), last = (uint32_t)((stop - h->proc_off + size - 1) / size);
+        if (first < i) first = i;
+        if (last > cap) last = cap;
+        for (i = first; i < last;) {
+            uint32_t n = last - i < SCAN_BATCH ? last - i : SCAN_BATCH;
+            off_t off = (off_t)(h->proc_off + (uint64_t)i * size);
+            size_t want = n * sizeof(vmm_reg_proc);
+            ssize_t got = pread(r->fd, buf, want, off);
+            for (uint32_t k = 0; k < n; k++) {
+                uint64_t claim;
+                if (got == (ssize_t)want)
+                    claim = buf[k].claim;
+                else /* cannot happen on tmpfs; fall back to the mapping */
+                    claim = __atomic_load_n(
+                        &((const vmm_reg_proc *)(r->base + h->proc_off))[i + k].claim, __ATOMIC_ACQUIRE);
+                if ((uint32_t)claim == 0) continue;
+                int stop_walk = fn(ctx, i + k, claim);
+                if (stop_walk) return stop_walk;
+            }
+            i += n;
         }
+        if (last <= first) i = first + 1; /* a stretch shorter than a record: step past it */
     }
     return 0;
 }
