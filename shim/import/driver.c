@@ -19,6 +19,7 @@ const char *vmm__public_name(const char *fn)
         {"vmm__import_check", "vmm_import_check"}, {"vmm__import_last_timing", "vmm_import_last_timing"},
         {"vmm__import_range", "vmm_import_range"}, {"vmm__import_many", "vmm_import_many"},
         {"vmm__import_many_last_timing", "vmm_import_many_last_timing"},
+        {"vmm__import_many_begin", "vmm_import_many_begin"}, {"vmm__import_many_end", "vmm_import_many_end"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(fn, names[i][0]) == 0) return names[i][1];

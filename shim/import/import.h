@@ -107,6 +107,16 @@ vmm_status vmm__import_range(vmm_registry *reg, uint32_t pid, uint64_t address, 
                              vmm_imported **out);
 vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *lengths,
                             size_t n, vmm_imported **out);
+/* vmm_import_many in two halves (vmmshim.h vmm_import_many_begin, _end): the job is one call's
+ * state (shim/import/many.h), the grant running on a thread of its own between them. */
+struct many;
+vmm_status vmm__import_many_begin(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *lengths,
+                                  size_t n, struct many **job);
+size_t vmm__import_many_count(const struct many *job);
+/* Range i's place as begun: pointer, size, device, records under it and the first one's id. */
+void vmm__import_many_place(const struct many *job, size_t i, uint64_t *ptr, uint64_t *size, int *device,
+                            uint32_t *n_records, uint8_t alloc_id[16]);
+vmm_status vmm__import_many_end(struct many *job, vmm_imported **out);
 vmm_status vmm__import_check(vmm_registry *reg, const vmm_imported *imp);
 vmm_status vmm__import_last_timing(vmm_import_timing *out);
 vmm_status vmm__import_many_last_timing(vmm_import_many_timing *out);

@@ -13,10 +13,15 @@
  * cuMemSetAccess and cuMemImportFromShareableHandle are an import's dear steps on a GPU (~46 and
  * ~35 us a call on an H100): one SetAccess for all, and imports that may overlap the transfer.
  *
+ * vmm_import_many_begin and _end are the same call in two halves: begin returns once everything is
+ * mapped, the grant running on a thread of its own, so that a binding makes its objects over the
+ * pointers meanwhile; end waits for the grant and hands out (step 4), or undoes it all.
+ *
  * This file holds the call and its registry reads (the find, and the re-reading after the fetch);
  * the fetch is many_fetch.c, the map and the hand-out many_map.c, the call's bookkeeping
  * many_units.c.  Nothing outside calls any of them but through vmm__import_many. */
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -128,106 +133,129 @@ static vmm_status many_verify(many *m)
     return st;
 }
 
-vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *sizes,
-                            size_t n, vmm_imported **out)
+/* The granting thread of vmm_import_many_begin: the context of the call current on it, as the
+ * mapping threads have, and its failure's line kept for the end (the error line is per thread). */
+static void *grant_worker(void *arg)
 {
-    uint64_t t_start = vmm__now_ns();
-    memset(&vmm__mt, 0, sizeof vmm__mt);
-    memset(&vmm__tm, 0, sizeof vmm__tm);
-    NEED(out || n == 0, "out is NULL");
-    for (size_t i = 0; i < n; i++) out[i] = NULL;
-    NEED(reg, "reg is NULL");
-    NEED(pid != 0, "pid is 0");
-    NEED(addresses || n == 0, "addresses is NULL");
-    NEED(n <= UINT32_MAX, "n is too large");
-    vmm__mt.ranges = (uint32_t)n;
-    if (n == 0) return VMM_OK;
-    many m;
-    memset(&m, 0, sizeof m);
-    m.reg = reg;
-    m.pid = pid;
-    m.n = n;
-    pthread_mutex_init(&m.lock, NULL);
-    pthread_cond_init(&m.cv, NULL);
-    vmm_status st = vmm__import_threads(&m.threads);
-    vmm__mt.threads = m.threads;
+    many *m = arg;
+    CUcontext cur = NULL;
+    bool set =
+        vmm__import_cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur != m->ctx && vmm__import_cu.CtxSetCurrent(m->ctx) == CUDA_SUCCESS;
+    m->grant_st = vmm__many_grant(m);
+    if (m->grant_st != VMM_OK) snprintf(m->grant_why, sizeof m->grant_why, "%s", vmm__error_text());
+    if (set) (void)vmm__import_cu.CtxSetCurrent(cur);
+    return NULL;
+}
+
+/* Steps 1 to 3, the grant on a thread of its own when `async` (inline otherwise, and where no
+ * thread can start).  VMM_OK, or the first failure (m->fail_range names its range). */
+static vmm_status many_prepare(many *m, bool async)
+{
+    size_t n = m->n;
+    vmm_status st = vmm__import_threads(&m->threads);
+    vmm__mt.threads = m->threads;
     if (st == VMM_OK) st = vmm__cuda_ready();
     if (st == VMM_OK) {
         uint64_t t0 = vmm__now_ns();
-        st = vmm__current_context(&m.ctx, &m.here);
+        st = vmm__current_context(&m->ctx, &m->here);
         vmm__mt.context_ns = vmm__now_ns() - t0;
     }
-    m.fail_range = n;
-    m.fail_unit = SIZE_MAX;
-    m.r = st == VMM_OK ? calloc(n, sizeof *m.r) : NULL;
-    if (st == VMM_OK && !m.r) st = set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    m->r = st == VMM_OK ? calloc(n, sizeof *m->r) : NULL;
+    if (st == VMM_OK && !m->r) st = set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
     /* 1. find */
     uint64_t t0 = vmm__now_ns();
     for (size_t i = 0; i < n && st == VMM_OK; i++)
-        if ((st = many_find(&m, i, addresses[i], sizes ? sizes[i] : 0)) != VMM_OK) m.fail_range = i;
+        if ((st = many_find(m, i, m->addresses[i], m->sizes[i])) != VMM_OK) m->fail_range = i;
     vmm__mt.find_ns = vmm__now_ns() - t0;
     size_t most = 0; /* units there can be: one a range inside a chunk, one a piece of the others */
-    for (size_t i = 0; i < n && st == VMM_OK; i++) most += m.r[i].across ? m.r[i].p.n_pc : 1;
-    if (st == VMM_OK && (!vmm__ix_init(&m.units_ix, most) || !vmm__ix_init(&m.chunks_ix, n)))
+    for (size_t i = 0; i < n && st == VMM_OK; i++) most += m->r[i].across ? m->r[i].p.n_pc : 1;
+    if (st == VMM_OK && (!vmm__ix_init(&m->units_ix, most) || !vmm__ix_init(&m->chunks_ix, n)))
         st = set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
-    if (st == VMM_OK) st = vmm__owner_get(&m.r[0].p.rec[0], &m.owner);
-    if (st == VMM_OK) st = many_sort(&m);
-    vmm__mt.chunks_new = (uint32_t)m.n_nc;
-    for (size_t i = 0; i < n && m.r; i++) vmm__mt.ranges_mapped += m.r[i].across;
-    /* 2. fetch, 3. map, 4. hand out */
-    if (st == VMM_OK) st = vmm__many_fetch(&m);
-    if (st == VMM_OK) st = many_verify(&m);
-    if (st == VMM_OK) st = vmm__many_map(&m);
-    if (st == VMM_OK) {
-        vmm__many_release_handles(&m); /* the mappings keep the memory */
-        st = vmm__many_hand_out(&m, out);
+    if (st == VMM_OK) st = vmm__owner_get(&m->r[0].p.rec[0], &m->owner);
+    if (st == VMM_OK) st = many_sort(m);
+    vmm__mt.chunks_new = (uint32_t)m->n_nc;
+    for (size_t i = 0; i < n && m->r; i++) vmm__mt.ranges_mapped += m->r[i].across;
+    /* 2. fetch, 3. map, and the grant */
+    if (st == VMM_OK) st = vmm__many_fetch(m);
+    if (st == VMM_OK) st = many_verify(m);
+    if (st == VMM_OK) st = vmm__many_map(m);
+    if (st != VMM_OK || !m->s) return st; /* no reservation: every range's chunk was mapped here already */
+    if (async) {
+        sigset_t all, old; /* no signals on it: the threads are the application's */
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        m->granting = pthread_create(&m->granter, NULL, grant_worker, m) == 0;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (m->granting) return VMM_OK;
+    }
+    return vmm__many_grant(m);
+}
+
+/* Step 4, or the undoing of everything on a failure (st, or one of the grant or the hand-out);
+ * then the call's memory goes and its timing is the calling thread's.  out may be NULL when st
+ * is a failure. */
+static vmm_status many_complete(many *m, vmm_status st, vmm_imported **out)
+{
+    size_t n = m->n;
+    if (m->granting) {
+        pthread_join(m->granter, NULL);
+        m->granting = false;
+        if (st == VMM_OK && m->grant_st != VMM_OK) st = set_err(m->grant_st, "%s", m->grant_why);
+    }
+    if (st == VMM_OK && n) {
+        vmm__many_release_handles(m); /* the mappings keep the memory */
+        st = vmm__many_hand_out(m, out);
     }
     if (st != VMM_OK) {
         char why[512];
         snprintf(why, sizeof why, "%s", vmm__error_text());
-        vmm__many_unmap(&m);
+        vmm__many_unmap(m);
         for (size_t i = 0; i < n; i++) {
-            if (m.r && m.r[i].c) (void)vmm__chunk_unref(m.r[i].c);
-            (void)vmm__import_release(out[i]);
-            out[i] = NULL;
+            if (m->r && m->r[i].c) (void)vmm__chunk_unref(m->r[i].c);
+            if (out) {
+                (void)vmm__import_release(out[i]);
+                out[i] = NULL;
+            }
         }
         /* a failure names its range: one of those found, or the first whose records are the
          * failing fetch's */
-        size_t failed = m.fail_range;
-        for (size_t i = 0; failed == n && m.fail_unit < m.n_units && i < n; i++)
-            for (size_t j = 0; j < m.r[i].p.n_rec && failed == n; j++)
-                if (vmm__same_unit(&m.u[m.fail_unit].a, &m.r[i].p.rec[j])) failed = i;
+        size_t failed = m->fail_range;
+        for (size_t i = 0; failed == n && m->fail_unit < m->n_units && i < n; i++)
+            for (size_t j = 0; j < m->r[i].p.n_rec && failed == n; j++)
+                if (vmm__same_unit(&m->u[m->fail_unit].a, &m->r[i].p.rec[j])) failed = i;
         if (failed < n)
             set_err(st, "vmm_import_many: range %zu of %zu (pid %u, 0x%llx, %llu bytes): %s; nothing imported", failed,
-                    n, pid, (unsigned long long)addresses[failed], (unsigned long long)(sizes ? sizes[failed] : 0),
-                    why);
+                    n, m->pid, (unsigned long long)m->addresses[failed], (unsigned long long)m->sizes[failed], why);
         else
-            set_err(st, "vmm_import_many: %zu ranges of pid %u: %s; nothing imported", n, pid, why);
+            set_err(st, "vmm_import_many: %zu ranges of pid %u: %s; nothing imported", n, m->pid, why);
     }
-    vmm__many_release_handles(&m);
-    if (m.owner) vmm__owner_put(m.owner);
-    for (size_t i = 0; m.r && i < n; i++) {
-        free(m.r[i].p.rec);
-        free(m.r[i].p.pc);
-        free(m.r[i].unit_of);
+    vmm__many_release_handles(m);
+    if (m->owner) vmm__owner_put(m->owner);
+    for (size_t i = 0; m->r && i < n; i++) {
+        free(m->r[i].p.rec);
+        free(m->r[i].p.pc);
+        free(m->r[i].unit_of);
     }
-    for (size_t k = 0; m.cs && k < m.n_cs; k++) {
-        free(m.cs[k].v);
-        free(m.cs[k].shared);
+    for (size_t k = 0; m->cs && k < m->n_cs; k++) {
+        free(m->cs[k].v);
+        free(m->cs[k].shared);
     }
-    free(m.cs);
-    free(m.ops);
-    free(m.q);
-    free(m.segs);
-    free(m.nc);
-    free(m.r);
-    free(m.units_ix.slot);
-    free(m.chunks_ix.slot);
-    pthread_mutex_destroy(&m.lock);
-    pthread_cond_destroy(&m.cv);
-    vmm__mt.import_ns = m.import_ns;
-    vmm__mt.map_ns = m.map_ns;
-    vmm__mt.total_ns = vmm__now_ns() - t_start;
+    free(m->cs);
+    free(m->ops);
+    free(m->q);
+    free(m->segs);
+    free(m->nc);
+    free(m->r);
+    free(m->units_ix.slot);
+    free(m->chunks_ix.slot);
+    free(m->addresses);
+    pthread_mutex_destroy(&m->lock);
+    pthread_cond_destroy(&m->cv);
+    vmm__mt.import_ns = m->import_ns;
+    vmm__mt.map_ns = m->map_ns;
+    vmm__mt.access_ns += m->access_ns;
+    vmm__mt.access_calls += m->access_calls;
+    vmm__mt.total_ns = vmm__now_ns() - m->t_start;
     /* vmm_import_last_timing gives the same call's steps, summed */
     vmm__tm.total_ns = vmm__mt.total_ns;
     vmm__tm.context_ns = vmm__mt.context_ns;
@@ -241,5 +269,106 @@ vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *add
     vmm__tm.access_ns = vmm__mt.access_ns;
     vmm__tm.cached = vmm__mt.handles == 0;
     vmm__tm.route = vmm__mt.handles ? VMM_KIND_BROKER : 0;
+    free(m);
     return st;
+}
+
+/* The call's state, its inputs copied (the end may come after the caller's arrays are gone). */
+static vmm_status many_new(const char *fn, vmm_registry *reg, uint32_t pid, const uint64_t *addresses,
+                           const uint64_t *sizes, size_t n, many **out)
+{
+    uint64_t t_start = vmm__now_ns();
+    memset(&vmm__mt, 0, sizeof vmm__mt);
+    memset(&vmm__tm, 0, sizeof vmm__tm);
+    *out = NULL;
+    const char *bad = !reg ? "reg is NULL" : !pid ? "pid is 0" : !addresses && n ? "addresses is NULL"
+                      : n > UINT32_MAX ? "n is too large" : NULL;
+    if (bad) return set_err(VMM_ERR_INVALID, "%s: %s", fn, bad);
+    vmm__mt.ranges = (uint32_t)n;
+    many *m = calloc(1, sizeof *m);
+    uint64_t *in = calloc(2 * n + 1, sizeof *in);
+    if (!m || !in) {
+        free(m);
+        free(in);
+        return set_err(VMM_ERR_NOMEM, "vmm_import_many: out of memory");
+    }
+    if (n) memcpy(in, addresses, n * sizeof *in);
+    if (n && sizes) memcpy(in + n, sizes, n * sizeof *in);
+    m->addresses = in;
+    m->sizes = in + n;
+    m->reg = reg;
+    m->pid = pid;
+    m->n = n;
+    m->t_start = t_start;
+    m->fail_range = n;
+    m->fail_unit = SIZE_MAX;
+    pthread_mutex_init(&m->lock, NULL);
+    pthread_cond_init(&m->cv, NULL);
+    *out = m;
+    return VMM_OK;
+}
+
+vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *sizes,
+                            size_t n, vmm_imported **out)
+{
+    NEED(out || n == 0, "out is NULL");
+    for (size_t i = 0; i < n; i++) out[i] = NULL;
+    many *m;
+    vmm_status st = many_new("vmm_import_many", reg, pid, addresses, sizes, n, &m);
+    if (st != VMM_OK) return st;
+    return many_complete(m, n ? many_prepare(m, false) : VMM_OK, out);
+}
+
+vmm_status vmm__import_many_begin(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *sizes,
+                                  size_t n, many **job)
+{
+    NEED(job, "job is NULL");
+    *job = NULL;
+    many *m;
+    vmm_status st = many_new("vmm_import_many_begin", reg, pid, addresses, sizes, n, &m);
+    if (st != VMM_OK) return st;
+    st = n ? many_prepare(m, true) : VMM_OK;
+    if (st != VMM_OK) return many_complete(m, st, NULL);
+    m->mt = vmm__mt;
+    *job = m;
+    return VMM_OK;
+}
+
+/* Where range i's first byte is mapped, on which device: what vmm__many_hand_out gives the import,
+ * unless another thread of this process enters the same chunk first (then the end's pointer is
+ * that mapping's). */
+void vmm__import_many_place(const many *m, size_t i, uint64_t *ptr, uint64_t *size, int *device, uint32_t *n_records,
+                            uint8_t alloc_id[16])
+{
+    const many_range *r = &m->r[i];
+    const vmm_alloc_info *a = &r->p.rec[0];
+    *size = r->p.end - r->p.address;
+    *n_records = r->p.n_rec > UINT32_MAX ? UINT32_MAX : (uint32_t)r->p.n_rec;
+    memcpy(alloc_id, a->alloc_id, sizeof a->alloc_id);
+    if (r->across) {
+        const consumer *c = &m->cs[r->consumer];
+        *ptr = (uint64_t)m->s->base + c->at + (r->p.address - c->v[0].at);
+        *device = (int)c->use;
+    } else if (r->c) {
+        *ptr = (uint64_t)r->c->base + a->chunk_offset + (r->p.address - a->address);
+        *device = (int)r->use;
+    } else {
+        const consumer *c = &m->cs[m->nc[r->fresh - 1].consumer];
+        *ptr = (uint64_t)m->s->base + c->at + a->chunk_offset + (r->p.address - a->address);
+        *device = (int)c->use;
+    }
+}
+
+size_t vmm__import_many_count(const many *m) { return m->n; }
+
+vmm_status vmm__import_many_end(many *m, vmm_imported **out)
+{
+    NEED(m, "job is NULL");
+    vmm__mt = m->mt;
+    if (!out && m->n) {
+        (void)many_complete(m, set_err(VMM_ERR_INVALID, "out is NULL"), NULL);
+        return set_err(VMM_ERR_INVALID, "vmm_import_many_end: out is NULL (the job was undone)");
+    }
+    for (size_t i = 0; i < m->n; i++) out[i] = NULL;
+    return many_complete(m, VMM_OK, out);
 }

@@ -117,6 +117,17 @@ typedef struct many {
     vmm_status st;
     char why[400];
     uint64_t import_ns, map_ns; /* summed over the threads (vmm__mt is each thread's own) */
+    uint64_t access_ns;  /* vmm__many_grant's */
+    uint32_t access_calls;
+    /* vmm_import_many_begin: the call's inputs (for the failure line at the end), its start, the
+     * granting thread, and begin's timing (vmm__mt is its thread's, and the end may be another's) */
+    uint64_t *addresses, *sizes;
+    uint64_t t_start;
+    pthread_t granter;
+    bool granting;
+    vmm_status grant_st;
+    char grant_why[400];
+    vmm_import_many_timing mt;
     size_t fail_range;   /* the range a failure after the find concerns, n when none */
     size_t fail_unit;    /* the unit a fetch failure concerns, SIZE_MAX when none */
 } many;
@@ -148,8 +159,11 @@ vmm_status vmm__many_fetch(many *m);
 
 /* ---- 3. map, 4. hand out, and undo (many_map.c) ---- */
 
-/* Lay out every consumer, reserve once, map every handle, grant access per group. */
+/* Lay out every consumer, reserve once, map every handle. */
 vmm_status vmm__many_map(many *m);
+/* Grant access to everything vmm__many_map mapped, one cuMemSetAccess per group of devices; its
+ * time into m->access_ns (it may run on a thread of its own). */
+vmm_status vmm__many_grant(many *m);
 /* The new chunks into the chunk table, the ranges across chunks as range maps: out[]. */
 vmm_status vmm__many_hand_out(many *m, vmm_imported **out);
 /* Undo what vmm__many_map made of the reservation (nothing has been handed out). */

@@ -1,6 +1,7 @@
 /* vmm_import_many, steps 3 and 4: one reservation for everything the call maps anew, each chunk
  * and each range across chunks at a place of its own in it (a segment two of them reach mapped
- * once), every handle mapped by the call's threads, one cuMemSetAccess per group of devices;
+ * once), every handle mapped by the call's threads, one cuMemSetAccess per group of devices (on
+ * the caller's thread, or on a thread of its own while the caller builds on the pointers);
  * then the new chunks enter the chunk cache and the ranges become range imports, each giving back
  * its part of the reservation when it goes.  cuMemSetAccess is an import's dear step on a GPU, so
  * laying out for one call per group is the point of this file.  Calls many_units.c, range.c,
@@ -128,7 +129,7 @@ static void *map_worker(void *arg)
     return NULL;
 }
 
-/* Lay out every consumer, reserve once, map every handle, grant access per group. */
+/* Lay out every consumer, reserve once, map every handle (vmm__many_grant grants access). */
 vmm_status vmm__many_map(many *m)
 {
     m->n_cs = m->n_nc;
@@ -207,9 +208,15 @@ vmm_status vmm__many_map(many *m)
     m->op_next = 0;
     vmm__crew_run(m->threads < m->n_ops ? m->threads : (uint32_t)m->n_ops, map_worker, m);
     if (m->st != VMM_OK) return set_err(m->st, "%s", m->why);
-    /* one SetAccess over each group's consumers, laid out back to back (overlapping within a run)
-     * and all mapped */
-    for (k = 0; k < m->n_cs;) {
+    return VMM_OK;
+}
+
+/* One SetAccess over each group's consumers, laid out back to back (overlapping within a run) and
+ * all mapped.  Runs on the caller's thread or on vmm_import_many_begin's granting thread: its
+ * time goes to m, not to a thread's vmm__mt. */
+vmm_status vmm__many_grant(many *m)
+{
+    for (size_t k = 0; k < m->n_cs;) {
         size_t j = k;
         uint64_t end = m->cs[k].at + m->cs[k].size;
         while (j + 1 < m->n_cs && m->cs[j + 1].group == m->cs[k].group) {
@@ -217,9 +224,10 @@ vmm_status vmm__many_map(many *m)
             if (m->cs[j].at + m->cs[j].size > end) end = m->cs[j].at + m->cs[j].size;
         }
         uint64_t t1 = vmm__now_ns();
-        r = vmm__import_cu.MemSetAccess(m->s->base + m->cs[k].at, (size_t)(end - m->cs[k].at), m->cs[k].acc, m->cs[k].n_acc);
-        vmm__mt.access_ns += vmm__now_ns() - t1;
-        vmm__mt.access_calls++;
+        CUresult r =
+            vmm__import_cu.MemSetAccess(m->s->base + m->cs[k].at, (size_t)(end - m->cs[k].at), m->cs[k].acc, m->cs[k].n_acc);
+        m->access_ns += vmm__now_ns() - t1;
+        m->access_calls++;
         if (r != CUDA_SUCCESS) return vmm__cu_fail("cuMemSetAccess", r);
         k = j + 1;
     }

@@ -154,6 +154,7 @@ static void pending_flush(void);
 static void pending_flush_through(unsigned long long seq);
 static unsigned long long g_export_delay_us; /* each POSIX fd export takes this long (an H100: ~600) */
 static unsigned long long g_unmap_delay_us;  /* each cuMemUnmap takes this long */
+static unsigned long long g_access_delay_us; /* each cuMemSetAccess takes this long (FAKECUDA_ACCESS_DELAY_US) */
 static int g_initialized;
 static unsigned long long g_used[FC_MAX_DEV];
 static struct fc_ctx g_ctx[FC_MAX_DEV];
@@ -503,6 +504,7 @@ __attribute__((constructor)) static void fc_load(void)
     if ((s = getenv("FAKECUDA_NO_VMM")) && *s && strcmp(s, "0")) g_no_vmm = 1;
     if ((s = getenv("FAKECUDA_EVENT_DELAY_US")) && *s) g_delay_us = strtoull(s, NULL, 10);
     if ((s = getenv("FAKECUDA_COPY_DELAY_US")) && *s) g_copy_delay_us = strtoull(s, NULL, 10);
+    if ((s = getenv("FAKECUDA_ACCESS_DELAY_US")) && *s) g_access_delay_us = strtoull(s, NULL, 10);
     if ((s = getenv("FAKECUDA_ASYNC_DEFER")) && *s && strcmp(s, "0")) g_async_defer = 1;
     if ((s = getenv("FAKECUDA_COUNTERS_AT_EXIT")) && *s) snprintf(g_counters_path, sizeof g_counters_path, "%s", s);
     for (int i = 0; i < FC_MAX_DEV; i++) {
@@ -625,6 +627,11 @@ FC_API void fakecuda_set_export_delay_us(unsigned long long us)
 FC_API void fakecuda_set_unmap_delay_us(unsigned long long us)
 {
     __atomic_store_n(&g_unmap_delay_us, us, __ATOMIC_RELAXED);
+}
+
+FC_API void fakecuda_set_access_delay_us(unsigned long long us)
+{
+    __atomic_store_n(&g_access_delay_us, us, __ATOMIC_RELAXED);
 }
 
 /* Sleeps us microseconds outside the driver's lock, as a slow real call lets other calls go on. */
@@ -1351,6 +1358,8 @@ FC_API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
             desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             return CUDA_ERROR_INVALID_VALUE;
     }
+    /* the pages change at the end of the call: until then the memory is not accessible */
+    fc_take(__atomic_load_n(&g_access_delay_us, __ATOMIC_RELAXED));
     LOCK();
     if (!fully_mapped(p, size)) {
         UNLOCK();

@@ -113,6 +113,9 @@ typedef void (*fakecuda_set_export_delay_us_fn)(unsigned long long us);
 /* Makes every cuMemUnmap take this long (an importer's reaper caught mid-unmap). */
 void fakecuda_set_unmap_delay_us(unsigned long long us);
 typedef void (*fakecuda_set_unmap_delay_us_fn)(unsigned long long us);
+/* Each cuMemSetAccess takes this long before it changes the pages (FAKECUDA_ACCESS_DELAY_US). */
+void fakecuda_set_access_delay_us(unsigned long long us);
+typedef void (*fakecuda_set_access_delay_us_fn)(unsigned long long us);
 
 /* Snapshot of the counters. */
 void fakecuda_counters(struct fakecuda_counters *out);

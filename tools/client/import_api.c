@@ -37,6 +37,30 @@ VMM_PUBLIC vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uin
     return vmm__import_many(reg, pid, addresses, sizes, n, out);
 }
 
+VMM_PUBLIC vmm_status vmm_import_many_begin(vmm_registry *reg, uint32_t pid, const uint64_t *addresses,
+                                            const uint64_t *sizes, size_t n, vmm_import_desc *desc, vmm_import_job **job)
+{
+    if (!job) return vmm__error(VMM_ERR_INVALID, "vmm_import_many_begin: job is NULL");
+    *job = NULL;
+    if (n && !desc) return vmm__error(VMM_ERR_INVALID, "vmm_import_many_begin: desc is NULL");
+    struct many *m;
+    vmm_status st = vmm__import_many_begin(reg, pid, addresses, sizes, n, &m);
+    if (st != VMM_OK) return st;
+    for (size_t i = 0; i < n; i++) {
+        int device;
+        memset(&desc[i], 0, sizeof desc[i]);
+        vmm__import_many_place(m, i, &desc[i].ptr, &desc[i].size, &device, &desc[i].n_records, desc[i].alloc_id);
+        desc[i].device = device;
+    }
+    *job = (vmm_import_job *)m;
+    return VMM_OK;
+}
+
+VMM_PUBLIC vmm_status vmm_import_many_end(vmm_import_job *job, vmm_imported **out)
+{
+    return vmm__import_many_end((struct many *)job, out);
+}
+
 VMM_PUBLIC vmm_status vmm_import_check(vmm_registry *reg, const vmm_imported *imp)
 {
     return vmm__import_check(reg, imp);
