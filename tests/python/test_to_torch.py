@@ -8,7 +8,10 @@ their own), one flat tensor per dtype in it; each tensor's dtype, shape, strides
 view's pointer, the stretch starting at a multiple of 256 below the first view; the stand-in
 tensors read the owner's bytes at those pointers; a dict in gives a dict out with the same keys,
 a list a list; the imports stay while any tensor of a stretch lives, also after the buffers and
-views are dropped, and go when the last does.  Ends with "N passed, N failed"."""
+views are dropped, and go when the last does.  open_torch makes its tensors while the driver grants
+access (each cuMemSetAccess made to take 0.6 s: the stretch is not accessible when its capsule is
+taken, and is when open_torch returns); a failure making them, or a failing grant, leaves no export,
+import or mapping.  Ends with "N passed, N failed"."""
 import ctypes
 import gc
 import sys
@@ -78,7 +81,17 @@ class FakeTensor:
         return self.storage.data + self.offset * ITEMSIZE[self.dtype]
 
 
-CALLS = {"from_dlpack": 0, "capsules": [], "views": 0, "as_strided": 0}
+CALLS = {"from_dlpack": 0, "capsules": [], "views": 0, "as_strided": 0, "access": [], "fail": 0}
+
+
+def access_at(ptr):
+    """What device 0 may do at ptr now (CU_MEM_ACCESS_FLAGS_*: 0 none, 3 read-write), the driver asked."""
+    class Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+    flags = ctypes.c_ulonglong(99)
+    fake = ctypes.CDLL("libcuda.so.1")
+    r = fake.cuMemGetAccess(ctypes.byref(flags), ctypes.byref(Location(1, 0)), ctypes.c_ulonglong(ptr))  # 1: DEVICE
+    return flags.value if r == 0 else -1
 
 
 def make_torch():
@@ -89,11 +102,15 @@ def make_torch():
 
     def from_dlpack(capsule):
         calls["from_dlpack"] += 1
+        if calls["fail"]:
+            calls["fail"] -= 1
+            raise RuntimeError("from_dlpack: refused (the test's)")
         address = _get_pointer(capsule, b"dltensor")
         t = _dlpack.DLManagedTensor.from_address(address).dl_tensor
         fields = dict(data=t.data, device=(t.device.device_type, t.device.device_id), ndim=t.ndim,
                       dtype=(t.dtype.code, t.dtype.bits), shape=tuple(t.shape[i] for i in range(t.ndim)))
         calls["capsules"].append(fields)
+        calls["access"].append(access_at(t.data))
         _set_name(capsule, b"used_dltensor")
         storage = FakeStorage(address, t.data, t.shape[0], f"cuda:{t.device.device_id}")
         return FakeTensor("uint8", storage.device, storage, 0, (t.shape[0],), (1,))
@@ -227,6 +244,42 @@ def main():
                  "open_torch: an address in no allocation of pid")
         T.check(_dlpack.live_exports() == live1 and harness.fakecuda_counters()["mappings_live"] == mapped1,
                 "open_torch: the refused calls left no import or mapping")
+
+        # the tensors are made while the driver grants access (vmm_import_many_begin/_end): with each
+        # cuMemSetAccess taking 0.6 s, the stretch is not accessible yet when its capsule is taken,
+        # and it is when open_torch returns
+        fake = ctypes.CDLL("libcuda.so.1")
+        fake.fakecuda_set_access_delay_us(ctypes.c_ulonglong(600000))
+        try:
+            n_access = len(calls["access"])
+            got = reg.open_torch(own.pid, specs)
+            at_build = calls["access"][n_access:]
+            T.check(at_build == [0] and access_at(got["w"].data_ptr()) == 3 and
+                    ctypes.string_at(got["w"].data_ptr(), 32) == pattern(0, 4096, 32),
+                    f"open_torch: tensors made before the grant (access then {at_build}), accessible after "
+                    f"({access_at(got['w'].data_ptr())})")
+            del got
+            gc.collect()
+            # a failure making the tensors: the job is ended and every import let go
+            calls["fail"] = 1
+            T.raises(RuntimeError, lambda: reg.open_torch(own.pid, specs), "open_torch: from_dlpack failing",
+                     "refused (the test's)")
+        finally:
+            fake.fakecuda_set_access_delay_us(ctypes.c_ulonglong(0))
+            calls["fail"] = 0
+        gc.collect()
+        vmmshim.drop_idle()
+        T.check(_dlpack.live_exports() == live1 and harness.fakecuda_counters()["mappings_live"] == mapped1,
+                "open_torch: after a failure making tensors, no import or mapping is left")
+        # a grant that fails: an error naming it, the tensors made over the pointers dropped, nothing left
+        fake.fakecuda_fail_next.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+        fake.fakecuda_fail_next(b"cuMemSetAccess", 1, 2)
+        T.raises(vmmshim.Error, lambda: reg.open_torch(own.pid, specs), "open_torch: a failing grant",
+                 "cuMemSetAccess")
+        gc.collect()
+        vmmshim.drop_idle()
+        T.check(_dlpack.live_exports() == live1 and harness.fakecuda_counters()["mappings_live"] == mapped1,
+                "open_torch: after a failing grant, no export, import or mapping is left")
     finally:
         own.kill()
         sys.modules.pop("torch", None)

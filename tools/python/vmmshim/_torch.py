@@ -53,27 +53,30 @@ def stretches(pieces):
     device and pointer, a new stretch wherever the next piece starts more than GAP past the end
     of the one before."""
     out = []
-    for i in sorted(range(len(pieces)), key=lambda k: (pieces[k][0], pieces[k][1])):
+    last = None
+    for i in sorted(range(len(pieces)), key=pieces.__getitem__):  # by device, then pointer
         device, ptr, nbytes = pieces[i]
-        last = out[-1] if out else None
         if last and last[0] == device and ptr - last[2] <= GAP:
-            last[2] = max(last[2], ptr + nbytes)
+            if ptr + nbytes > last[2]:
+                last[2] = ptr + nbytes
             last[3].append(i)
         else:
-            out.append([device, ptr - ptr % ALIGN, ptr + nbytes, [i]])
+            last = [device, ptr - ptr % ALIGN, ptr + nbytes, [i]]
+            out.append(last)
     return out
 
 
-def _tensors(torch, owner, device, start, end, members, out):
-    """Tensors of one stretch into out[i] for i in members: ((dtype, shape, strides, ptr) each);
-    owner._export_freed() runs once the stretch's storage is deleted."""
+def _tensors(torch, owner, device, start, end, members, out, layout):
+    """Tensors of one stretch into out[i] for i in members, layout(i) giving (dtype, shape, strides,
+    ptr); owner._export_freed() runs once the stretch's storage is deleted."""
     capsule = _dlpack.capsule(owner, start, end - start, device)
     raw = torch.from_dlpack(capsule)  # uint8, the whole stretch
-    flats = {}  # dtype name: the stretch as a flat tensor of that dtype
-    for i, (dt, shape, strides, ptr) in members:
-        flat = flats.get(dt.name)
+    flats = {}  # DType: the stretch as a flat tensor of that dtype
+    for i in members:
+        dt, shape, strides, ptr = layout(i)
+        flat = flats.get(dt)
         if flat is None:
-            flat = flats[dt.name] = raw[:(end - start) // dt.itemsize * dt.itemsize].view(getattr(torch, dt.name))
+            flat = flats[dt] = raw[:(end - start) // dt.itemsize * dt.itemsize].view(getattr(torch, dt.name))
         out[i] = flat.as_strided(shape, strides, (ptr - start) // dt.itemsize)
 
 
@@ -90,8 +93,8 @@ def to_torch(views):
     for device, start, end, members in stretches([(v.device, v.ptr, v.nbytes) for v in vs]):
         owner = _Stretch(list({id(vs[i].buffer): vs[i].buffer for i in members}.values()))
         try:
-            _tensors(torch, owner, device, start, end,
-                     [(i, (vs[i]._dtype, vs[i].shape, vs[i].strides, vs[i].ptr)) for i in members], out)
+            _tensors(torch, owner, device, start, end, members, out,
+                     lambda i: (vs[i]._dtype, vs[i].shape, vs[i].strides, vs[i].ptr))
         except BaseException:
             owner._export_freed()
             raise
@@ -102,14 +105,16 @@ def _table_rows(reg, pid):
     """{name: row} of every tensor pid publishes, straight from its name table: the owner checked
     each layout when it published, and the table gives nbytes, so no Tensor object is made and no
     layout is worked out again (on an H200 host Registry.tensors' objects were a tenth of a GPT-2
-    take)."""
-    from . import _text
+    take).  A loop of as few steps a row as it can be: it is a tenth of a cold companion's take."""
     m = _lib.MAX_DIMS
+    dtype_of = _dtypes.BY_DLPACK.get
     out = {}
     for f in reg._tensor_table(pid):
-        name = _text(f[0].split(b"\0", 1)[0])
-        n = min(f[5], m)
-        out[name] = (f[6], f[7], _dtypes.of_published(name, pid, f[2:5]), f[8:8 + n], f[8 + m:8 + m + n], f[8 + 2 * m])
+        raw = f[0]
+        name = raw[:raw.find(b"\0")].decode("utf-8", "replace")  # the library ends every name with a NUL
+        dt = dtype_of(f[2:5]) or _dtypes.of_published(name, pid, f[2:5])
+        n = f[5] if f[5] <= m else m
+        out[name] = (f[6], f[7], dt, f[8:8 + n], f[8 + m:8 + m + n], f[8 + 2 * m])
     return out
 
 
@@ -129,7 +134,7 @@ def _row(spec):
 
 def open_torch(reg, pid, tensors, timing):
     """Registry.open_torch (see there)."""
-    from . import _check, _timing_of, Stale
+    from . import _check, _timing_of
     import torch
 
     t0 = time.perf_counter_ns()
@@ -153,41 +158,71 @@ def open_torch(reg, pid, tensors, timing):
         addresses = (_lib.c_u64 * n)(*(r[0] for r in rows))
         sizes = (_lib.c_u64 * n)(*(r[1] for r in rows))
         imps = (_lib._P * n)()
+        begun = ctypes.create_string_buffer(n * _lib.IMPORT_DESC.size)
+        job = ctypes.c_void_p()
         t1 = time.perf_counter_ns()
-        status = L.vmm_import_many(reg._h(), pid, addresses, sizes, n, imps)
+        status = L.vmm_import_many_begin(reg._h(), pid, addresses, sizes, n, begun, ctypes.byref(job))
         t_lib = time.perf_counter_ns() - t1
         _check(status)
-        if timing:
-            c_timing = _lib.ManyTiming()
-            L.vmm_import_many_last_timing(c_timing)
-        owned = set(range(n))  # imports no stretch holds yet: released here on a failure
+        # The driver grants access on the library's thread meanwhile: the tensors are made over the
+        # pointers (nothing touches the memory), their stretches' owners holding no import until the
+        # end says the memory is there.
         try:
-            described = ctypes.create_string_buffer(n * _lib.IMPORT_DESC.size)
-            _check(L.vmm_import_describe(imps, n, described))
-            pieces = []  # (device, ptr, nbytes)
-            for i, (ptr, _, device, n_records, alloc_id) in enumerate(_lib.IMPORT_DESC.iter_unpack(described)):
-                want = rows[i][5]
-                # the allocation imported is the one the name was read from (ids are never reused)
-                if want is not None and (n_records < 1 or alloc_id != want):
-                    raise Stale(f"pid {pid}'s allocation holding a tensor at 0x{rows[i][0]:x} was freed since its "
-                                f"name was read", _lib.STALE)
-                pieces.append((device, ptr, rows[i][1]))
-            for device, start, end, members in stretches(pieces):
-                owner = _Imports([imps[i] for i in members])
-                owned.difference_update(members)
-                try:
-                    _tensors(torch, owner, device, start, end,
-                             [(i, (rows[i][2], rows[i][3], rows[i][4], pieces[i][1])) for i in members], out)
-                except BaseException:
-                    owner._export_freed()
-                    raise
+            owners = _build(torch, pid, rows, begun, out)
         except BaseException:
-            for i in owned:
+            _end(L, job, imps, n)
+            raise
+        t1 = time.perf_counter_ns()
+        status = L.vmm_import_many_end(job, imps)
+        t_lib += time.perf_counter_ns() - t1
+        _check(status)
+        try:
+            if timing:
+                c_timing = _lib.ManyTiming()
+                L.vmm_import_many_last_timing(c_timing)
+            ended = ctypes.create_string_buffer(n * _lib.IMPORT_DESC.size)
+            _check(L.vmm_import_describe(imps, n, ended))
+            if ended.raw != begun.raw:  # another thread mapped a chunk first: its mapping serves
+                out[:] = [None] * n
+                owners = _build(torch, pid, rows, ended, out)
+        except BaseException:
+            for i in range(n):
                 L.vmm_import_release(imps[i])
             raise
+        for owner, members in owners:
+            owner.imps = [imps[i] for i in members]
     result = dict(zip(keys, out)) if keys is not None else out
     if not timing:
         return result
     times = _timing_of(c_timing, time.perf_counter_ns() - t0, t_lib)
     times["names_ns"] = t_names
     return result, times
+
+
+def _build(torch, pid, rows, described, out):
+    """open_torch's tensors into out over the places described (vmm_import_desc each); the
+    [(_Imports, members)] of their stretches, each holding no import yet."""
+    from . import Stale
+    pieces = []  # (device, ptr, nbytes)
+    for row, (ptr, _, device, n_records, alloc_id) in zip(rows, _lib.IMPORT_DESC.iter_unpack(described)):
+        # the allocation imported is the one the name was read from (ids are never reused)
+        if row[5] is not None and (n_records < 1 or alloc_id != row[5]):
+            raise Stale(f"pid {pid}'s allocation holding a tensor at 0x{row[0]:x} was freed since its "
+                        f"name was read", _lib.STALE)
+        pieces.append((device, ptr, row[1]))
+    owners = []
+    for device, start, end, members in stretches(pieces):
+        owner = _Imports([])
+        owners.append((owner, members))
+        _tensors(torch, owner, device, start, end, members, out,
+                 lambda i: (rows[i][2], rows[i][3], rows[i][4], pieces[i][1]))
+    return owners
+
+
+def _end(L, job, imps, n):
+    """End a begun import whose tensors could not be made, and let every import go."""
+    if L.vmm_import_many_end(job, imps) == 0:
+        for i in range(n):
+            L.vmm_import_release(imps[i])
+
+
