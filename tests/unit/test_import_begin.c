@@ -14,6 +14,7 @@
  * (what vmmshim.h tells a binding to compare). */
 #include "../fakecuda/fakecuda.h"
 #include "check.h"
+#include "importcheck.h"
 #include "spawn.h"
 #include "spansowner.h"
 #include "vmmshim.h"
@@ -31,34 +32,9 @@
 #define KIB (1ull << 10)
 #define DELAY_US 1000000ull
 
-static fakecuda_counters_fn g_counters;
 static fakecuda_set_access_delay_us_fn g_access_delay;
 static fakecuda_fail_next_fn g_fail_next;
 static CUresult (*g_get_access)(unsigned long long *, const CUmemLocation *, CUdeviceptr);
-
-static int owner_alloc(uint64_t bytes, uint64_t seed, uint64_t *addr)
-{
-    int idx = owner_alloc_with('a', bytes, addr);
-    if (idx < 0 || !owner_cmd(NULL, "w %d %llu", idx, (unsigned long long)seed)) return -1;
-    return idx;
-}
-
-static struct fakecuda_counters counters(void)
-{
-    struct fakecuda_counters c;
-    memset(&c, 0, sizeof c);
-    if (g_counters) g_counters(&c);
-    return c;
-}
-
-/* The words of [p, p + bytes) are seed's from word index k0 on: the first wrong one, or -1. */
-static long long first_wrong(uint64_t p, uint64_t bytes, uint64_t seed, uint64_t k0)
-{
-    const volatile uint64_t *w = (const volatile uint64_t *)(uintptr_t)p;
-    for (uint64_t k = 0; k < bytes / 8; k++)
-        if (w[k] != word(seed, k0 + k)) return (long long)k;
-    return -1;
-}
 
 /* What device 0 may do at p: CU_MEM_ACCESS_FLAGS_*, or -1 when the driver says p is no mapping. */
 static long long access_at(uint64_t p)
@@ -76,37 +52,6 @@ static bool reads_right(int i, uint64_t p, bool side)
     static const uint64_t bytes[5] = {256 * KIB, 32 * KIB, 2 * MIB, 2 * MIB - 4 * KIB, 2 * MIB};
     if (i == 4 && side) return first_wrong(p, MIB, 201, MIB / 8) < 0 && first_wrong(p + MIB, MIB, 202, 0) < 0;
     return first_wrong(p, bytes[i], seed[i], k0[i]) < 0;
-}
-
-static bool all_null(vmm_imported **out, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (out[i]) return false;
-    return true;
-}
-
-static void release_all(vmm_imported **out, size_t n)
-{
-    for (size_t i = 0; i < n; i++) CHECK(vmm_import_release(out[i]) == VMM_OK, "release %zu: %s", i, vmm_last_error());
-}
-
-static bool same_as_before(struct fakecuda_counters c0, const char *what)
-{
-    CHECK(vmm_import_drop_idle() == VMM_OK, "%s: drop_idle: %s", what, vmm_last_error());
-    struct fakecuda_counters c = counters();
-    bool same = c.mappings_live == c0.mappings_live && c.reservations_live == c0.reservations_live &&
-                c.handles_live == c0.handles_live && c.imports_live == c0.imports_live;
-    CHECK(same, "%s: mappings %llu reservations %llu handles %llu imports %llu (before: %llu %llu %llu %llu)", what,
-          c.mappings_live, c.reservations_live, c.handles_live, c.imports_live, c0.mappings_live,
-          c0.reservations_live, c0.handles_live, c0.imports_live);
-    return same;
-}
-
-static double mono_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
 }
 
 typedef struct ender {
@@ -145,9 +90,9 @@ int main(void)
      * one more of 2 MiB that this process maps before the calls (a cached chunk) */
     uint64_t small[2] = {0}, big[4] = {0}, pre = 0;
     bool made = true;
-    for (int i = 0; i < 2; i++) made &= owner_alloc(256 * KIB, 100 + (uint64_t)i, &small[i]) >= 0;
-    for (int i = 0; i < 4; i++) made &= owner_alloc(2 * MIB, 200 + (uint64_t)i, &big[i]) >= 0;
-    made &= owner_alloc(2 * MIB, 300, &pre) >= 0;
+    for (int i = 0; i < 2; i++) made &= owner_alloc_filled(256 * KIB, 100 + (uint64_t)i, &small[i]) >= 0;
+    for (int i = 0; i < 4; i++) made &= owner_alloc_filled(2 * MIB, 200 + (uint64_t)i, &big[i]) >= 0;
+    made &= owner_alloc_filled(2 * MIB, 300, &pre) >= 0;
     CHECK(made, "the owner could not allocate");
     vmm_registry *reg = NULL;
     CHECK(vmm_open(g_reg, &reg) == VMM_OK, "vmm_open: %s", vmm_last_error());

@@ -21,6 +21,7 @@
  * on two devices gets one cuMemSetAccess per set of devices granted. */
 #include "../fakecuda/fakecuda.h"
 #include "check.h"
+#include "importcheck.h"
 #include "spawn.h"
 #include "spansowner.h"
 #include "vmmshim.h"
@@ -41,7 +42,6 @@
 #define SEG (20 * MIB)
 #define KIB (1ull << 10)
 
-static fakecuda_counters_fn g_counters;
 
 /* ---- hooks: the client library's send() and connect() come here (it is linked statically) ---- */
 
@@ -138,45 +138,6 @@ int connect(int fd, __CONST_SOCKADDR_ARG sa, socklen_t len)
     return real(fd, sa, len);
 }
 
-/* Allocate and fill with seed's words; the buffer's index, or -1. */
-static int owner_alloc(uint64_t bytes, uint64_t seed, uint64_t *addr)
-{
-    int idx = owner_alloc_with('a', bytes, addr);
-    if (idx < 0 || !owner_cmd(NULL, "w %d %llu", idx, (unsigned long long)seed)) return -1;
-    return idx;
-}
-
-static struct fakecuda_counters counters(void)
-{
-    struct fakecuda_counters c;
-    memset(&c, 0, sizeof c);
-    if (g_counters) g_counters(&c);
-    return c;
-}
-
-/* The words of [p, p + bytes) are seed's from word index k0 on: the first wrong one, or -1. */
-static long long first_wrong(uint64_t p, uint64_t bytes, uint64_t seed, uint64_t k0)
-{
-    const volatile uint64_t *w = (const volatile uint64_t *)(uintptr_t)p;
-    for (uint64_t k = 0; k < bytes / 8; k++)
-        if (w[k] != word(seed, k0 + k)) return (long long)k;
-    return -1;
-}
-
-static bool all_null(vmm_imported **out, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (out[i]) return false;
-    return true;
-}
-
-static double mono_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
-}
-
 typedef struct import_job {
     vmm_registry *reg;
     vmm_alloc_info a;
@@ -189,23 +150,6 @@ static void *import_thread(void *arg)
     import_job *j = arg;
     j->st = vmm_import(j->reg, &j->a, &j->imp);
     return NULL;
-}
-
-static void release_all(vmm_imported **out, size_t n)
-{
-    for (size_t i = 0; i < n; i++) CHECK(vmm_import_release(out[i]) == VMM_OK, "release %zu: %s", i, vmm_last_error());
-}
-
-static bool same_as_before(struct fakecuda_counters c0, const char *what)
-{
-    CHECK(vmm_import_drop_idle() == VMM_OK, "%s: drop_idle: %s", what, vmm_last_error());
-    struct fakecuda_counters c = counters();
-    bool same = c.mappings_live == c0.mappings_live && c.reservations_live == c0.reservations_live &&
-                c.handles_live == c0.handles_live && c.imports_live == c0.imports_live;
-    CHECK(same, "%s: mappings %llu reservations %llu handles %llu imports %llu (before: %llu %llu %llu %llu)", what,
-          c.mappings_live, c.reservations_live, c.handles_live, c.imports_live, c0.mappings_live,
-          c0.reservations_live, c0.handles_live, c0.imports_live);
-    return same;
 }
 
 #define NSMALL 3
@@ -223,8 +167,8 @@ int main(void)
     /* three small buffers (one pooled chunk), one of 4 MiB (a chunk of its own) */
     uint64_t small[NSMALL] = {0}, big = 0;
     int sidx[NSMALL];
-    for (int i = 0; i < NSMALL; i++) sidx[i] = owner_alloc(256 * KIB, 100 + (uint64_t)i, &small[i]);
-    int bidx = owner_alloc(4 * MIB, 200, &big);
+    for (int i = 0; i < NSMALL; i++) sidx[i] = owner_alloc_filled(256 * KIB, 100 + (uint64_t)i, &small[i]);
+    int bidx = owner_alloc_filled(4 * MIB, 200, &big);
     CHECK(sidx[0] >= 0 && sidx[1] >= 0 && sidx[2] >= 0 && bidx >= 0, "the owner could not allocate");
     vmm_registry *reg = NULL;
     CHECK(vmm_open(g_reg, &reg) == VMM_OK, "vmm_open: %s", vmm_last_error());
@@ -378,7 +322,7 @@ int main(void)
         }
         (void)unused;
         for (int i = 0; i < 3 && first >= 0; i++) CHECK(owner_cmd(NULL, "f %d", first + i), "free segment %d", i);
-        int mi = first >= 0 ? owner_alloc(3 * SEG, 300, &span) : -1;
+        int mi = first >= 0 ? owner_alloc_filled(3 * SEG, 300, &span) : -1;
         vmm_alloc_info m;
         if (mi >= 0 && vmm_find(reg, pid, span, &m) == VMM_OK && (m.flags & VMM_ALLOC_MULTI_HANDLE)) {
             struct fakecuda_counters c0 = counters();
@@ -540,7 +484,7 @@ int main(void)
             CHECK(owner_cmd(NULL, "e 0"), "export delay off");
             uint64_t at2 = 0;
             vmm_imported *imp = NULL;
-            int k2 = owner_alloc(2 * MIB, 320, &at2);
+            int k2 = owner_alloc_filled(2 * MIB, 320, &at2);
             CHECK(k2 >= 0 && vmm_find(reg, pid, at2, &a) == VMM_OK && vmm_import(reg, &a, &imp) == VMM_OK &&
                       first_wrong(vmm_import_ptr(imp), 2 * MIB, 320, 0) < 0,
                   "the owner exports and serves after it: %s", vmm_last_error());
@@ -728,8 +672,8 @@ int main(void)
      * its device, and its bytes copy out (a copy needs a context its memory is granted to) */
     {
         uint64_t d0 = 0, d1a = 0, d1b = 0;
-        bool ok = owner_cmd(NULL, "d 1") && owner_alloc(3 * MIB, 901, &d1a) >= 0 && owner_alloc(5 * MIB, 902, &d1b) >= 0 &&
-                  owner_cmd(NULL, "d 0") && owner_alloc(3 * MIB, 900, &d0) >= 0;
+        bool ok = owner_cmd(NULL, "d 1") && owner_alloc_filled(3 * MIB, 901, &d1a) >= 0 && owner_alloc_filled(5 * MIB, 902, &d1b) >= 0 &&
+                  owner_cmd(NULL, "d 0") && owner_alloc_filled(3 * MIB, 900, &d0) >= 0;
         CHECK(ok, "the owner could not allocate on two devices");
         if (ok) {
             uint64_t a[3] = {d0, d1a, d1b};

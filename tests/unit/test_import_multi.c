@@ -17,6 +17,7 @@
 #include "../fakecuda/fakecuda.h"
 #include "broker/protocol.h"
 #include "check.h"
+#include "importcheck.h"
 #include "spawn.h"
 #include "spansowner.h"
 #include "vmmshim.h"
@@ -38,7 +39,6 @@
 #define SEG (20 * MIB) /* VMM_POOL_MIN_GROWTH: one 20 MiB request fills one new segment */
 #define MANY 66        /* segments for the allocation that needs more than one broker reply */
 
-static fakecuda_counters_fn g_counters;
 
 /* ---- the owner -------------------------------------------------------------------------- */
 
@@ -63,23 +63,6 @@ static int owner_span_of(unsigned n, uint64_t seg, uint64_t seed, uint64_t *addr
 }
 
 /* ---- this process ----------------------------------------------------------------------- */
-
-static struct fakecuda_counters counters(void)
-{
-    struct fakecuda_counters c;
-    memset(&c, 0, sizeof c);
-    if (g_counters) g_counters(&c);
-    return c;
-}
-
-/* Every word of [p, p + bytes) is seed's: the first wrong one's index, or -1. */
-static long long first_wrong(uint64_t p, uint64_t bytes, uint64_t seed)
-{
-    const volatile uint64_t *w = (const volatile uint64_t *)(uintptr_t)p;
-    for (uint64_t k = 0; k < bytes / 8; k++)
-        if (w[k] != word(seed, k)) return (long long)k;
-    return -1;
-}
 
 static int broker_connect(vmm_registry *reg)
 {
@@ -172,7 +155,7 @@ static void import_whole(vmm_registry *reg, const vmm_alloc_info *a, uint64_t se
           c1.mappings_live - c0.mappings_live, a->n_handles);
     CHECK(c1.calls_cuMemSetAccess - c0.calls_cuMemSetAccess == 1, "%s: %llu cuMemSetAccess calls", what,
           c1.calls_cuMemSetAccess - c0.calls_cuMemSetAccess);
-    long long bad = first_wrong(vmm_import_ptr(imp), a->requested_size, seed);
+    long long bad = first_wrong(vmm_import_ptr(imp), a->requested_size, seed, 0);
     CHECK(bad < 0, "%s: word %lld of %llu reads wrong", what, bad, (unsigned long long)(a->requested_size / 8));
     CHECK(vmm_import_size(imp) == a->requested_size, "%s: size %llu", what, (unsigned long long)vmm_import_size(imp));
 
@@ -201,7 +184,7 @@ static void range_whole(vmm_registry *reg, const vmm_alloc_info *a, uint64_t see
     if (st != VMM_OK) return;
     CHECK(counters().mappings_live - c0.mappings_live == a->n_handles, "range: %llu mappings for %u handles",
           counters().mappings_live - c0.mappings_live, a->n_handles);
-    long long bad = first_wrong(vmm_import_ptr(imp), a->requested_size, seed);
+    long long bad = first_wrong(vmm_import_ptr(imp), a->requested_size, seed, 0);
     CHECK(bad < 0, "range: word %lld reads wrong", bad);
     CHECK(vmm_import_release(imp) == VMM_OK, "range release: %s", vmm_last_error());
     struct fakecuda_counters c1 = counters();
@@ -244,8 +227,8 @@ static void overlapping_range(vmm_registry *reg)
     if (st != VMM_OK) return;
     CHECK(counters().mappings_live - c0.mappings_live == 3, "overlap: %llu mappings for 3 segments",
           counters().mappings_live - c0.mappings_live);
-    long long bx = first_wrong(vmm_import_ptr(imp), ax.requested_size, 21);
-    long long by = first_wrong(vmm_import_ptr(imp) + (y - x), ay.requested_size, 22);
+    long long bx = first_wrong(vmm_import_ptr(imp), ax.requested_size, 21, 0);
+    long long by = first_wrong(vmm_import_ptr(imp) + (y - x), ay.requested_size, 22, 0);
     CHECK(bx < 0 && by < 0, "overlap: X's word %lld, Y's word %lld read wrong", bx, by);
     CHECK(vmm_import_release(imp) == VMM_OK, "overlap: release: %s", vmm_last_error());
     CHECK(counters().mappings_live == c0.mappings_live, "overlap: mappings left after release");
@@ -413,7 +396,7 @@ int main(void)
                   s1.flags, s1.n_handles);
             vmm_imported *imp = NULL;
             st = vmm_import(reg, &s1, &imp);
-            CHECK(st == VMM_OK && first_wrong(vmm_import_ptr(imp), s1.requested_size, 5) < 0,
+            CHECK(st == VMM_OK && first_wrong(vmm_import_ptr(imp), s1.requested_size, 5, 0) < 0,
                   "one-handle import: %s", vmm_last_error());
             vmm_import_release(imp);
         } else {
