@@ -112,7 +112,6 @@ vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *add
 struct many;
 vmm_status vmm__import_many_begin(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *lengths,
                                   size_t n, struct many **job);
-size_t vmm__import_many_count(const struct many *job);
 /* Range i's place as begun: pointer, size, device, records under it and the first one's id. */
 void vmm__import_many_place(const struct many *job, size_t i, uint64_t *ptr, uint64_t *size, int *device,
                             uint32_t *n_records, uint8_t alloc_id[16]);

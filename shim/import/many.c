@@ -334,32 +334,16 @@ vmm_status vmm__import_many_begin(vmm_registry *reg, uint32_t pid, const uint64_
     return VMM_OK;
 }
 
-/* Where range i's first byte is mapped, on which device: what vmm__many_hand_out gives the import,
- * unless another thread of this process enters the same chunk first (then the end's pointer is
- * that mapping's). */
+/* Range i's place as begun: vmm__many_place's, and what the range is. */
 void vmm__import_many_place(const many *m, size_t i, uint64_t *ptr, uint64_t *size, int *device, uint32_t *n_records,
                             uint8_t alloc_id[16])
 {
     const many_range *r = &m->r[i];
-    const vmm_alloc_info *a = &r->p.rec[0];
     *size = r->p.end - r->p.address;
     *n_records = r->p.n_rec > UINT32_MAX ? UINT32_MAX : (uint32_t)r->p.n_rec;
-    memcpy(alloc_id, a->alloc_id, sizeof a->alloc_id);
-    if (r->across) {
-        const consumer *c = &m->cs[r->consumer];
-        *ptr = (uint64_t)m->s->base + c->at + (r->p.address - c->v[0].at);
-        *device = (int)c->use;
-    } else if (r->c) {
-        *ptr = (uint64_t)r->c->base + a->chunk_offset + (r->p.address - a->address);
-        *device = (int)r->use;
-    } else {
-        const consumer *c = &m->cs[m->nc[r->fresh - 1].consumer];
-        *ptr = (uint64_t)m->s->base + c->at + a->chunk_offset + (r->p.address - a->address);
-        *device = (int)c->use;
-    }
+    memcpy(alloc_id, r->p.rec[0].alloc_id, sizeof r->p.rec[0].alloc_id);
+    vmm__many_place(m, i, ptr, device);
 }
-
-size_t vmm__import_many_count(const many *m) { return m->n; }
 
 vmm_status vmm__import_many_end(many *m, vmm_imported **out)
 {

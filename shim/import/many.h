@@ -164,6 +164,9 @@ vmm_status vmm__many_map(many *m);
 /* Grant access to everything vmm__many_map mapped, one cuMemSetAccess per group of devices; its
  * time into m->access_ns (it may run on a thread of its own). */
 vmm_status vmm__many_grant(many *m);
+/* Where range i's first byte is mapped and for which device, before the hand-out: what the hand-out
+ * gives its import, unless another thread of this process enters the same chunk first. */
+void vmm__many_place(const many *m, size_t i, uint64_t *ptr, int *device);
 /* The new chunks into the chunk table, the ranges across chunks as range maps: out[]. */
 vmm_status vmm__many_hand_out(many *m, vmm_imported **out);
 /* Undo what vmm__many_map made of the reservation (nothing has been handed out). */

@@ -259,6 +259,28 @@ static void consumer_drop(slab *s, const consumer *c)
     if (!kept) (void)vmm__slab_put(s);
 }
 
+/* How far range r's first byte lies from the start of the mapping that serves it: its chunk's or,
+ * across chunks, its own (the consumer's). */
+static uint64_t range_offset(const many *m, const many_range *r)
+{
+    if (r->across) return r->p.address - m->cs[r->consumer].v[0].at;
+    const vmm_alloc_info *a = &r->p.rec[0];
+    return a->chunk_offset + (r->p.address - a->address);
+}
+
+void vmm__many_place(const many *m, size_t i, uint64_t *ptr, int *device)
+{
+    const many_range *r = &m->r[i];
+    if (r->c) { /* a chunk mapped here before the call */
+        *ptr = (uint64_t)r->c->base + range_offset(m, r);
+        *device = (int)r->use;
+        return;
+    }
+    const consumer *c = r->across ? &m->cs[r->consumer] : &m->cs[m->nc[r->fresh - 1].consumer];
+    *ptr = (uint64_t)m->s->base + c->at + range_offset(m, r);
+    *device = (int)c->use;
+}
+
 /* The new chunks into the chunk table, the ranges across chunks as range maps: what out[] holds.
  * Cannot fail but for a chunk another thread mapped meanwhile, whose grant may. */
 vmm_status vmm__many_hand_out(many *m, vmm_imported **out)
@@ -331,7 +353,7 @@ vmm_status vmm__many_hand_out(many *m, vmm_imported **out)
                 continue;
             }
             imp->range = rm;
-            imp->ptr = (uint64_t)rm->base + (r->p.address - c->v[0].at);
+            imp->ptr = (uint64_t)rm->base + range_offset(m, r);
             imp->device = (int)c->use;
         } else {
             chunk *ch = r->c ? r->c : m->nc[r->fresh - 1].c;
@@ -347,7 +369,7 @@ vmm_status vmm__many_hand_out(many *m, vmm_imported **out)
             }
             const vmm_alloc_info *a = &r->p.rec[0];
             imp->c = ch;
-            imp->ptr = (uint64_t)ch->base + a->chunk_offset + (r->p.address - a->address);
+            imp->ptr = (uint64_t)ch->base + range_offset(m, r);
             imp->alloc = *a;
             imp->device = (int)r->use;
         }

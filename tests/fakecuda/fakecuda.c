@@ -2130,15 +2130,22 @@ FC_API CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
     return r;
 }
 
-FC_API CUresult cuMemFreeHost(void *p)
+/* The range of *set starting at p, taken out of it; NULL when none does. */
+static fc_range *range_take(fc_range **set, const void *p)
 {
-    FC_ENTER("cuMemFreeHost");
     uintptr_t base = (uintptr_t)p;
     fc_range *r;
     LOCK();
-    HASH_FIND(hh, g_host, &base, sizeof base, r);
-    if (r) HASH_DEL(g_host, r);
+    HASH_FIND(hh, *set, &base, sizeof base, r);
+    if (r) HASH_DEL(*set, r);
     UNLOCK();
+    return r;
+}
+
+FC_API CUresult cuMemFreeHost(void *p)
+{
+    FC_ENTER("cuMemFreeHost");
+    fc_range *r = range_take(&g_host, p);
     if (!r) return CUDA_ERROR_INVALID_VALUE;
     munmap(p, r->map_len);
     free(r);
@@ -2155,19 +2162,18 @@ FC_API CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flag
     uintptr_t base = (uintptr_t)p;
     if (!p || !bytesize || (Flags & ~0xFu)) return CUDA_ERROR_INVALID_VALUE;
     if (!ctx_of(cur_ctx())) return CUDA_ERROR_INVALID_CONTEXT;
-    fc_range *r, *tmp;
-    LOCK();
-    HASH_ITER(hh, g_registered, r, tmp) {
-        if (base < r->base + r->size && r->base < base + bytesize) {
+    fc_range *r = calloc(1, sizeof *r), *q, *tmp;
+    if (!r) return CUDA_ERROR_OUT_OF_MEMORY;
+    r->base = base;
+    r->size = bytesize;
+    LOCK(); /* checked and added under one hold: two overlapping registers cannot both pass */
+    HASH_ITER(hh, g_registered, q, tmp) {
+        if (base < q->base + q->size && q->base < base + bytesize) {
             UNLOCK();
+            free(r);
             return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
         }
     }
-    UNLOCK();
-    if (!(r = calloc(1, sizeof *r))) return CUDA_ERROR_OUT_OF_MEMORY;
-    r->base = base;
-    r->size = bytesize;
-    LOCK();
     HASH_ADD(hh, g_registered, base, sizeof r->base, r);
     UNLOCK();
     CNT_ADD(host_registered_live, 1);
@@ -2178,12 +2184,7 @@ FC_API CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flag
 FC_API CUresult cuMemHostUnregister(void *p)
 {
     FC_ENTER("cuMemHostUnregister");
-    uintptr_t base = (uintptr_t)p;
-    fc_range *r;
-    LOCK();
-    HASH_FIND(hh, g_registered, &base, sizeof base, r);
-    if (r) HASH_DEL(g_registered, r);
-    UNLOCK();
+    fc_range *r = range_take(&g_registered, p);
     if (!r) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
     free(r);
     CNT_SUB(host_registered_live, 1);
