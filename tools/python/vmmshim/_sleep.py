@@ -20,7 +20,7 @@ import contextlib
 import ctypes
 import threading
 
-from . import _lib
+from . import _lib, _sleep_torch
 from ._errors import InvalidArgument, NotUnderShim
 
 _lock = threading.Lock()
@@ -116,11 +116,19 @@ def pause(tag=None, keep=True, to_file=False):
     address reservations.  It waits for the device first.  keep: the contents are copied to pinned
     host memory (to_file: to an unlinked file in VMMSHIM_PAUSE_DIR) and come back at resume; keep=False
     discards them (a KV cache).  Returns a SleepReport; raises (vmmshim.Error subclasses) with the
-    shim's one-line reason, e.g. when it is paused already."""
+    shim's one-line reason, e.g. when it is paused already.
+
+    The process keeps working meanwhile: work that touches no paused tensor runs, on any thread.
+    Under PyTorch, new tensors never land in paused memory and cuBLAS's workspaces are made anew
+    (_sleep_torch.py says how)."""
     p, _, error = _sleep_functions()
     flags = (0 if keep else PAUSE_DISCARD) | (PAUSE_FILE if keep and to_file else 0)
     r = _lib.SleepReport()
-    _sleep_check(p(tag.encode() if tag else None, flags, ctypes.byref(r), ctypes.sizeof(r)), error, "vmmshim.pause")
+    _sleep_torch.before_pause()
+    status = p(tag.encode() if tag else None, flags, ctypes.byref(r), ctypes.sizeof(r))
+    if status == _lib.OK or r.bytes_released:  # a failed pause keeps what it paused before the failure
+        _sleep_torch.after_pause(tag or None)
+    _sleep_check(status, error, "vmmshim.pause")
     from . import SleepReport
     return SleepReport(r)
 
@@ -131,5 +139,6 @@ def resume(tag=None):
     _, r_, error = _sleep_functions()
     r = _lib.SleepReport()
     _sleep_check(r_(tag.encode() if tag else None, ctypes.byref(r), ctypes.sizeof(r)), error, "vmmshim.resume")
+    _sleep_torch.after_resume(tag or None)
     from . import SleepReport
     return SleepReport(r)

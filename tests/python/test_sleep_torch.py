@@ -1,0 +1,160 @@
+"""vmmshim.pause and resume under PyTorch (tools/python/vmmshim/_sleep_torch.py), over the emulated
+runtime, with a stand-in for the torch calls that module makes (no torch here).  The stand-in logs
+each call; its memory is real cudaMalloc'd memory under the shim, and its memory_snapshot() names
+those allocations as the caching allocator's segments, in the default pool or a private one.
+Checks: cuBLAS's workspaces are dropped before the shim pauses (nothing paused when they go), on
+every pause; after a pause of everything, every device's allocations go to one fresh pool, and
+once resumed the route ends and the pool is let go; a tag whose memory holds no default-pool
+segment is paused with no route, one that does is routed; a second pause while routed adds no
+route, and the route lasts until the last paused tag is resumed (also a resume of one tag after a
+pause of everything keeps it); under backend:cudaMallocAsync nothing is routed; a CUDA graph
+captured while routed finds the route stepped aside and put back after it; a pause the shim
+refuses routes nothing; torch imported but CUDA not started, or not imported at all: no call.
+Ends with "N passed, N failed"."""
+import json
+import subprocess
+import sys
+
+import harness
+from harness import PACKAGE
+
+harness.setup()
+T = harness.Tally()
+
+CHILD = r"""
+import ctypes, json, os, sys, types
+sys.path.insert(0, sys.argv[1])
+rt = ctypes.CDLL("libcudart.so.13")
+rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+def alloc(n):
+    p = ctypes.c_void_p()
+    assert rt.cudaMalloc(ctypes.byref(p), n) == 0
+    return p.value
+log = []
+cfg = {"backend": "native", "initialized": True, "segments": []}
+
+def paused_now():
+    import vmmshim
+    with vmmshim.Registry() as reg:
+        return reg.process(os.getpid()).bytes_paused
+
+torch = types.ModuleType("torch")
+torch.cuda = types.SimpleNamespace()
+torch._C = types.SimpleNamespace()
+torch.cuda.is_initialized = lambda: cfg["initialized"]
+torch.cuda.get_allocator_backend = lambda: cfg["backend"]
+torch.cuda.device_count = lambda: 2
+pools = iter(range(1, 100))
+torch.cuda.graph_pool_handle = lambda: (0, next(pools))
+torch.cuda.memory_snapshot = lambda: list(cfg["segments"])
+torch._C._cuda_clearCublasWorkspaces = lambda: log.append(["clear", paused_now()])
+torch._C._cuda_beginAllocateToPool = lambda d, p: log.append(["begin", d, list(p)])
+torch._C._cuda_endAllocateToPool = lambda d, p: log.append(["end", d, list(p)])
+torch._C._cuda_releasePool = lambda d, p: log.append(["release", d, list(p)])
+class CUDAGraph:
+    def capture_begin(self, *a, **k): log.append(["capture_begin"])
+    def capture_end(self): log.append(["capture_end"])
+torch.cuda.CUDAGraph = CUDAGraph
+
+import vmmshim
+out = {}
+def step(name, fn):
+    del log[:]
+    try:
+        fn()
+        out[name] = {"log": list(log)}
+    except vmmshim.Error as e:
+        out[name] = {"log": list(log), "error": type(e).__name__}
+
+plain = alloc(3 << 20)
+with vmmshim.region("kv"):
+    kv = alloc(4 << 20)
+with vmmshim.region("optim"):
+    optim = alloc(2 << 20)
+# not imported: the package never imports torch itself
+step("no_torch", lambda: (vmmshim.pause(), vmmshim.resume()))
+out["torch_imported_by_us"] = "torch" in sys.modules
+sys.modules["torch"] = torch
+step("pause_all", vmmshim.pause)
+step("pause_again", vmmshim.pause)          # refused: already paused; no second route
+step("resume_kv_only", lambda: vmmshim.resume("kv"))  # the rest stays paused: the route stays
+step("resume_all", vmmshim.resume)
+# a tag whose memory holds only a private pool's segment: no route
+cfg["segments"] = [{"address": plain, "total_size": 3 << 20, "segment_pool_id": (0, 0)},
+                   {"address": kv, "total_size": 4 << 20, "segment_pool_id": (0, 7)}]
+step("pause_kv_private", lambda: vmmshim.pause("kv"))
+step("resume_kv_private", lambda: vmmshim.resume("kv"))
+# the same tag's memory under a default-pool segment: routed
+cfg["segments"] = [{"address": plain, "total_size": 3 << 20, "segment_pool_id": (0, 0)},
+                   {"address": kv + (2 << 20), "total_size": 1 << 20, "segment_pool_id": (0, 0)}]
+step("pause_kv_default", lambda: vmmshim.pause("kv"))
+step("pause_optim_too", lambda: vmmshim.pause("optim"))
+step("capture", lambda: (torch.cuda.CUDAGraph().capture_begin(), torch.cuda.CUDAGraph().capture_end()))
+step("resume_kv", lambda: vmmshim.resume("kv"))
+step("resume_optim", lambda: vmmshim.resume("optim"))
+step("capture_unrouted", lambda: (torch.cuda.CUDAGraph().capture_begin(), torch.cuda.CUDAGraph().capture_end()))
+cfg["backend"] = "cudaMallocAsync"
+step("pause_async", vmmshim.pause)
+step("resume_async", vmmshim.resume)
+cfg["backend"], cfg["initialized"] = "native", False
+step("pause_uninitialized", vmmshim.pause)
+step("resume_uninitialized", vmmshim.resume)
+print(json.dumps(out))
+"""
+
+
+def main():
+    try:
+        run = subprocess.run([sys.executable, "-c", CHILD, str(PACKAGE)], capture_output=True, text=True,
+                             env=harness.preload_env(), timeout=120)
+        T.check(run.returncode == 0, f"the child under the shim: rc {run.returncode}\n{run.stdout}{run.stderr[-1500:]}")
+        if run.returncode != 0:
+            T.done()
+        out = json.loads(run.stdout.strip().splitlines()[-1])
+        logs = {k: v["log"] for k, v in out.items() if isinstance(v, dict)}
+        T.check(not out["torch_imported_by_us"] and logs["no_torch"] == [] and "error" not in out["no_torch"],
+                f"without torch imported: no call, and the package imports none: {out['no_torch']}")
+        pa = logs["pause_all"]
+        T.check(pa[:1] == [["clear", 0]], f"cuBLAS's workspaces go first, before anything is paused: {pa}")
+        begins = [e for e in pa if e[0] == "begin"]
+        T.check([e[1] for e in begins] == [0, 1] and begins[0][2] == begins[1][2],
+                f"a pause of everything routes both devices to one fresh pool: {pa}")
+        pool = begins[0][2] if begins else None
+        T.check(out["pause_again"].get("error") == "WrongState" and
+                [e for e in logs["pause_again"] if e[0] == "begin"] == [],
+                f"a refused pause adds no route: {out['pause_again']}")
+        T.check(logs["resume_kv_only"] == [], f"resuming one tag after a pause of everything keeps the route: "
+                f"{logs['resume_kv_only']}")
+        T.check(logs["resume_all"] == [["end", 0, pool], ["release", 0, pool], ["end", 1, pool], ["release", 1, pool]],
+                f"once everything is resumed the route ends and its pool is let go: {logs['resume_all']}")
+        T.check(logs["pause_kv_private"][:1] == [["clear", 0]] and
+                [e for e in logs["pause_kv_private"] if e[0] == "begin"] == [] and logs["resume_kv_private"] == [],
+                f"a tag under a private pool only: cleared, not routed: {logs['pause_kv_private']} "
+                f"{logs['resume_kv_private']}")
+        routed = [e for e in logs["pause_kv_default"] if e[0] == "begin"]
+        T.check(len(routed) == 2 and routed[0][2] != pool,
+                f"a tag under a default-pool segment is routed, to a new pool: {logs['pause_kv_default']}")
+        pool2 = routed[0][2] if routed else None
+        T.check([e for e in logs["pause_optim_too"] if e[0] != "clear"] == [],
+                f"a second tag's pause while routed adds no route: {logs['pause_optim_too']}")
+        T.check(logs["capture"] == [["end", 0, pool2], ["end", 1, pool2], ["capture_begin"], ["capture_end"],
+                                    ["begin", 0, pool2], ["begin", 1, pool2]],
+                f"a graph capture finds the route stepped aside, put back after: {logs['capture']}")
+        T.check(logs["resume_kv"] == [], f"one tag still paused: the route stays: {logs['resume_kv']}")
+        T.check(logs["resume_optim"] == [["end", 0, pool2], ["release", 0, pool2], ["end", 1, pool2],
+                                         ["release", 1, pool2]],
+                f"the last tag resumed ends the route: {logs['resume_optim']}")
+        T.check(logs["capture_unrouted"] == [["capture_begin"], ["capture_end"]],
+                f"with no route a capture is left alone: {logs['capture_unrouted']}")
+        T.check(logs["pause_async"] == [["clear", 0]] and logs["resume_async"] == [],
+                f"backend:cudaMallocAsync: cleared, never routed: {logs['pause_async']} {logs['resume_async']}")
+        T.check(logs["pause_uninitialized"] == [] and logs["resume_uninitialized"] == [] and
+                "error" not in out["pause_uninitialized"],
+                f"CUDA not started in torch: no call: {out['pause_uninitialized']}")
+    finally:
+        harness.cleanup()
+    T.done()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""PyTorch's side of vmmshim.pause and resume, so that a process keeps working while some of its
+memory sleeps.  Used only when the program imported torch itself and started CUDA; this module
+never imports torch.
+
+Two things in PyTorch outlive a pause without knowing of it:
+- the caching allocator keeps free blocks inside segments that are now paused, and hands them out
+  to the next tensor of a fitting size, on any thread;
+- cuBLAS keeps a workspace per handle and stream, made before the pause.
+So, around the shim's pause:
+- the cuBLAS workspaces are dropped first (the next matmul makes a new one where allocations go now);
+- with the native allocator (default and expandable_segments), while anything paused lies under a
+  pool the program allocates from without asking (the default pool: always after a pause of
+  everything; after a tag's pause only when the default pool has a segment in that tag's memory),
+  every thread's allocations on every device go to a fresh private pool, as PyTorch routes them
+  during a CUDA graph capture.  Once nothing is paused the route ends and the pool is let go:
+  tensors made while paused stay valid, and its free blocks go back to the device at the next
+  empty_cache() or when PyTorch runs short, as a captured graph's pool's do.
+- under backend:cudaMallocAsync the shim's own pool already never hands out paused memory.
+
+A CUDA graph captured while the route is on gets its memory from the graph's own pool: the route
+steps aside for the capture (torch.cuda.CUDAGraph.capture_begin / capture_end), and allocations of
+other threads during a capture go to the default pool then."""
+import sys
+import threading
+
+_lock = threading.RLock()
+_state = {"all": False, "tags": set(), "route": None, "steps_aside": 0}
+_capture_patched = False
+
+
+def _torch():
+    """The program's torch with CUDA started, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch if torch.cuda.is_initialized() else None
+    except Exception:  # a torch without CUDA, or a half-imported one
+        return None
+
+
+def _native(torch):
+    try:
+        return torch.cuda.get_allocator_backend() == "native"
+    except Exception:
+        return False
+
+
+def before_pause():
+    """Drop cuBLAS's workspaces before the shim pauses (a later matmul makes new ones)."""
+    torch = _torch()
+    if torch is None:
+        return
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+def _default_pool_paused(torch, tag):
+    """Whether a segment of PyTorch's default pool lies in paused memory of this process.  After
+    a pause of everything it does; after a tag's pause it does when a default-pool segment (or,
+    under expandable_segments, any page of one) overlaps an allocation the pause flagged."""
+    if tag is None:
+        return True
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except Exception:
+        return True  # cannot tell: route, which is always safe
+    default = [(s["address"], s["address"] + s["total_size"]) for s in segments
+               if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
+    if not default:
+        return False
+    import os
+    from . import Registry
+    try:
+        with Registry() as reg:
+            paused = [(a.address, a.address + a.size) for a in reg.allocations(os.getpid()) if a.paused]
+    except Exception:
+        return True
+    return any(lo < p_hi and p_lo < hi for lo, hi in default for p_lo, p_hi in paused)
+
+
+def _end_fn(torch):
+    return getattr(torch._C, "_cuda_endAllocateToPool", None) or torch._C._cuda_endAllocateCurrentStreamToPool
+
+
+def _route_begin(torch):
+    pool = torch.cuda.graph_pool_handle()
+    devices = list(range(torch.cuda.device_count()))
+    for d in devices:
+        torch._C._cuda_beginAllocateToPool(d, pool)
+    _state["route"] = (pool, devices)
+    _patch_capture(torch)
+
+
+def _route_end(torch, release):
+    pool, devices = _state["route"]
+    end = _end_fn(torch)
+    for d in devices:
+        end(d, pool)
+        if release:
+            torch._C._cuda_releasePool(d, pool)
+    if release:
+        _state["route"] = None
+
+
+def _patch_capture(torch):
+    """Make the route step aside while a CUDA graph is captured (PyTorch takes the first pool whose
+    filter matches, and the route's matches every stream)."""
+    global _capture_patched
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    if _capture_patched or graph is None:
+        return
+    begin, end = graph.capture_begin, graph.capture_end
+
+    def capture_begin(self, *args, **kwargs):
+        with _lock:
+            if _state["route"] is not None and _state["steps_aside"] == 0:
+                _route_end(torch, release=False)
+            if _state["route"] is not None:
+                _state["steps_aside"] += 1
+        return begin(self, *args, **kwargs)
+
+    def capture_end(self, *args, **kwargs):
+        try:
+            return end(self, *args, **kwargs)
+        finally:
+            with _lock:
+                if _state["route"] is not None and _state["steps_aside"] > 0:
+                    _state["steps_aside"] -= 1
+                    if _state["steps_aside"] == 0:
+                        pool, devices = _state["route"]
+                        for d in devices:
+                            torch._C._cuda_beginAllocateToPool(d, pool)
+
+    graph.capture_begin, graph.capture_end = capture_begin, capture_end
+    _capture_patched = True
+
+
+def after_pause(tag):
+    """The shim paused tag (None: everything): route new allocations away from paused memory."""
+    with _lock:
+        if tag is None:
+            _state["all"] = True
+        else:
+            _state["tags"].add(tag)
+        torch = _torch()
+        if torch is None or _state["route"] is not None or not _native(torch):
+            return
+        if _default_pool_paused(torch, tag):
+            _route_begin(torch)
+
+
+def after_resume(tag):
+    """The shim resumed tag (None: everything): once nothing is paused the route ends."""
+    with _lock:
+        if tag is None:
+            _state["all"] = False
+            _state["tags"].clear()
+        else:
+            _state["tags"].discard(tag)
+        if _state["all"] or _state["tags"] or _state["route"] is None:
+            return
+        torch = sys.modules.get("torch")
+        if _state["steps_aside"] == 0:
+            _route_end(torch, release=True)
+        else:  # ending inside a capture: the pool is let go once the capture ends and finds no route
+            pool, devices = _state["route"]
+            for d in devices:
+                torch._C._cuda_releasePool(d, pool)
+            _state["route"] = None
+            _state["steps_aside"] = 0
+
+
+def routed():
+    """(pool id, devices) while new allocations are routed away from paused memory, else None."""
+    with _lock:
+        return _state["route"]
