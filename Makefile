@@ -52,10 +52,11 @@ FUZZ_REPLAY := $(patsubst %,$(BUILD)/tests/test_fuzz_%,$(FUZZ_TARGETS))
 GEN_SEEDS := $(BUILD)/fuzz/gen_seeds
 CHECKSUMS_SO := $(BUILD)/tests/libchecksums.so
 TRACE_SO := $(BUILD)/tests/liballoc_trace.so
+NCCL_STANDIN_SO := $(BUILD)/tests/libnccl-standin.so
 PUBLIC_H := $(BUILD)/include/vmmshim.h
 
 .PHONY: all deps fuzz-deps test check fuzz fuzz-seeds test-gpu test-matrix bench-gpu demo install wheel cuda11 clean
-all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(FAKERT11_SO) $(CUDA11_EMU) $(TESTS) $(FUZZ_REPLAY) $(GEN_SEEDS) $(PROGS) $(CHECKSUMS_SO) $(TRACE_SO) $(PUBLIC_H)
+all: deps $(SHIM_SO) $(CLIENT_SO) $(CLIENT_A) $(VMMCTL) $(FAKE_SO) $(FAKERT_SO) $(FAKERT11_SO) $(CUDA11_EMU) $(TESTS) $(FUZZ_REPLAY) $(GEN_SEEDS) $(PROGS) $(CHECKSUMS_SO) $(TRACE_SO) $(NCCL_STANDIN_SO) $(PUBLIC_H)
 
 # Debian packages the build needs; installed when root, otherwise the exact command is printed.
 deps:
@@ -153,6 +154,11 @@ $(CHECKSUMS_SO): $(BUILD)/obj/tests/gpu/checksums.o
 $(TRACE_SO): $(BUILD)/obj/tests/gpu/alloc_trace.o
 	@mkdir -p $(dir $@)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ -ldl -pthread
+
+# A library named like NCCL that makes its own VMM memory (tests/progs/lib/nccl_standin.c).
+$(NCCL_STANDIN_SO): $(BUILD)/obj/tests/progs/lib/nccl_standin.o $(FAKE_SO)
+	@mkdir -p $(dir $@)
+	$(CC) -shared $(LDFLAGS) -o $@ $< -L$(BUILD)/fakecuda -l:libcuda.so.1
 
 $(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(CLIENT_A) $(CORE_A)
 	@mkdir -p $(dir $@)

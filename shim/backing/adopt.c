@@ -4,6 +4,7 @@
  * range of records (vmm_import_range).  The broker exports the handle mapped at a range through
  * cuMemRetainAllocationHandle, so a program that released its handle after mapping it (the usual
  * VMM idiom) stays importable. */
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -101,8 +102,20 @@ static void entry_free(handle_entry *e)
     free(e);
 }
 
+/* Whether code at caller lies in a communication library (by its file's name).  NCCL's own
+ * memory must stay through a pause of everything, or the program's next collective faults: only
+ * the memory NCCL exports to its peers would stay otherwise (vmm__adopt_shared). */
+static int comm_library(const void *caller)
+{
+    Dl_info info;
+    if (!caller || !dladdr(caller, &info) || !info.dli_fname) return 0;
+    const char *base = strrchr(info.dli_fname, '/');
+    base = base ? base + 1 : info.dli_fname;
+    return !strncmp(base, "libnccl", 7) || !strncmp(base, "librccl", 7) || !strncmp(base, "libnvshmem", 10);
+}
+
 CUresult vmm__adopt_create(vmm__mem_create_fn real, CUmemGenericAllocationHandle *handle, size_t size,
-                           const CUmemAllocationProp *prop, unsigned long long flags)
+                           const CUmemAllocationProp *prop, unsigned long long flags, const void *caller)
 {
     CUresult rc;
     int eligible = handle && prop && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
@@ -144,7 +157,8 @@ CUresult vmm__adopt_create(vmm__mem_create_fn real, CUmemGenericAllocationHandle
     e->tag = vmm__tag_current();
     e->prop = exportable ? with_fd : *prop;
     /* a tile pool's handle goes to cuMemMapArrayAsync, which the shim does not translate */
-    e->stand_in = vmm__adopt_sleeping() && !(prop->allocFlags.usage & CU_MEM_CREATE_USAGE_TILE_POOL);
+    e->stand_in = vmm__adopt_sleeping() && !(prop->allocFlags.usage & CU_MEM_CREATE_USAGE_TILE_POOL) &&
+                  !comm_library(caller);
     if (e->stand_in && vmm__adopt_is_stand_in(*handle)) {
         static int said;
         if (!__atomic_exchange_n(&said, 1, __ATOMIC_RELAXED))

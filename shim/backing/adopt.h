@@ -10,9 +10,11 @@
 typedef CUresult (*vmm__mem_create_fn)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
                                        unsigned long long);
 /* cuMemCreate with POSIX_FD added to the handle types the program asked for (never removing
- * one); if the driver refuses that, the program's own request, remembered as not exportable. */
+ * one); if the driver refuses that, the program's own request, remembered as not exportable.
+ * caller: the hook's return address; memory a communication library makes (NCCL, RCCL, NVSHMEM:
+ * its kernels, proxy thread and peers use it at any time) gets no stand-in, so no pause takes it. */
 CUresult vmm__adopt_create(vmm__mem_create_fn real, CUmemGenericAllocationHandle *handle, size_t size,
-                           const CUmemAllocationProp *prop, unsigned long long flags);
+                           const CUmemAllocationProp *prop, unsigned long long flags, const void *caller);
 /* Stand-in handles (VMMSHIM_SLEEP_ADOPTED=1): the program gets, for memory it makes itself, a
  * value the shim makes, so that the shim holds the driver's handle and can release and make it
  * again (vmm_pause, vmm_resume).  A stand-in is 0xFA57 in the top 16 bits and a counter below:

@@ -393,7 +393,7 @@ VMM_HOOK CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 {
     VMM_REAL_DRIVER(cuMemCreate, CUDA_ERROR_NOT_INITIALIZED);
     if (vmm__in_shim()) return real_(handle, size, prop, flags);
-    return vmm__adopt_create(real_, handle, size, prop, flags);
+    return vmm__adopt_create(real_, handle, size, prop, flags, __builtin_return_address(0));
 }
 
 /* A handle argument that is one of the shim's stand-ins (VMMSHIM_SLEEP_ADOPTED=1, adopt.h) is

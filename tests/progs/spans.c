@@ -28,7 +28,8 @@
  *   "v <index> <seed>" reads the buffer back (cudaMemcpy) and compares it with what "w" wrote;
  *                    answers "ok" or "error mismatch at word <k>"
  *   "m"              answers "ok <physical bytes> <handles> <host allocations> <cuMemHostAlloc calls>
- *                    <cuMemFreeHost calls> <cuMemcpyDtoHAsync calls> <cuMemcpyHtoDAsync calls>": the
+ *                    <cuMemFreeHost calls> <cuMemcpyDtoHAsync calls> <cuMemcpyHtoDAsync calls> <event records>
+ *                    <cuMemHostRegister calls> <most registers in flight at once>": the
  *                    emulated driver's live counts in this process, and its calls so far
  *   "b <bytes>"      the emulated device's memory budget (fakecuda_set_budget); answers "ok"
  *   "F"              forks a child that exits at once (through exit(), the shim's exit path); answers
@@ -49,6 +50,9 @@
  *                    again); answers "ok <cuMemMap's CUresult>"
  *   "X <index>"      cuMemExportToShareableHandle (POSIX fd) of the buffer's handle (the fd
  *                    closed); answers "ok <CUresult>"
+ *   "N <bytes>"      memory made the way NCCL makes its own, by code inside a library named like it
+ *                    (VMMSHIM_TEST_NCCL_LIB: build/tests/libnccl-standin.so); a buffer as any other
+ *                    ("w", "v"); answers "ok <index> 0x<address>"
  *   "q"              exits
  * A failure answers "error <what>". */
 #include <cuda.h>
@@ -244,10 +248,10 @@ int main(void)
             struct fakecuda_counters c;
             if (counters_now(&c) == 0) {
                 /* pinned host buffers, however made: cuMemHostAlloc'd or the program's page-locked */
-                printf("ok %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", c.phys_bytes_live, c.handles_live,
+                printf("ok %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", c.phys_bytes_live, c.handles_live,
                        c.host_allocs_live + c.host_registered_live, c.calls_cuMemHostAlloc + c.calls_cuMemHostRegister,
                        c.calls_cuMemFreeHost + c.calls_cuMemHostUnregister, c.calls_cuMemcpyDtoHAsync, c.calls_cuMemcpyHtoDAsync,
-                       c.calls_cuEventRecord, c.calls_cuMemHostRegister);
+                       c.calls_cuEventRecord, c.calls_cuMemHostRegister, c.host_register_peak);
             } else {
                 printf("error no emulated driver\n");
             }
@@ -289,6 +293,22 @@ int main(void)
                 n++;
             } else {
                 printf("error %s %d\n", at, (int)r);
+            }
+        } else if (line[0] == 'N' && sscanf(line + 1, "%llu", &a) == 1 && n < MAX_BUFS) {
+            const char *path = getenv("VMMSHIM_TEST_NCCL_LIB");
+            void *lib = path ? dlopen(path, RTLD_NOW) : NULL, *sym = lib ? dlsym(lib, "nccl_standin_alloc") : NULL;
+            CUresult (*make)(size_t, CUdeviceptr *) = NULL;
+            memcpy(&make, &sym, sizeof make);
+            CUdeviceptr va = 0;
+            CUresult r = CUDA_ERROR_NOT_FOUND;
+            (void)cudaFree(0);
+            if (make && (r = make((size_t)a, &va)) == CUDA_SUCCESS) {
+                buf[n] = (void *)(uintptr_t)va;
+                size[n] = (size_t)a;
+                printf("ok %d 0x%llx\n", n, (unsigned long long)va);
+                n++;
+            } else {
+                printf("error nccl_standin_alloc %d %s\n", (int)r, make ? "" : dlerror());
             }
         } else if (line[0] == 'U' && sscanf(line + 1, "%llu", &a) == 1 && a < (unsigned long long)n) {
             CUdeviceptr va = (CUdeviceptr)(uintptr_t)buf[a];

@@ -248,6 +248,40 @@ static void shared(void)
     owner_stop();
 }
 
+/* Memory NCCL makes (code in a library named libnccl*: its kernels, proxy and peers use it at any
+ * time) gets no stand-in and stays through a pause of everything, reported in bytes_not_shim, while
+ * the same kind of memory made by the program goes. */
+static void comm(void)
+{
+    setenv("VMMSHIM_SLEEP_ADOPTED", "1", 1);
+    char lib[600];
+    snprintf(lib, sizeof lib, "%s/tests/libnccl-standin.so", g_build);
+    setenv("VMMSHIM_TEST_NCCL_LIB", lib, 1);
+    CHECK(spans_start(), "cannot start the owner");
+    owner_mem_t m0 = owner_mem();
+    uint64_t a_addr = 0, a_h = 0;
+    int a = own_filled(4 * MIB, 1, 501, &a_addr, &a_h);
+    char line[256];
+    int c = -1;
+    CHECK(owner_cmd(line, "N %llu", (unsigned long long)(2 * MIB)) && sscanf(line, "ok %d", &c) == 1, "N: %s", line);
+    CHECK(a >= 0 && c >= 0 && owner_cmd(NULL, "w %d 502", c), "the owner could not map its memory");
+    CHECK(is_stand_in(a_h), "the program's own handle is a stand-in: 0x%llx", (unsigned long long)a_h);
+    owner_mem_t m1 = owner_mem();
+    sleep_ans p = sleep_cmd("P 0");
+    owner_mem_t m2 = owner_mem();
+    CHECK(p.ok, "pause: %s", p.line);
+    CHECK_EQ(p.released, 4 * MIB);
+    CHECK_EQ(p.not_shim, 2 * MIB);
+    CHECK_EQ(m1.phys - m2.phys, 4 * MIB); /* NCCL's memory stayed on the device */
+    CHECK(verify(c, 502), "NCCL's memory stays mapped and readable while the rest sleeps");
+    sleep_ans r = sleep_cmd("R");
+    CHECK(r.ok && r.released == 4 * MIB && r.not_shim == 2 * MIB, "resume: %s", r.line);
+    CHECK(verify(a, 501) && verify(c, 502), "both after the resume");
+    CHECK_EQ(owner_mem().phys - m0.phys, 6 * MIB);
+    owner_stop();
+    unsetenv("VMMSHIM_TEST_NCCL_LIB");
+}
+
 /* VMMSHIM_SLEEP_ADOPTED=0 (the default): the program's memory stays, reported. */
 static void without(void)
 {
@@ -284,6 +318,7 @@ int main(void)
     with_stand_ins();
     marks();
     shared();
+    comm();
     without();
     char path[128];
     snprintf(path, sizeof path, "/dev/shm%s", g_reg);
