@@ -123,10 +123,30 @@ static void drop_kept_locked(vmm__sleep_io *io)
             if (vmm__sleep_holds(r->kept)) vmm__sleep_kept_done(&r->kept);
 }
 
+/* The pinned buffers the chosen handles' ranges lack, made at once (sleep_copy.c). */
+static void pin_ahead_locked(void)
+{
+    size_t n = 0;
+    for (handle_entry *e = A.handles; e; e = e->hh.next)
+        for (range *r = e->mark ? e->ranges : NULL; r; r = r->next_of) n++;
+    void ***slots = n ? malloc(n * sizeof *slots) : NULL;
+    uint64_t *sizes = n ? malloc(n * sizeof *sizes) : NULL;
+    size_t i = 0;
+    for (handle_entry *e = slots && sizes ? A.handles : NULL; e; e = e->hh.next)
+        for (range *r = e->mark ? e->ranges : NULL; r; r = r->next_of) {
+            slots[i] = &r->kept;
+            sizes[i++] = r->size;
+        }
+    if (i) (void)vmm__sleep_pin_ahead(slots, sizes, i);
+    free(slots);
+    free(sizes);
+}
+
 /* Keep the chosen handles' access and contents (copies queued, with marks (sleep.h) naming the last
  * handle copied): 0, or an error with the copies waited for and nothing kept. */
 static int keep_chosen_locked(unsigned flags, int ndev, vmm__sleep_io *io, vmm__sleep_marks *mk, char *why, size_t len)
 {
+    if (!flags) pin_ahead_locked();
     for (handle_entry *e = A.handles; e; e = e->hh.next) {
         if (!e->mark) continue;
         int pushed = push(e->ctx);

@@ -39,6 +39,7 @@ typedef struct vseg {
     /* Paused (sleep.c): the handle is released and nothing is mapped at the segment's place; its
      * reservation stays, and resume maps a fresh handle there under a new id. */
     int paused;
+    int guarded; /* paused, and the device's scratch chunk mapped at its place (guard.c) */
     uint64_t id;
     uint8_t fabric[64];
 } vseg;
@@ -69,6 +70,9 @@ typedef struct device_state {
     uint64_t release_threshold; /* the default pool's, as the program set it */
     CUevent *events;            /* pool of timing-free events */
     size_t n_events, cap_events;
+    /* VMMSHIM_PAUSE_GUARD (guard.c): the chunk paused segments are mapped onto, and its own view */
+    CUmemGenericAllocationHandle scratch;
+    CUdeviceptr scratch_va;
 } device_state;
 
 /* Driver entry points, resolved once (state.c). */
@@ -178,6 +182,13 @@ device_state *vmm__dev_of_block(const vmm__block *b);
 vmm__seg *vmm__span_of(const vmm__block *b, uint32_t *n, uint64_t *bytes);
 /* The access a segment of pool synchronous_pool ? 0 : 1 of d is mapped with: the descriptors' count. */
 int vmm__access_list(device_state *d, CUmemAccessDesc *acc, int synchronous_pool);
+/* VMMSHIM_PAUSE_GUARD (guard.c): whether it is on; d's scratch chunk mapped over a paused
+ * segment's place (0, or -1 with nothing mapped), unmapped again; and the bytes written into the
+ * scratch since the last check (*first: the offset of the first), zeroed again. */
+int vmm__guard_on(void);
+int vmm__guard_map(device_state *d, CUdeviceptr base, uint64_t size, const CUmemAccessDesc *acc, size_t n_acc);
+void vmm__guard_unmap(device_state *d, CUdeviceptr base, uint64_t size);
+uint64_t vmm__guard_check(device_state *d, uint64_t *first);
 /* Export a fresh segment's handle as the options say (pidfd's fd, fabric). */
 void vmm__export_seg(vseg *c);
 

@@ -99,6 +99,7 @@ static void seg_destroy(void *ctx, vmm__seg *ps)
     (void)ctx;
     vseg *c = ps->mech;
     if (c->paused) { /* emptied while paused: its handle went at the pause, nothing is mapped */
+        if (c->guarded) vmm__guard_unmap(&vmm__S.dev[c->dev], ps->base, ps->size); /* but the scratch */
         free(c);
         return;
     }

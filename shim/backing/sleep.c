@@ -171,6 +171,25 @@ static uint64_t not_shim_locked(void)
 
 /* ---- pause ---- */
 
+/* VMMSHIM_PAUSE_GUARD: the scratch chunk at the place of paused segment s, with the access its
+ * memory had (a failure leaves it unmapped, as without the guard). */
+static void guard(vmm__seg *s)
+{
+    vseg *c = s->mech;
+    if (!vmm__guard_on()) return;
+    device_state *d = &vmm__S.dev[c->dev];
+    CUmemAccessDesc acc[MAX_DEVICES];
+    size_t n = (size_t)vmm__access_list(d, acc, vmm__pool_kind(d, s->arena->pool) == 0);
+    c->guarded = vmm__guard_map(d, s->base, s->size, acc, n) == 0;
+}
+
+static void unguard(vmm__seg *s)
+{
+    vseg *c = s->mech;
+    if (c->guarded) vmm__guard_unmap(&vmm__S.dev[c->dev], s->base, s->size);
+    c->guarded = 0;
+}
+
 static void release_seg(vmm__seg *s)
 {
     vseg *c = s->mech;
@@ -188,6 +207,7 @@ static void release_seg(vmm__seg *s)
                  unmap ? "cuMemUnmap" : "cuMemRelease", (unsigned long long)s->size, (int)(unmap ? unmap : release));
     c->handle = 0;
     c->paused = 1;
+    guard(s);
 }
 
 /* A released segment's key and size, for the wait for its holders (a failed growth leaves that
@@ -338,6 +358,38 @@ static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_i
     return rc;
 }
 
+/* The pinned buffers the chosen pools' live allocations lack, made at once (sleep_copy.c). */
+static void pin_ahead_locked(const char *tag)
+{
+    size_t n = 0, cap = 0;
+    void ***slots = NULL;
+    uint64_t *sizes = NULL;
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        vmm__pool *pools[MAX_POOLS];
+        int np = pools_of(&vmm__S.dev[i], tag, pools, MAX_POOLS);
+        for (int k = 0; k < np; k++)
+            for (vmm__arena *a = pools[k]->arenas; a; a = a->next)
+                for (vmm__block *b = a->paused ? NULL : a->first; b; b = b->next) {
+                    if (b->free || !b->live) continue;
+                    if (n == cap) {
+                        size_t c = cap ? 2 * cap : 256;
+                        void ***s = realloc(slots, c * sizeof *s);
+                        if (s) slots = s;
+                        uint64_t *z = s ? realloc(sizes, c * sizeof *z) : NULL;
+                        if (z) sizes = z;
+                        if (!s || !z) goto pin; /* what was gathered still goes ahead */
+                        cap = c;
+                    }
+                    slots[n] = &b->kept;
+                    sizes[n++] = b->requested;
+                }
+    }
+pin:
+    if (n) (void)vmm__sleep_pin_ahead(slots, sizes, n);
+    free(slots);
+    free(sizes);
+}
+
 int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char *why, size_t len)
 {
     memset(out, 0, sizeof *out);
@@ -371,6 +423,7 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
     else if (paused && !awake) rc = vmm__sleep_say(why, len, -EALREADY, "already paused: resume first");
     vmm__sleep_io io = {0};
     if (!rc && (flags & VMM_PAUSE_FILE)) rc = vmm__sleep_io_file(&io, why, len);
+    if (!rc && !flags) pin_ahead_locked(tag);
     for (int i = 0; i < MAX_DEVICES && !rc; i++) {
         vmm__pool *pools[MAX_POOLS];
         int np = pools_of(&vmm__S.dev[i], tag, pools, MAX_POOLS);
@@ -420,8 +473,10 @@ static int remap_seg(device_state *d, vmm__seg *s)
     CUresult rc = vmm__cu.MemCreate(&h, s->size, &p, 0);
     if (rc != CUDA_SUCCESS) return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
     CUmemAccessDesc acc[MAX_DEVICES];
+    unguard(s);
     if ((rc = vmm__cu.MemMap(s->base, s->size, 0, h, 0)) != CUDA_SUCCESS) {
         (void)VMM__TWICE(vmm__cu.MemRelease(h));
+        guard(s);
         return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
     }
     /* the access it would get now: peer grants made while paused count too */
@@ -429,6 +484,7 @@ static int remap_seg(device_state *d, vmm__seg *s)
         CUDA_SUCCESS) {
         (void)VMM__TWICE(vmm__cu.MemUnmap(s->base, s->size));
         (void)VMM__TWICE(vmm__cu.MemRelease(h));
+        guard(s);
         return rc == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
     }
     c->handle = h;
@@ -458,6 +514,7 @@ static void settle_remapped(const char *tag, int commit, vmm__sleep_out *out)
                 (void)VMM__TWICE(vmm__cu.MemRelease(c->handle));
                 c->handle = 0;
                 c->paused = 1;
+                guard(s);
             }
     }
 }
@@ -559,6 +616,14 @@ int vmm__sleep_resume(const char *tag, vmm__sleep_out *out, char *why, size_t le
     }
     vmm__sleep_io_end(&io);
     out->not_shim = not_shim_locked() + a_left;
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        uint64_t first, written = vmm__S.dev[i].scratch_va ? vmm__guard_check(&vmm__S.dev[i], &first) : 0;
+        if (written)
+            vmm__log(VMM__LOG_WARNING, "resume: while paused, kernels wrote %llu bytes into paused memory on device %d "
+                     "(the first at offset 0x%llx of a %zu-byte piece); VMMSHIM_PAUSE_GUARD took them into a scratch "
+                     "chunk, so they are lost: the program touched memory it had paused", (unsigned long long)written, i,
+                     (unsigned long long)first, vmm__S.dev[i].granularity);
+    }
     pthread_mutex_unlock(&vmm__S.lock);
     /* a keeper takes the new chunks at once: the records changed without a publish it would see */
     if (out->segments && vmm__S.registry_ok) vmm__keep_ring(&vmm__S.reg, 0);

@@ -94,6 +94,10 @@ void vmm__sleep_marks_end(vmm__sleep_marks *mk);
  * memory before vmm__sleep_wait.  0, or -ENOMEM, -ENOSPC, -EIO with nothing held (*kept is then
  * NULL or idle again). */
 int vmm__sleep_keep(vmm__sleep_io *io, CUdeviceptr addr, uint64_t n, void **kept);
+/* Before a kept pause's copies to host memory: the pinned buffers its vmm__sleep_keep calls would
+ * make one by one (slots[i] for sizes[i] bytes) made now, on several threads, and left in the
+ * slots for keep to copy into.  What cannot be made here keep makes itself.  Returns how many. */
+int vmm__sleep_pin_ahead(void **slots[], const uint64_t sizes[], size_t n);
 /* Whether kept holds contents (a discarded pause keeps none, an idle buffer holds none). */
 int vmm__sleep_holds(const void *kept);
 /* Copy the kept contents back to addr (context current); maybe queued, as vmm__sleep_keep's.

@@ -246,31 +246,167 @@ void vmm__sleep_marks_end(vmm__sleep_marks *mk)
 
 /* ---- pinned buffers ---- */
 
+/* An anonymous mapping of n bytes (rounded up to pages, *len) for a pinned buffer, not yet touched,
+ * from a 2 MiB boundary so that the kernel can back all but the tail with huge pages; NULL when
+ * the driver cannot register host memory or the mapping fails. */
+static char *host_map(uint64_t n, size_t *len)
+{
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    if (!vmm__cu.MemHostRegister || !vmm__cu.MemHostUnregister || n > SIZE_MAX - 2 * HUGE_PAGE) return NULL;
+    size_t align = n >= HUGE_PAGE ? HUGE_PAGE : page, span;
+    *len = (n + page - 1) / page * page;
+    span = *len + align - page;
+    char *m = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return NULL;
+    char *p = (char *)(((uintptr_t)m + align - 1) & ~(uintptr_t)(align - 1));
+    if (p > m) munmap(m, (size_t)(p - m));
+    if (p + *len < m + span) munmap(p + *len, (size_t)(m + span - (p + *len)));
+    (void)madvise(p, *len, MADV_HUGEPAGE); /* refused where huge pages are off: small pages then */
+    (void)madvise(p, *len, MADV_DONTFORK); /* a fork child never sees the parent's buffers */
+    return p;
+}
+
+/* Faulted here, not one page at a time by the driver. */
+static void host_touch(char *p, size_t len)
+{
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    for (size_t i = 0; i < len; i += page) p[i] = 0;
+}
+
 /* n bytes of pinned host memory, *mapped set as kept.mapped says; NULL when neither way works. */
 static void *pinned_new(uint64_t n, uint64_t *mapped)
 {
+    size_t len;
+    char *p = host_map(n, &len);
     *mapped = 0;
-    size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    if (vmm__cu.MemHostRegister && vmm__cu.MemHostUnregister && n <= SIZE_MAX - 2 * HUGE_PAGE) {
-        /* from a 2 MiB boundary, so the kernel can back all but the tail with huge pages */
-        size_t align = n >= HUGE_PAGE ? HUGE_PAGE : page, len = (n + page - 1) / page * page, span = len + align - page;
-        char *m = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (m != MAP_FAILED) {
-            char *p = (char *)(((uintptr_t)m + align - 1) & ~(uintptr_t)(align - 1));
-            if (p > m) munmap(m, (size_t)(p - m));
-            if (p + len < m + span) munmap(p + len, (size_t)(m + span - (p + len)));
-            (void)madvise(p, len, MADV_HUGEPAGE); /* refused where huge pages are off: small pages then */
-            (void)madvise(p, len, MADV_DONTFORK); /* a fork child never sees the parent's buffers */
-            for (size_t i = 0; i < len; i += page) p[i] = 0; /* faulted here, not one page at a time by the driver */
-            if (vmm__cu.MemHostRegister(p, len, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS) {
-                *mapped = len;
-                return p;
-            }
-            munmap(p, len);
+    if (p) {
+        host_touch(p, len);
+        if (vmm__cu.MemHostRegister(p, len, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS) {
+            *mapped = len;
+            return p;
         }
+        munmap(p, len);
     }
     void *h = NULL;
     return vmm__cu.MemHostAlloc && vmm__cu.MemHostAlloc(&h, n, 0) == CUDA_SUCCESS ? h : NULL;
+}
+
+static void host_free(kept *k);
+static int idle_reserve(uint64_t n);
+
+/* ---- pinning ahead, on several threads ----
+ * A process's first kept pause pins a buffer for every allocation; faulting the pages in is most
+ * of that (~190 ms a GiB on one thread), and it scales with threads.  So the buffers a pause is
+ * about to need are made together: each is cut into pieces that up to PIN_THREADS threads fault in
+ * at once, and the thread that faults a buffer's last piece registers it. */
+#define PIN_THREADS 16
+#define PIN_PIECE (64ull << 20)
+
+typedef struct pin_job {
+    void **slot;
+    uint64_t n;
+    char *p;
+    size_t len;
+    unsigned pieces, left; /* left: atomic */
+    int ok;
+} pin_job;
+
+typedef struct pin_work {
+    pin_job *jobs;
+    size_t n_jobs, n_pieces, next; /* next: the next piece to take, atomic */
+    size_t *job_of, *first;        /* per piece its job; per job its first piece */
+    CUcontext ctx;                 /* cuMemHostRegister wants a context current */
+} pin_work;
+
+static void *pin_worker(void *arg)
+{
+    pin_work *w = arg;
+    int pushed = -1;
+    for (;;) {
+        size_t i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
+        if (i >= w->n_pieces) break;
+        pin_job *j = &w->jobs[w->job_of[i]];
+        size_t off = (i - w->first[w->job_of[i]]) * PIN_PIECE, piece = j->len - off < PIN_PIECE ? j->len - off : PIN_PIECE;
+        host_touch(j->p + off, piece);
+        if (__atomic_sub_fetch(&j->left, 1, __ATOMIC_ACQ_REL)) continue;
+        if (pushed < 0) pushed = vmm__sleep_push(w->ctx);
+        j->ok = vmm__cu.MemHostRegister(j->p, j->len, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+    }
+    if (pushed > 0) vmm__sleep_pop();
+    return NULL;
+}
+
+static unsigned pin_threads(size_t pieces)
+{
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    size_t t = cpus > 0 ? (size_t)cpus : 1;
+    if (t > PIN_THREADS) t = PIN_THREADS;
+    return (unsigned)(t < pieces ? t : pieces);
+}
+
+/* Whether keep would pin a new buffer for n bytes in slot. */
+static int needs_pinning(void *const *slot, uint64_t n)
+{
+    const kept *k = *slot;
+    if (n < PINNED_MIN) return 0;
+    if (k && k->epoch != epoch_now()) return 0; /* a parent's: keep deals with it */
+    return !k || !k->host || k->cap < n;
+}
+
+int vmm__sleep_pin_ahead(void **slots[], const uint64_t sizes[], size_t n)
+{
+    pin_work w = {0};
+    size_t made = 0;
+    if (!(w.jobs = calloc(n ? n : 1, sizeof *w.jobs)) || !(w.first = calloc(n ? n : 1, sizeof *w.first))) goto out;
+    for (size_t i = 0; i < n; i++) {
+        /* only what the host cache may keep idle: a buffer past it is made and given back by the
+         * pause and resume themselves, as before */
+        if (!needs_pinning(slots[i], sizes[i]) || !idle_reserve(sizes[i])) continue;
+        pin_job *j = &w.jobs[w.n_jobs];
+        if (!(j->p = host_map(sizes[i], &j->len))) {
+            __atomic_sub_fetch(&idle_bytes, sizes[i], __ATOMIC_RELAXED);
+            continue;
+        }
+        j->slot = slots[i];
+        j->n = sizes[i];
+        j->pieces = j->left = (unsigned)((j->len + PIN_PIECE - 1) / PIN_PIECE);
+        w.first[w.n_jobs++] = w.n_pieces;
+        w.n_pieces += j->pieces;
+    }
+    if (!w.n_jobs || !(w.job_of = malloc(w.n_pieces * sizeof *w.job_of))) goto out;
+    for (size_t j = 0; j < w.n_jobs; j++)
+        for (unsigned k = 0; k < w.jobs[j].pieces; k++) w.job_of[w.first[j] + k] = j;
+    if (vmm__cu.CtxGetCurrent(&w.ctx) != CUDA_SUCCESS) w.ctx = NULL;
+    pthread_t th[PIN_THREADS];
+    unsigned started = 0, want = pin_threads(w.n_pieces);
+    while (started + 1 < want && pthread_create(&th[started], NULL, pin_worker, &w) == 0) started++;
+    pin_worker(&w); /* this thread too, the current context already its own */
+    for (unsigned t = 0; t < started; t++) pthread_join(th[t], NULL);
+    for (size_t i = 0; i < w.n_jobs; i++) {
+        pin_job *j = &w.jobs[i];
+        kept *k = *j->slot;
+        if (j->ok && !k && (k = calloc(1, sizeof *k))) {
+            k->epoch = epoch_now();
+            *j->slot = k;
+        }
+        if (!j->ok || !k) {
+            if (j->ok) vmm__cu.MemHostUnregister(j->p);
+            munmap(j->p, j->len);
+            __atomic_sub_fetch(&idle_bytes, j->n, __ATOMIC_RELAXED);
+            continue;
+        }
+        host_free(k); /* a smaller buffer of an earlier cycle */
+        k->host = j->p;
+        k->cap = j->n;
+        k->mapped = j->len;
+        k->pinned = k->idle = 1; /* as one kept from an earlier cycle: counted, and left so if the pause fails */
+        made++;
+    }
+out:
+    free(w.jobs);
+    free(w.first);
+    free(w.job_of);
+    return (int)made;
 }
 
 static void pinned_free(void *p, uint64_t mapped)
@@ -290,6 +426,17 @@ static void idle_leave(kept *k)
     if (!k->idle) return;
     __atomic_sub_fetch(&idle_bytes, k->cap, __ATOMIC_RELAXED);
     k->idle = 0;
+}
+
+/* n more idle pinned bytes, if the process's fit VMMSHIM_PAUSE_HOST_CACHE with them: 1, counted;
+ * a CAS so that two calls at once (the pools' and the adopted memory's locks differ) never
+ * overshoot it. */
+static int idle_reserve(uint64_t n)
+{
+    uint64_t cap = vmm__opt_size(VMM__OPT_PAUSE_HOST_CACHE), cur = __atomic_load_n(&idle_bytes, __ATOMIC_RELAXED);
+    while (cur + n <= cap && !__atomic_compare_exchange_n(&idle_bytes, &cur, cur + n, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+    return cur + n <= cap;
 }
 
 static void host_free(kept *k)
@@ -340,15 +487,7 @@ void vmm__sleep_kept_done(void **pk)
     }
     file_forget(k);
     k->full = 0;
-    if (k->host && k->pinned && !k->idle) {
-        /* idle while the process's idle pinned bytes fit the cap; a CAS so that two resumes at
-         * once (the pools' and the adopted memory's locks differ) never overshoot it */
-        uint64_t cap = vmm__opt_size(VMM__OPT_PAUSE_HOST_CACHE), cur = __atomic_load_n(&idle_bytes, __ATOMIC_RELAXED);
-        while (cur + k->cap <= cap &&
-               !__atomic_compare_exchange_n(&idle_bytes, &cur, cur + k->cap, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-        }
-        k->idle = cur + k->cap <= cap;
-    }
+    if (k->host && k->pinned && !k->idle) k->idle = idle_reserve(k->cap);
     if (!k->idle) host_free(k);
     if (!k->host) {
         free(k);

@@ -145,6 +145,12 @@ static const opt_desc opt_table[VMM__OPT_COUNT] = {
         "segments, XLA's arena, NCCL): the shim keeps the driver's handle and gives the program a stand-in value "
         "it translates in every call taking a handle. 0 leaves that memory on the device through a pause, counted "
         "in `bytes_not_shim`."),
+    OPT(PAUSE_GUARD, T_BOOL, "0", 0, 0, NULL, NULL,
+        "A debugging aid: paused memory is mapped onto one 2 MiB scratch chunk per device instead of nothing, so a "
+        "kernel that touches it reads zeros and writes nowhere that matters instead of faulting the context; the "
+        "resume then names the device and how many bytes were written while paused. Costs one cuMemMap a 2 MiB "
+        "of paused memory at each pause and resume. The program's own VMM memory (VMMSHIM_SLEEP_ADOPTED) is not "
+        "guarded."),
 };
 
 typedef struct {

@@ -36,6 +36,7 @@ typedef enum {
     VMM__OPT_PAUSE_HOST_CACHE,
     VMM__OPT_REMOTE_PAUSE,
     VMM__OPT_SLEEP_ADOPTED,
+    VMM__OPT_PAUSE_GUARD,
     VMM__OPT_COUNT
 } vmm__opt_id;
 

@@ -155,6 +155,8 @@ static void pending_flush_through(unsigned long long seq);
 static unsigned long long g_export_delay_us; /* each POSIX fd export takes this long (an H100: ~600) */
 static unsigned long long g_unmap_delay_us;  /* each cuMemUnmap takes this long */
 static unsigned long long g_access_delay_us; /* each cuMemSetAccess takes this long (FAKECUDA_ACCESS_DELAY_US) */
+static unsigned long long g_register_delay_us; /* each cuMemHostRegister takes this long (FAKECUDA_HOST_REGISTER_DELAY_US) */
+static unsigned long long g_registering;       /* cuMemHostRegister calls in flight */
 static int g_initialized;
 static unsigned long long g_used[FC_MAX_DEV];
 static struct fc_ctx g_ctx[FC_MAX_DEV];
@@ -505,6 +507,7 @@ __attribute__((constructor)) static void fc_load(void)
     if ((s = getenv("FAKECUDA_EVENT_DELAY_US")) && *s) g_delay_us = strtoull(s, NULL, 10);
     if ((s = getenv("FAKECUDA_COPY_DELAY_US")) && *s) g_copy_delay_us = strtoull(s, NULL, 10);
     if ((s = getenv("FAKECUDA_ACCESS_DELAY_US")) && *s) g_access_delay_us = strtoull(s, NULL, 10);
+    if ((s = getenv("FAKECUDA_HOST_REGISTER_DELAY_US")) && *s) g_register_delay_us = strtoull(s, NULL, 10);
     if ((s = getenv("FAKECUDA_ASYNC_DEFER")) && *s && strcmp(s, "0")) g_async_defer = 1;
     if ((s = getenv("FAKECUDA_COUNTERS_AT_EXIT")) && *s) snprintf(g_counters_path, sizeof g_counters_path, "%s", s);
     for (int i = 0; i < FC_MAX_DEV; i++) {
@@ -2166,6 +2169,14 @@ FC_API CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flag
     if (!r) return CUDA_ERROR_OUT_OF_MEMORY;
     r->base = base;
     r->size = bytesize;
+    if (g_register_delay_us) { /* outside the lock, as a driver pinning pages: calls overlap */
+        unsigned long long now = __atomic_add_fetch(&g_registering, 1, __ATOMIC_RELAXED);
+        LOCK();
+        if (now > g_cnt.host_register_peak) g_cnt.host_register_peak = now;
+        UNLOCK();
+        usleep((useconds_t)g_register_delay_us);
+        __atomic_sub_fetch(&g_registering, 1, __ATOMIC_RELAXED);
+    }
     LOCK(); /* checked and added under one hold: two overlapping registers cannot both pass */
     HASH_ITER(hh, g_registered, q, tmp) {
         if (base < q->base + q->size && q->base < base + bytesize) {

@@ -76,6 +76,8 @@
     X(calls_cuMemFreeHost)   /* successful cuMemFreeHost calls */                              \
     X(calls_cuMemHostRegister)   /* successful cuMemHostRegister calls */                      \
     X(calls_cuMemHostUnregister) /* successful cuMemHostUnregister calls */                    \
+    X(host_register_peak)    /* most cuMemHostRegister calls in flight at once (with           \
+                                FAKECUDA_HOST_REGISTER_DELAY_US they overlap) */               \
     X(calls_cuMemcpyHtoDAsync) /* both exported variants */                                    \
     X(calls_legacy_abi)      /* pre-3.2 entry points with 32-bit pointers: always a bug */     \
     X(failures_injected)

@@ -120,7 +120,7 @@ static inline int owner_alloc_with(char how, uint64_t bytes, uint64_t *addr)
  * the calls of cuMemcpyDtoHAsync, cuMemcpyHtoDAsync and cuEventRecord, and of cuMemHostRegister. */
 typedef struct owner_mem_t {
     unsigned long long phys, handles, host;
-    unsigned long long host_made, host_freed, dtoh_async, htod_async, event_records, registered;
+    unsigned long long host_made, host_freed, dtoh_async, htod_async, event_records, registered, register_peak;
 } owner_mem_t;
 
 static inline owner_mem_t owner_mem(void)
@@ -128,11 +128,53 @@ static inline owner_mem_t owner_mem(void)
     owner_mem_t m;
     memset(&m, 0, sizeof m);
     char a[256];
-    if (!owner_cmd(a, "m") || sscanf(a, "ok %llu %llu %llu %llu %llu %llu %llu %llu %llu", &m.phys, &m.handles, &m.host,
+    if (!owner_cmd(a, "m") || sscanf(a, "ok %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu", &m.phys, &m.handles, &m.host,
                                      &m.host_made, &m.host_freed, &m.dtoh_async, &m.htod_async, &m.event_records,
-                                     &m.registered) != 9)
+                                     &m.registered, &m.register_peak) != 10)
         fprintf(stderr, "owner: m: %s", a);
     return m;
+}
+
+/* An owner with these settings ("NAME=value", NULL-ended, at most 7); its stderr, when a path is
+ * given, goes to that file. */
+static inline bool spans_start_env(char *const *env, const char *stderr_path)
+{
+    int i = 0;
+    for (; env && *env && i < 7; env++) g_owner_env[i++] = *env;
+    g_owner_env[i] = NULL;
+    int saved = -1;
+    if (stderr_path) {
+        int fd = open(stderr_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        saved = dup(2);
+        dup2(fd, 2);
+        close(fd);
+    }
+    bool ok = spans_start();
+    if (saved >= 0) {
+        dup2(saved, 2);
+        close(saved);
+    }
+    return ok;
+}
+
+/* The same, its stderr to a fresh file made from the mkstemp template path. */
+static inline bool owner_logging(char *const *env, char *path)
+{
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    if (fd < 0) return false;
+    close(fd);
+    return spans_start_env(env, path);
+}
+
+/* What that owner wrote to its stderr (read once it stopped); the file goes. */
+static inline void owner_log_read(const char *path, char *text, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(text, 1, cap - 1, f) : 0;
+    text[n] = 0;
+    if (f) fclose(f);
+    unlink(path);
 }
 
 /* Allocate and fill with `w <index> <seed>`: the index, or -1. */

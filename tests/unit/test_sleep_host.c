@@ -41,43 +41,18 @@ static void spans_stop(void)
  * when given, becomes the file's. */
 static bool owner_with(char *const *env, const char *stderr_path)
 {
-    int i = 0;
-    g_owner_env[i++] = defer_env;
-    for (; env && *env && i < 7; env++) g_owner_env[i++] = *env;
-    g_owner_env[i] = NULL;
-    int saved = -1;
-    if (stderr_path) {
-        int fd = open(stderr_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-        saved = dup(2);
-        dup2(fd, 2);
-        close(fd);
-    }
-    bool ok = spans_start();
-    if (saved >= 0) {
-        dup2(saved, 2);
-        close(saved);
-    }
-    return ok;
+    char *all[8] = {defer_env};
+    for (int i = 1; env && *env && i < 7; env++) all[i++] = *env;
+    return spans_start_env(all, stderr_path);
 }
 
-/* An owner with these settings whose stderr goes to a fresh file made from the mkstemp template path. */
-static bool owner_logging(char *const *env, char *path)
+/* An owner with these settings besides the deferred copies, its stderr to a fresh file made from the
+ * mkstemp template path. */
+static bool owner_with_log(char *const *env, char *path)
 {
-    int fd = mkstemp(path);
-    CHECK(fd >= 0, "mkstemp");
-    if (fd < 0) return false;
-    close(fd);
-    return owner_with(env, path);
-}
-
-/* What that owner wrote to its stderr (read once it stopped); the file goes. */
-static void owner_log_read(const char *path, char *text, size_t cap)
-{
-    FILE *f = fopen(path, "r");
-    size_t n = f ? fread(text, 1, cap - 1, f) : 0;
-    text[n] = 0;
-    if (f) fclose(f);
-    unlink(path);
+    char *all[8] = {defer_env};
+    for (int i = 1; env && *env && i < 7; env++) all[i++] = *env;
+    return owner_logging(all, path);
 }
 
 /* Every cycle: new contents, a kept pause, a resume, the contents checked word by word. */
@@ -207,8 +182,9 @@ static void test_cap(const char *setting, int kept_after)
     spans_stop();
 }
 
-/* The second queued copy out fails: the pause releases nothing, the bytes stay, no buffer leaks,
- * and the next pause works. */
+/* The second queued copy out fails: the pause releases nothing, the bytes stay, the two buffers it
+ * pinned ahead stay idle (as after a resume) and the next pause copies into them, pinning none;
+ * nothing is left once the allocations go. */
 static void test_failed_copy(void)
 {
     char fail[] = "FAKECUDA_FAIL=cuMemcpyDtoHAsync/libvmmshim.so@2:1";
@@ -223,10 +199,12 @@ static void test_failed_copy(void)
     owner_mem_t b = owner_mem();
     CHECK(!p.ok && p.status == VMM_ERR_IO && strstr(p.line, "out failed"), "a pause whose copy fails: %s", p.line);
     CHECK(b.phys == a.phys, "a failed pause released memory: live %llu -> %llu", a.phys, b.phys);
-    CHECK(b.host - base.host <= 1, "%llu host allocations after a failed pause", b.host - base.host);
+    CHECK(b.host - base.host == 2, "%llu host allocations after a failed pause", b.host - base.host);
     CHECK(verify(u, 31) && verify(v, 32), "bytes after a failed pause");
     p = sleep_cmd("P 0");
-    CHECK(p.ok && owner_mem().phys == 0, "the pause after: %s", p.line);
+    owner_mem_t c = owner_mem();
+    CHECK(p.ok && c.phys == 0, "the pause after: %s", p.line);
+    CHECK(c.host_made == b.host_made, "the pause after pinned %llu buffers anew", c.host_made - b.host_made);
     p = sleep_cmd("R");
     CHECK(p.ok && verify(u, 31) && verify(v, 32), "resume: %s", p.line);
     CHECK(owner_cmd(NULL, "f %d", u) && owner_cmd(NULL, "f %d", v), "free");
@@ -289,7 +267,7 @@ static void test_bad_value(void)
 {
     char bad[] = "VMMSHIM_PAUSE_HOST_CACHE=12Q", path[] = "/tmp/vmmshim-sleephost-XXXXXX";
     char *envs[] = {bad, NULL};
-    CHECK(owner_logging(envs, path), "cannot start the owner");
+    CHECK(owner_with_log(envs, path), "cannot start the owner");
     owner_mem_t base = owner_mem();
     uint64_t addr;
     int x = alloc_filled('a', 2 * MIB, 41, &addr);
@@ -312,7 +290,7 @@ static void test_phases(void)
 {
     char info[] = "VMMSHIM_LOG_LEVEL=info", path[] = "/tmp/vmmshim-sleephost-XXXXXX";
     char *envs[] = {info, NULL};
-    CHECK(owner_logging(envs, path), "cannot start the owner");
+    CHECK(owner_with_log(envs, path), "cannot start the owner");
     uint64_t addr;
     int x = alloc_filled('a', 24 * MIB, 51, &addr);
     sleep_ans p = sleep_cmd("P 0"), r = sleep_cmd("R"), d = sleep_cmd("P 1"), r2 = sleep_cmd("R");
@@ -334,6 +312,35 @@ static void test_phases(void)
           "its phases fit in its time: %.3f >= %.3f + %.3f + %.3f ms", total, dev, copies, rel);
 }
 
+/* A first kept pause pins every buffer it needs before its copies, on several threads at once
+ * (each cuMemHostRegister made to take 100 ms: they overlap), and copies into them: a later pause
+ * pins nothing. */
+static void test_pin_ahead(void)
+{
+    char delay[] = "FAKECUDA_HOST_REGISTER_DELAY_US=100000";
+    char *envs[] = {delay, NULL};
+    CHECK(owner_with(envs, NULL), "cannot start the owner");
+    uint64_t addr;
+    int buf[4];
+    for (int i = 0; i < 4; i++) buf[i] = alloc_filled('a', (2 + (uint64_t)i) * MIB, 60 + (uint64_t)i, &addr);
+    CHECK(buf[0] >= 0 && buf[3] >= 0, "allocations");
+    owner_mem_t a = owner_mem();
+    sleep_ans p = sleep_cmd("P 0");
+    owner_mem_t b = owner_mem();
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    CHECK(p.ok && b.host_made - a.host_made == 4, "first pause: %s; pinned %llu", p.line, b.host_made - a.host_made);
+    CHECK(b.register_peak >= (cpus >= 2 ? 2u : 1u), "%llu registers in flight at most, with %ld CPUs", b.register_peak, cpus);
+    p = sleep_cmd("R");
+    CHECK(p.ok, "resume: %s", p.line);
+    for (int i = 0; i < 4; i++) CHECK(verify(buf[i], 60 + (uint64_t)i), "bytes of %d", i);
+    owner_mem_t c = owner_mem();
+    p = sleep_cmd("P 0");
+    CHECK(p.ok && owner_mem().host_made == c.host_made, "a later pause pins nothing: %s", p.line);
+    p = sleep_cmd("R");
+    for (int i = 0; i < 4; i++) CHECK(verify(buf[i], 60 + (uint64_t)i) && owner_cmd(NULL, "f %d", buf[i]), "bytes of %d", i);
+    spans_stop();
+}
+
 int main(void)
 {
     spans_setup("sleephost");
@@ -346,6 +353,7 @@ int main(void)
     test_register_refused();
     test_bad_value();
     test_phases();
+    test_pin_ahead();
     char path[128];
     snprintf(path, sizeof path, "/dev/shm%s", g_reg);
     unlink(path);
