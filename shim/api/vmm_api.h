@@ -296,7 +296,14 @@ vmm_status vmm_pause(const char *tag, unsigned flags);
 vmm_status vmm_resume(const char *tag);
 vmm_status vmm_pause_ex(const char *tag, unsigned flags, vmm_sleep_report *report, size_t report_size);
 vmm_status vmm_resume_ex(const char *tag, vmm_sleep_report *report, size_t report_size);
-/* The calling thread's last failure of the four above, one line; "" when none. */
+/* Ahead of a first kept pause: the pinned host buffers a pause of tag (NULL: everything) would make
+ * for its live allocations now are made now, on several threads, holding no lock of the shim's
+ * while they are made (the program allocates and frees meanwhile), so that the pause copies at
+ * once.  Returns when they are made (call it on a thread of its own to have it in the background);
+ * *bytes_ready (may be NULL): the bytes made ready.  They count in VMMSHIM_PAUSE_HOST_CACHE, and go
+ * with their allocations. */
+vmm_status vmm_pause_prepare(const char *tag, uint64_t *bytes_ready);
+/* The calling thread's last failure of the calls above, one line; "" when none. */
 const char *vmm_sleep_error(void);
 
 #ifdef __cplusplus

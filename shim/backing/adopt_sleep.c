@@ -353,7 +353,48 @@ static int resume_adopted(const char *tag, vmm__sleep_io *io, vmm__sleep_out *ou
     return 0;
 }
 
-static const vmm__sleep_adopted ops = {survey, contexts, pause_adopted, resume_adopted};
+static uint64_t prepare_adopted(const char *tag)
+{
+    if (!pausable()) return 0;
+    size_t n = 0, i = 0;
+    CUcontext ctx = NULL;
+    pthread_mutex_lock(&A.lock);
+    for (handle_entry *e = A.handles; e; e = e->hh.next)
+        if (vmm__tag_selects(tag, e->tag) && e->stand_in && !e->shared && !e->paused)
+            for (range *r = e->ranges; r; r = r->next_of) n += vmm__sleep_lacks_buffer(&r->kept, r->size);
+    uint64_t *addrs = n ? malloc(n * sizeof *addrs) : NULL, *sizes = n ? malloc(n * sizeof *sizes) : NULL;
+    for (handle_entry *e = addrs && sizes ? A.handles : NULL; e; e = e->hh.next)
+        if (vmm__tag_selects(tag, e->tag) && e->stand_in && !e->shared && !e->paused)
+            for (range *r = e->ranges; r && i < n; r = r->next_of)
+                if (vmm__sleep_lacks_buffer(&r->kept, r->size)) {
+                    if (!ctx) ctx = e->ctx;
+                    addrs[i] = r->addr;
+                    sizes[i++] = r->size;
+                }
+    pthread_mutex_unlock(&A.lock);
+    void **made = i ? calloc(i, sizeof *made) : NULL;
+    uint64_t ready = 0;
+    if (made) vmm__sleep_prepare_buffers(ctx, sizes, made, i); /* with no lock held */
+    pthread_mutex_lock(&A.lock);
+    for (size_t k = 0; made && k < i; k++) {
+        if (!made[k]) continue;
+        range *r = NULL;
+        HASH_FIND(hh, A.by_addr, &addrs[k], sizeof addrs[k], r);
+        if (r && r->size == sizes[k] && !r->h->paused && !r->unmapping && vmm__sleep_lacks_buffer(&r->kept, sizes[k])) {
+            vmm__sleep_kept_free(r->kept);
+            r->kept = made[k];
+            ready += sizes[k];
+        } else
+            vmm__sleep_kept_free(made[k]);
+    }
+    pthread_mutex_unlock(&A.lock);
+    free(made);
+    free(addrs);
+    free(sizes);
+    return ready;
+}
+
+static const vmm__sleep_adopted ops = {survey, contexts, pause_adopted, resume_adopted, prepare_adopted};
 
 /* One atomic store, no CUDA call and nothing read: whether anything is pausable is decided when a
  * pause comes (VMMSHIM_SLEEP_ADOPTED). */

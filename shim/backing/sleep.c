@@ -457,6 +457,65 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
     return rc;
 }
 
+/* ---- ahead of a pause ---- */
+
+int64_t vmm__sleep_prepare(const char *tag)
+{
+    if (!vmm__S.ready) return -ENODEV;
+    size_t n = 0, cap = 0;
+    uint64_t *addrs = NULL, *sizes = NULL;
+    CUcontext ctx = NULL;
+    pthread_mutex_lock(&vmm__S.lock);
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        vmm__pool *pools[MAX_POOLS];
+        int np = pools_of(&vmm__S.dev[i], tag, pools, MAX_POOLS);
+        for (int k = 0; k < np; k++)
+            for (vmm__arena *a = pools[k]->arenas; a; a = a->next)
+                for (vmm__block *b = a->paused ? NULL : a->first; b; b = b->next) {
+                    if (b->free || !b->live || !vmm__sleep_lacks_buffer(&b->kept, b->requested)) continue;
+                    if (n == cap) {
+                        size_t c = cap ? 2 * cap : 256;
+                        uint64_t *x = realloc(addrs, c * sizeof *x);
+                        if (x) addrs = x;
+                        uint64_t *z = x ? realloc(sizes, c * sizeof *z) : NULL;
+                        if (z) sizes = z;
+                        if (!x || !z) goto gathered;
+                        cap = c;
+                    }
+                    if (!ctx) ctx = b->ctx;
+                    addrs[n] = b->addr;
+                    sizes[n++] = b->requested;
+                }
+    }
+gathered:
+    pthread_mutex_unlock(&vmm__S.lock);
+    void **made = n ? calloc(n, sizeof *made) : NULL;
+    int64_t ready = 0;
+    if (made) vmm__sleep_prepare_buffers(ctx, sizes, made, n); /* the slow part, with no lock held */
+    pthread_mutex_lock(&vmm__S.lock);
+    for (size_t i = 0; made && i < n; i++) {
+        if (!made[i]) continue;
+        vmm__block *b = NULL;
+        uint64_t at = addrs[i];
+        HASH_FIND(hh, vmm__S.by_addr, &at, sizeof at, b);
+        /* still the same allocation, awake, and still without one (a pause meanwhile made its own) */
+        if (b && b->live && !b->free && b->requested == sizes[i] && !b->arena->paused &&
+            vmm__sleep_lacks_buffer(&b->kept, sizes[i])) {
+            vmm__sleep_kept_free(b->kept);
+            b->kept = made[i];
+            ready += (int64_t)sizes[i];
+        } else
+            vmm__sleep_kept_free(made[i]);
+    }
+    pthread_mutex_unlock(&vmm__S.lock);
+    free(made);
+    free(addrs);
+    free(sizes);
+    const vmm__sleep_adopted *ad = adopted_ops();
+    if (ad && ad->prepare) ready += (int64_t)ad->prepare(tag);
+    return ready;
+}
+
 /* ---- resume ---- */
 
 /* Map a fresh handle at paused segment s (marked 2 until the resume commits): 0, or -ENOMEM /

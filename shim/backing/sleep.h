@@ -98,6 +98,17 @@ int vmm__sleep_keep(vmm__sleep_io *io, CUdeviceptr addr, uint64_t n, void **kept
  * make one by one (slots[i] for sizes[i] bytes) made now, on several threads, and left in the
  * slots for keep to copy into.  What cannot be made here keep makes itself.  Returns how many. */
 int vmm__sleep_pin_ahead(void **slots[], const uint64_t sizes[], size_t n);
+/* Whether a kept pause would pin a new buffer for n bytes in slot (1 MiB or more, and none there
+ * that large). */
+int vmm__sleep_lacks_buffer(void *const *slot, uint64_t n);
+/* Made ahead of a pause, outside any lock: the buffers for (addrs[i], sizes[i]) in out[i] (NULL
+ * where none), with ctx current for the driver; the caller attaches them under its lock to the
+ * allocations still there and still lacking one, and frees the rest (vmm__sleep_kept_free). */
+void vmm__sleep_prepare_buffers(CUcontext ctx, const uint64_t sizes[], void *out[], size_t n);
+/* vmm_pause_prepare: the pinned buffers a kept pause of tag (NULL: everything) would make, made
+ * now on several threads with no lock held while they are made, and left with their allocations.
+ * Returns the bytes made ready; -ENODEV when the shim is not active. */
+int64_t vmm__sleep_prepare(const char *tag);
 /* Whether kept holds contents (a discarded pause keeps none, an idle buffer holds none). */
 int vmm__sleep_holds(const void *kept);
 /* Copy the kept contents back to addr (context current); maybe queued, as vmm__sleep_keep's.
@@ -124,6 +135,8 @@ typedef struct vmm__sleep_adopted {
      * vmm__S.lock under its own when it publishes). */
     int (*pause)(const char *tag, unsigned flags, vmm__sleep_io *io, vmm__sleep_out *out, char *why, size_t len);
     int (*resume)(const char *tag, vmm__sleep_io *io, vmm__sleep_out *out, char *why, size_t len);
+    /* As vmm__sleep_prepare, for the program's own memory: the bytes made ready. */
+    uint64_t (*prepare)(const char *tag);
 } vmm__sleep_adopted;
 /* Called once, from adopt_sleep.c's constructor (an atomic store). */
 void vmm__sleep_adopted_by(const vmm__sleep_adopted *ops);

@@ -345,7 +345,7 @@ static unsigned pin_threads(size_t pieces)
 }
 
 /* Whether keep would pin a new buffer for n bytes in slot. */
-static int needs_pinning(void *const *slot, uint64_t n)
+int vmm__sleep_lacks_buffer(void *const *slot, uint64_t n)
 {
     const kept *k = *slot;
     if (n < PINNED_MIN) return 0;
@@ -361,7 +361,7 @@ int vmm__sleep_pin_ahead(void **slots[], const uint64_t sizes[], size_t n)
     for (size_t i = 0; i < n; i++) {
         /* only what the host cache may keep idle: a buffer past it is made and given back by the
          * pause and resume themselves, as before */
-        if (!needs_pinning(slots[i], sizes[i]) || !idle_reserve(sizes[i])) continue;
+        if (!vmm__sleep_lacks_buffer(slots[i], sizes[i]) || !idle_reserve(sizes[i])) continue;
         pin_job *j = &w.jobs[w.n_jobs];
         if (!(j->p = host_map(sizes[i], &j->len))) {
             __atomic_sub_fetch(&idle_bytes, sizes[i], __ATOMIC_RELAXED);
@@ -417,6 +417,18 @@ static void pinned_free(void *p, uint64_t mapped)
     }
     vmm__cu.MemHostUnregister(p);
     munmap(p, mapped);
+}
+
+void vmm__sleep_prepare_buffers(CUcontext ctx, const uint64_t sizes[], void *out[], size_t n)
+{
+    void ***slots = malloc((n ? n : 1) * sizeof *slots);
+    for (size_t i = 0; i < n; i++) out[i] = NULL;
+    if (!slots) return;
+    for (size_t i = 0; i < n; i++) slots[i] = &out[i];
+    int pushed = vmm__sleep_push(ctx);
+    (void)vmm__sleep_pin_ahead(slots, sizes, n);
+    if (pushed) vmm__sleep_pop();
+    free(slots);
 }
 
 /* ---- one allocation's copy ---- */

@@ -76,6 +76,15 @@ VMM_HOOK vmm_status vmm_pause(const char *tag, unsigned flags) { return vmm_paus
 
 VMM_HOOK vmm_status vmm_resume(const char *tag) { return vmm_resume_ex(tag, NULL, 0); }
 
+VMM_HOOK vmm_status vmm_pause_prepare(const char *tag, uint64_t *bytes_ready)
+{
+    int64_t ready = vmm__sleep_prepare(tag);
+    if (bytes_ready) *bytes_ready = ready > 0 ? (uint64_t)ready : 0;
+    if (ready < 0) snprintf(last_error, sizeof last_error, "vmm_pause_prepare: the shim is not active in this process");
+    else last_error[0] = 0;
+    return status_of(ready < 0 ? (int)ready : 0);
+}
+
 VMM_HOOK const char *vmm_sleep_error(void) { return last_error; }
 
 /* Pause and resume from outside (vmmctl pause, vmm_pause_process) come through the broker, which

@@ -53,6 +53,8 @@
  *   "N <bytes>"      memory made the way NCCL makes its own, by code inside a library named like it
  *                    (VMMSHIM_TEST_NCCL_LIB: build/tests/libnccl-standin.so); a buffer as any other
  *                    ("w", "v"); answers "ok <index> 0x<address>"
+ *   "Q [tag]"        vmm_pause_prepare (the shim's; no tag: NULL); answers "ok <bytes made ready>" or
+ *                    "error <status> <why>"
  *   "q"              exits
  * A failure answers "error <what>". */
 #include <cuda.h>
@@ -294,6 +296,18 @@ int main(void)
             } else {
                 printf("error %s %d\n", at, (int)r);
             }
+        } else if (line[0] == 'Q') {
+            char tag[64] = "";
+            int has = sscanf(line + 1, "%63s", tag) == 1;
+            void *sym = sym_of("vmm_pause_prepare"), *err = sym_of("vmm_sleep_error");
+            vmm_status (*prepare)(const char *, uint64_t *) = NULL;
+            const char *(*why)(void) = NULL;
+            memcpy(&prepare, &sym, sizeof prepare);
+            memcpy(&why, &err, sizeof why);
+            uint64_t ready = 0;
+            vmm_status st = prepare ? prepare(has ? tag : NULL, &ready) : VMM_ERR_NO_SHIM;
+            if (st == VMM_OK) printf("ok %llu\n", (unsigned long long)ready);
+            else printf("error %d %s\n", (int)st, why ? why() : "");
         } else if (line[0] == 'N' && sscanf(line + 1, "%llu", &a) == 1 && n < MAX_BUFS) {
             const char *path = getenv("VMMSHIM_TEST_NCCL_LIB");
             void *lib = path ? dlopen(path, RTLD_NOW) : NULL, *sym = lib ? dlsym(lib, "nccl_standin_alloc") : NULL;

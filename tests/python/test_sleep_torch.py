@@ -71,6 +71,11 @@ with vmmshim.region("kv"):
     kv = alloc(4 << 20)
 with vmmshim.region("optim"):
     optim = alloc(2 << 20)
+# pinned ahead: every allocation of 1 MiB or more, once; then in the background, nothing left to do
+out["prepared"] = vmmshim.prepare_pause(background=False)
+t = vmmshim.prepare_pause()
+t.join()
+out["prepared_again_thread"] = type(t).__name__
 # not imported: the package never imports torch itself
 step("no_torch", lambda: (vmmshim.pause(), vmmshim.resume()))
 out["torch_imported_by_us"] = "torch" in sys.modules
@@ -112,6 +117,9 @@ def main():
             T.done()
         out = json.loads(run.stdout.strip().splitlines()[-1])
         logs = {k: v["log"] for k, v in out.items() if isinstance(v, dict)}
+        T.check(out["prepared"] == 9 << 20 and out["prepared_again_thread"] == "Thread",
+                f"prepare_pause: {out['prepared']} bytes made ready (want the 3 + 4 + 2 MiB allocations), "
+                f"background: {out['prepared_again_thread']}")
         T.check(not out["torch_imported_by_us"] and logs["no_torch"] == [] and "error" not in out["no_torch"],
                 f"without torch imported: no call, and the package imports none: {out['no_torch']}")
         pa = logs["pause_all"]

@@ -219,6 +219,29 @@ static void marks(void)
     owner_stop();
 }
 
+/* vmm_pause_prepare pins ahead for the program's own memory too: the pause after it pins nothing,
+ * and its bytes come back. */
+static void prepared(void)
+{
+    setenv("VMMSHIM_SLEEP_ADOPTED", "1", 1);
+    CHECK(spans_start(), "cannot start the owner");
+    uint64_t addr, h;
+    int a = own_filled(6 * MIB, 1, 601, &addr, &h), b = own_filled(4 * MIB, 0, 602, &addr, &h);
+    CHECK(a >= 0 && b >= 0, "the owner could not map its own memory");
+    owner_mem_t m0 = owner_mem();
+    char line[256];
+    unsigned long long ready = 0;
+    CHECK(owner_cmd(line, "Q") && sscanf(line, "ok %llu", &ready) == 1 && ready == 10 * MIB, "prepare: %s", line);
+    owner_mem_t m1 = owner_mem();
+    CHECK_EQ(m1.host_made - m0.host_made, 2);
+    sleep_ans p = sleep_cmd("P 0");
+    CHECK(p.ok && p.kept == 10 * MIB && owner_mem().host_made == m1.host_made, "the pause after: %s", p.line);
+    sleep_ans r = sleep_cmd("R");
+    CHECK(r.ok && verify(a, 601) && verify(b, 602), "resume: %s", r.line);
+    CHECK(owner_cmd(NULL, "U %d", a) && owner_cmd(NULL, "U %d", b), "unmap and release");
+    owner_stop();
+}
+
 /* Memory the program exported itself (NCCL's buffers, which its peers map) stays through a pause,
  * reported in bytes_not_shim, while its other memory goes. */
 static void shared(void)
@@ -317,6 +340,7 @@ int main(void)
     spans_setup("sleepad");
     with_stand_ins();
     marks();
+    prepared();
     shared();
     comm();
     without();

@@ -341,6 +341,35 @@ static void test_pin_ahead(void)
     spans_stop();
 }
 
+/* vmm_pause_prepare pins ahead what a first pause would (allocations of 1 MiB or more, not the
+ * small one), while the program goes on allocating; the pause after it pins nothing, and a second
+ * prepare finds nothing to do.  A tag selects its memory only. */
+static void test_prepare(void)
+{
+    CHECK(owner_with(NULL, NULL), "cannot start the owner");
+    uint64_t addr;
+    int x = alloc_filled('a', 3 * MIB, 91, &addr), y = alloc_filled('a', 4096, 92, &addr);
+    CHECK(owner_cmd(NULL, "g kv"), "tag");
+    int z = alloc_filled('a', 2 * MIB, 93, &addr);
+    CHECK(owner_cmd(NULL, "g"), "untag");
+    CHECK(x >= 0 && y >= 0 && z >= 0, "allocations");
+    owner_mem_t a = owner_mem();
+    char line[256];
+    unsigned long long ready = 0;
+    CHECK(owner_cmd(line, "Q kv") && sscanf(line, "ok %llu", &ready) == 1 && ready == 2 * MIB, "prepare kv: %s", line);
+    CHECK(owner_cmd(line, "Q") && sscanf(line, "ok %llu", &ready) == 1 && ready == 3 * MIB, "prepare the rest: %s", line);
+    owner_mem_t b = owner_mem();
+    CHECK_EQ(b.host_made - a.host_made, 2);
+    CHECK(owner_cmd(line, "Q") && sscanf(line, "ok %llu", &ready) == 1 && ready == 0, "a second prepare: %s", line);
+    sleep_ans p = sleep_cmd("P 0");
+    owner_mem_t c = owner_mem();
+    CHECK(p.ok && c.host_made == b.host_made, "the pause after pinned %llu anew: %s", c.host_made - b.host_made, p.line);
+    p = sleep_cmd("R");
+    CHECK(p.ok && verify(x, 91) && verify(y, 92) && verify(z, 93), "resume: %s", p.line);
+    for (int i = 0; i < 3; i++) CHECK(owner_cmd(NULL, "f %d", i == 0 ? x : i == 1 ? y : z), "free");
+    spans_stop();
+}
+
 int main(void)
 {
     spans_setup("sleephost");
@@ -354,6 +383,7 @@ int main(void)
     test_bad_value();
     test_phases();
     test_pin_ahead();
+    test_prepare();
     char path[128];
     snprintf(path, sizeof path, "/dev/shm%s", g_reg);
     unlink(path);

@@ -189,4 +189,11 @@ VMM_PUBLIC vmm_status vmm_pause(const char *tag, unsigned flags) { return vmm_pa
 
 VMM_PUBLIC vmm_status vmm_resume(const char *tag) { return vmm_resume_ex(tag, NULL, 0); }
 
+VMM_PUBLIC vmm_status vmm_pause_prepare(const char *tag, uint64_t *bytes_ready)
+{
+    (void)tag;
+    if (bytes_ready) *bytes_ready = 0;
+    return NO_SHIM("vmm_pause_prepare");
+}
+
 VMM_PUBLIC const char *vmm_sleep_error(void) { return vmm__error_text(); }

@@ -31,7 +31,7 @@ from . import _dlpack, _dtypes, _lib
 from ._errors import (BY_STATUS, Access, Busy, Corrupt, CudaError, Error, InvalidArgument, IOFailure, LibraryNotFound,
                       NotFound, NotUnderShim, OutOfMemory, OwnerDead, Paused, Stale, VersionMismatch, WrongState)
 from ._owner import publish, publish_many, unpublish
-from ._sleep import pause, region, resume, set_thread_tag, thread_tag
+from ._sleep import pause, prepare_pause, region, resume, set_thread_tag, thread_tag
 from ._torch import to_torch
 from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_PAUSED, ALLOC_SHARED_CHUNK, KIND_BROKER,
                    KIND_FABRIC, KIND_PIDFD, OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, OWNER_UNKNOWN)
@@ -39,7 +39,7 @@ from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_P
 __version__ = "0.1.0"
 
 __all__ = ["Registry", "Allocation", "Process", "Tensor", "Buffer", "View", "publish", "publish_many", "unpublish",
-           "region", "set_thread_tag", "thread_tag", "pause", "resume", "SleepReport",
+           "region", "set_thread_tag", "thread_tag", "pause", "resume", "prepare_pause", "SleepReport",
            "drop_idle", "to_torch",
            "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
            "Access", "Corrupt", "VersionMismatch", "Busy", "Stale", "OwnerDead", "CudaError", "OutOfMemory",

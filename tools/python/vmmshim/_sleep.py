@@ -89,7 +89,7 @@ def _sleep_functions():
         if _sleep_fns is None:
             try:
                 here = ctypes.CDLL(None)
-                fns = (here.vmm_pause_ex, here.vmm_resume_ex, here.vmm_sleep_error)
+                fns = (here.vmm_pause_ex, here.vmm_resume_ex, here.vmm_sleep_error, getattr(here, "vmm_pause_prepare", None))
             except (OSError, AttributeError):
                 raise NotUnderShim("vmmshim: not running under the shim: start the program with `vmmshim run --` "
                                    "or LD_PRELOAD=/path/to/libvmmshim.so", _lib.NO_SHIM) from None
@@ -97,6 +97,8 @@ def _sleep_functions():
             fns[0].restype, fns[0].argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_uint, report, ctypes.c_size_t]
             fns[1].restype, fns[1].argtypes = ctypes.c_int, [ctypes.c_char_p, report, ctypes.c_size_t]
             fns[2].restype, fns[2].argtypes = ctypes.c_char_p, []
+            if fns[3] is not None:
+                fns[3].restype, fns[3].argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64)]
             _sleep_fns = fns
         return _sleep_fns
 
@@ -121,7 +123,7 @@ def pause(tag=None, keep=True, to_file=False):
     The process keeps working meanwhile: work that touches no paused tensor runs, on any thread.
     Under PyTorch, new tensors never land in paused memory and cuBLAS's workspaces are made anew
     (_sleep_torch.py says how)."""
-    p, _, error = _sleep_functions()
+    p, _, error, _ = _sleep_functions()
     flags = (0 if keep else PAUSE_DISCARD) | (PAUSE_FILE if keep and to_file else 0)
     r = _lib.SleepReport()
     _sleep_torch.before_pause()
@@ -136,9 +138,33 @@ def pause(tag=None, keep=True, to_file=False):
 def resume(tag=None):
     """Fresh device memory at exactly the old addresses, with the same access, and the kept contents
     copied back; raises with the shim's reason (the device full: nothing is lost, resume again later)."""
-    _, r_, error = _sleep_functions()
+    _, r_, error, _ = _sleep_functions()
     r = _lib.SleepReport()
     _sleep_check(r_(tag.encode() if tag else None, ctypes.byref(r), ctypes.sizeof(r)), error, "vmmshim.resume")
     _sleep_torch.after_resume(tag or None)
     from . import SleepReport
     return SleepReport(r)
+
+
+def prepare_pause(tag=None, background=True):
+    """Pin now, on several threads, the host memory a first kept pause of `tag` (None: everything)
+    would pin itself, so that it copies at once: a process's first pause otherwise pins every
+    buffer (~0.1 s a GiB), later ones reuse them.  Call it once the memory to pause is made (after
+    the first training step).  background: on a thread of its own, returned (join() to wait);
+    else returns the bytes made ready.  The program allocates and frees meanwhile as usual; the
+    pinned bytes count in VMMSHIM_PAUSE_HOST_CACHE and go with their allocations."""
+    fn, error = _sleep_functions()[3], _sleep_functions()[2]
+    if fn is None:
+        raise NotUnderShim("vmmshim.prepare_pause: the preloaded shim predates it", _lib.NO_SHIM)
+    raw = tag.encode() if tag else None
+
+    def run():
+        ready = ctypes.c_uint64()
+        _sleep_check(fn(raw, ctypes.byref(ready)), error, "vmmshim.prepare_pause")
+        return ready.value
+
+    if not background:
+        return run()
+    t = threading.Thread(target=run, name="vmmshim-prepare-pause", daemon=True)
+    t.start()
+    return t
