@@ -303,6 +303,10 @@ vmm_status vmm_resume_ex(const char *tag, vmm_sleep_report *report, size_t repor
  * *bytes_ready (may be NULL): the bytes made ready.  They count in VMMSHIM_PAUSE_HOST_CACHE, and go
  * with their allocations. */
 vmm_status vmm_pause_prepare(const char *tag, uint64_t *bytes_ready);
+/* Whether any of the n ranges [starts[i], starts[i] + sizes[i]) overlaps memory of this process
+ * that is paused now: 1 or 0 (0 too when not under the shim).  A framework's allocator asks it of
+ * the blocks it would hand out (vmmshim's Python side: PyTorch's default pool's segments). */
+int vmm_paused_overlaps(const uint64_t *starts, const uint64_t *sizes, size_t n);
 /* The calling thread's last failure of the calls above, one line; "" when none. */
 const char *vmm_sleep_error(void);
 

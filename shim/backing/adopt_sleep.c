@@ -394,7 +394,20 @@ static uint64_t prepare_adopted(const char *tag)
     return ready;
 }
 
-static const vmm__sleep_adopted ops = {survey, contexts, pause_adopted, resume_adopted, prepare_adopted};
+static int overlaps_adopted(const uint64_t *starts, const uint64_t *sizes, size_t n)
+{
+    int hit = 0;
+    if (!vmm__adopt_on()) return 0;
+    pthread_mutex_lock(&A.lock);
+    for (range *r = A.by_addr, *next; r && !hit; r = next) {
+        next = r->hh.next;
+        for (size_t i = 0; r->h->paused && i < n && !hit; i++) hit = starts[i] < r->addr + r->size && r->addr < starts[i] + sizes[i];
+    }
+    pthread_mutex_unlock(&A.lock);
+    return hit;
+}
+
+static const vmm__sleep_adopted ops = {survey, contexts, pause_adopted, resume_adopted, prepare_adopted, overlaps_adopted};
 
 /* One atomic store, no CUDA call and nothing read: whether anything is pausable is decided when a
  * pause comes (VMMSHIM_SLEEP_ADOPTED). */

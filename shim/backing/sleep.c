@@ -516,6 +516,31 @@ gathered:
     return ready;
 }
 
+static int any_overlap(uint64_t lo, uint64_t hi, const uint64_t *starts, const uint64_t *sizes, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (starts[i] < hi && lo < starts[i] + sizes[i]) return 1;
+    return 0;
+}
+
+int vmm__sleep_overlaps(const uint64_t *starts, const uint64_t *sizes, size_t n)
+{
+    int hit = 0;
+    if (!vmm__S.ready) return 0;
+    pthread_mutex_lock(&vmm__S.lock);
+    for (int i = 0; i < MAX_DEVICES && !hit; i++) {
+        vmm__pool *pools[MAX_POOLS];
+        int np = pools_of(&vmm__S.dev[i], NULL, pools, MAX_POOLS);
+        for (int k = 0; k < np && !hit; k++)
+            for (vmm__arena *a = pools[k]->arenas; a && !hit; a = a->next)
+                hit = a->paused && any_overlap(a->base, a->base + a->size, starts, sizes, n);
+    }
+    pthread_mutex_unlock(&vmm__S.lock);
+    const vmm__sleep_adopted *ad = adopted_ops();
+    if (!hit && ad && ad->overlaps) hit = ad->overlaps(starts, sizes, n);
+    return hit;
+}
+
 /* ---- resume ---- */
 
 /* Map a fresh handle at paused segment s (marked 2 until the resume commits): 0, or -ENOMEM /

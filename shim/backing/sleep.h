@@ -109,6 +109,9 @@ void vmm__sleep_prepare_buffers(CUcontext ctx, const uint64_t sizes[], void *out
  * now on several threads with no lock held while they are made, and left with their allocations.
  * Returns the bytes made ready; -ENODEV when the shim is not active. */
 int64_t vmm__sleep_prepare(const char *tag);
+/* vmm_paused_overlaps: whether any of the n ranges [starts[i], starts[i] + sizes[i]) overlaps memory
+ * of this process that is paused now (the pools' paused arenas, the program's own paused ranges). */
+int vmm__sleep_overlaps(const uint64_t *starts, const uint64_t *sizes, size_t n);
 /* Whether kept holds contents (a discarded pause keeps none, an idle buffer holds none). */
 int vmm__sleep_holds(const void *kept);
 /* Copy the kept contents back to addr (context current); maybe queued, as vmm__sleep_keep's.
@@ -137,6 +140,8 @@ typedef struct vmm__sleep_adopted {
     int (*resume)(const char *tag, vmm__sleep_io *io, vmm__sleep_out *out, char *why, size_t len);
     /* As vmm__sleep_prepare, for the program's own memory: the bytes made ready. */
     uint64_t (*prepare)(const char *tag);
+    /* Whether any of the n ranges overlaps the program's own memory that is paused now. */
+    int (*overlaps)(const uint64_t *starts, const uint64_t *sizes, size_t n);
 } vmm__sleep_adopted;
 /* Called once, from adopt_sleep.c's constructor (an atomic store). */
 void vmm__sleep_adopted_by(const vmm__sleep_adopted *ops);

@@ -85,6 +85,11 @@ VMM_HOOK vmm_status vmm_pause_prepare(const char *tag, uint64_t *bytes_ready)
     return status_of(ready < 0 ? (int)ready : 0);
 }
 
+VMM_HOOK int vmm_paused_overlaps(const uint64_t *starts, const uint64_t *sizes, size_t n)
+{
+    return starts && sizes ? vmm__sleep_overlaps(starts, sizes, n) : 0;
+}
+
 VMM_HOOK const char *vmm_sleep_error(void) { return last_error; }
 
 /* Pause and resume from outside (vmmctl pause, vmm_pause_process) come through the broker, which

@@ -55,6 +55,7 @@
  *                    ("w", "v"); answers "ok <index> 0x<address>"
  *   "Q [tag]"        vmm_pause_prepare (the shim's; no tag: NULL); answers "ok <bytes made ready>" or
  *                    "error <status> <why>"
+ *   "O <address> <bytes>" vmm_paused_overlaps of that one range (the shim's); answers "ok <0|1>"
  *   "q"              exits
  * A failure answers "error <what>". */
 #include <cuda.h>
@@ -296,6 +297,13 @@ int main(void)
             } else {
                 printf("error %s %d\n", at, (int)r);
             }
+        } else if (line[0] == 'O' && sscanf(line + 1, "%llx %llu", &a, &b) == 2) {
+            void *sym = sym_of("vmm_paused_overlaps");
+            int (*overlaps)(const uint64_t *, const uint64_t *, size_t) = NULL;
+            memcpy(&overlaps, &sym, sizeof overlaps);
+            uint64_t start = a, len = b;
+            if (overlaps) printf("ok %d\n", overlaps(&start, &len, 1));
+            else printf("error no vmm_paused_overlaps\n");
         } else if (line[0] == 'Q') {
             char tag[64] = "";
             int has = sscanf(line + 1, "%63s", tag) == 1;

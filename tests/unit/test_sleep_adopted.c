@@ -226,7 +226,8 @@ static void prepared(void)
     setenv("VMMSHIM_SLEEP_ADOPTED", "1", 1);
     CHECK(spans_start(), "cannot start the owner");
     uint64_t addr, h;
-    int a = own_filled(6 * MIB, 1, 601, &addr, &h), b = own_filled(4 * MIB, 0, 602, &addr, &h);
+    uint64_t a_addr;
+    int a = own_filled(6 * MIB, 1, 601, &a_addr, &h), b = own_filled(4 * MIB, 0, 602, &addr, &h);
     CHECK(a >= 0 && b >= 0, "the owner could not map its own memory");
     owner_mem_t m0 = owner_mem();
     char line[256];
@@ -234,10 +235,17 @@ static void prepared(void)
     CHECK(owner_cmd(line, "Q") && sscanf(line, "ok %llu", &ready) == 1 && ready == 10 * MIB, "prepare: %s", line);
     owner_mem_t m1 = owner_mem();
     CHECK_EQ(m1.host_made - m0.host_made, 2);
+    int o = -1;
+    CHECK(owner_cmd(line, "O %llx 4096", (unsigned long long)(a_addr + 5 * MIB)) && sscanf(line, "ok %d", &o) == 1 && o == 0,
+          "awake: no paused memory there: %s", line);
     sleep_ans p = sleep_cmd("P 0");
     CHECK(p.ok && p.kept == 10 * MIB && owner_mem().host_made == m1.host_made, "the pause after: %s", p.line);
+    CHECK(owner_cmd(line, "O %llx 4096", (unsigned long long)(a_addr + 5 * MIB)) && sscanf(line, "ok %d", &o) == 1 && o == 1,
+          "paused: vmm_paused_overlaps finds the program's own paused range: %s", line);
     sleep_ans r = sleep_cmd("R");
     CHECK(r.ok && verify(a, 601) && verify(b, 602), "resume: %s", r.line);
+    CHECK(owner_cmd(line, "O %llx 4096", (unsigned long long)(a_addr + 5 * MIB)) && sscanf(line, "ok %d", &o) == 1 && o == 0,
+          "resumed: none again: %s", line);
     CHECK(owner_cmd(NULL, "U %d", a) && owner_cmd(NULL, "U %d", b), "unmap and release");
     owner_stop();
 }

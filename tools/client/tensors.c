@@ -196,4 +196,10 @@ VMM_PUBLIC vmm_status vmm_pause_prepare(const char *tag, uint64_t *bytes_ready)
     return NO_SHIM("vmm_pause_prepare");
 }
 
+VMM_PUBLIC int vmm_paused_overlaps(const uint64_t *starts, const uint64_t *sizes, size_t n)
+{
+    (void)starts, (void)sizes, (void)n;
+    return 0;
+}
+
 VMM_PUBLIC const char *vmm_sleep_error(void) { return vmm__error_text(); }

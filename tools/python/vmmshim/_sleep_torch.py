@@ -58,26 +58,26 @@ def before_pause():
 
 def _default_pool_paused(torch, tag):
     """Whether a segment of PyTorch's default pool lies in paused memory of this process.  After
-    a pause of everything it does; after a tag's pause it does when a default-pool segment (or,
-    under expandable_segments, any page of one) overlaps an allocation the pause flagged."""
+    a pause of everything it does; after a tag's pause the shim is asked (vmm_paused_overlaps)
+    about the default pool's segments (under expandable_segments, any page of one)."""
     if tag is None:
         return True
     try:
         segments = torch.cuda.memory_snapshot()
     except Exception:
         return True  # cannot tell: route, which is always safe
-    default = [(s["address"], s["address"] + s["total_size"]) for s in segments
-               if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
+    default = [(s["address"], s["total_size"]) for s in segments if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
     if not default:
         return False
-    import os
-    from . import Registry
-    try:
-        with Registry() as reg:
-            paused = [(a.address, a.address + a.size) for a in reg.allocations(os.getpid()) if a.paused]
-    except Exception:
-        return True
-    return any(lo < p_hi and p_lo < hi for lo, hi in default for p_lo, p_hi in paused)
+    import ctypes
+    overlaps = getattr(ctypes.CDLL(None), "vmm_paused_overlaps", None)
+    if overlaps is None:
+        return True  # a shim that cannot say: route
+    overlaps.restype = ctypes.c_int
+    overlaps.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    starts = (ctypes.c_uint64 * len(default))(*(a for a, _ in default))
+    sizes = (ctypes.c_uint64 * len(default))(*(n for _, n in default))
+    return bool(overlaps(starts, sizes, len(default)))
 
 
 def _end_fn(torch):
