@@ -1,7 +1,7 @@
 /* What the files of shim/backing share and nothing outside the folder sees: the state under one
  * lock (vmm__S), the driver's entry points (vmm__cu), and the functions one file makes for
  * another.  The files stand on floors, and each calls only the floors below its own
- * (tests/scripts/circles.py checks): state.c at the bottom; segment.c; giveback.c and export.c;
+ * (tests/scripts/circles.py checks): state.c at the bottom, guard.c beside it; segment.c; giveback.c and export.c;
  * records.c; sleep_copy.c (a pause's copies); sleep.c (pause and resume); then the entry points, backing.c and mempool.c.  adopt.c and preexport.c use
  * backing.h only, and nothing here calls them: adopt.c hands its export to export.c, and
  * preexport.c forgets its queue in a fork child by itself (as sleep_copy.c its kept buffers).  adopt_sleep.c
