@@ -446,6 +446,7 @@ void vmm__device_reset(int dev)
     }
     while (d->n_events) vmm__cu.EventDestroy(d->events[--d->n_events]);
     d->release_threshold = 0;
+    d->reuse_off = 0;
     __atomic_store_n(&d->custom_pool, 0, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&vmm__S.lock);
 }

@@ -134,7 +134,7 @@ void vmm__synchronized(int whole_context, CUstream stream, uint64_t mark)
             vmm__pool_reached_by_sync(p, whole_context, (uint64_t)(uintptr_t)stream, ctx, mark);
             if (!whole_context && legacy_stream(stream))
                 vmm__pool_reached_by_sync(p, 0, (uint64_t)(uintptr_t)(stream ? NULL : CU_STREAM_LEGACY), ctx, mark);
-            still_unrecorded += p->n_unrecorded;
+            still_unrecorded += p->n_tracked;
         }
         VMM__FOR_POOLS(d, p, k) {
             if (k == 0 && vmm__S.give_back_ns) continue;

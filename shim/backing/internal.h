@@ -68,6 +68,7 @@ typedef struct device_state {
     int pool_ready;
     int custom_pool;            /* the program made another pool current: stream-ordered calls pass */
     uint64_t release_threshold; /* the default pool's, as the program set it */
+    unsigned reuse_off;         /* the default pool's reuse policies the program turned off (VMM_POOL_REUSE_*) */
     CUevent *events;            /* pool of timing-free events */
     size_t n_events, cap_events;
     /* VMMSHIM_PAUSE_GUARD (guard.c): the chunk paused segments are mapped onto, and its own view */
@@ -108,6 +109,7 @@ typedef struct vmm__driver {
     CUresult (*EventDestroy)(CUevent);
     CUresult (*StreamSynchronize)(CUstream);
     CUresult (*StreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
+    CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned); /* optional: cross-stream reuse (pool.h) */
     /* sleep.c's copies; optional (NULL: a pause with keep is refused) */
     CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
     CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);

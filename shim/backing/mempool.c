@@ -261,12 +261,33 @@ void vmm__mempool_attribute_got(int dev, CUmemPool_attribute attr, void *value)
                    backed ? " with the shim's memory added" : "; the shim backs no allocations there yet");
 }
 
+/* The program set one of the default pool's reuse policies: the shim's stream-ordered pools of dev
+ * (the tags' too) follow it, as the real pool does (pool.h says what each means there). */
+static void set_reuse(int dev, unsigned bit, int on)
+{
+    device_state *d = vmm__ensure_init() ? dev_at(dev) : NULL;
+    if (!d) return;
+    pthread_mutex_lock(&vmm__S.lock);
+    d->reuse_off = on ? d->reuse_off & ~bit : d->reuse_off | bit;
+    if (d->pool_ready) VMM__FOR_POOLS(d, p, k)
+        if (k) p->reuse = (VMM_POOL_REUSE_OPPORTUNISTIC | VMM_POOL_REUSE_INTERNAL) & ~d->reuse_off;
+    pthread_mutex_unlock(&vmm__S.lock);
+}
+
 void vmm__mempool_attribute_set(int dev, CUmemPool_attribute attr, const void *value)
 {
+    if (dev >= 0 && value && (attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC || attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES)) {
+        int on = *(const int *)value != 0;
+        vmm__debug("default memory pool of device %d: %s reuse %s on the shim's memory", dev,
+                   attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC ? "opportunistic" : "internal-dependency",
+                   on ? "allowed" : "refused");
+        set_reuse(dev, attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC ? VMM_POOL_REUSE_OPPORTUNISTIC : VMM_POOL_REUSE_INTERNAL, on);
+        return;
+    }
     if (dev < 0 || !value ||
         (attr != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD && attr != CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH &&
          attr != CU_MEMPOOL_ATTR_USED_MEM_HIGH))
-        return; /* the reuse policies only steer the real pool's reuse */
+        return; /* following event dependencies steers the real pool's reuse only (the shim follows none) */
     if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) {
         uint64_t bytes = *(const cuuint64_t *)value;
         vmm__debug("default memory pool of device %d: release threshold %llu bytes set on the shim's memory", dev,

@@ -229,6 +229,14 @@ static int record_now(void *ctx, uint64_t stream_id, void *stream_ctx, void **ou
     return r;
 }
 
+/* Another stream takes a free not reached yet (pool.h, VMM_POOL_REUSE_INTERNAL): it waits for the
+ * free's event, as the native pool makes it (cudaMemPoolReuseAllowInternalDependencies). */
+static int stream_wait(void *ctx, uint64_t stream, void *event)
+{
+    (void)ctx;
+    return vmm__cu.StreamWaitEvent((CUstream)(uintptr_t)stream, (CUevent)event, 0) != CUDA_SUCCESS;
+}
+
 /* Stream-ordered memory stays mapped up to the default pool's release threshold, as natively;
  * synchronous memory up to VMMSHIM_CACHE_SIZE (0: native cudaFree keeps none). */
 uint64_t vmm__retain_of(const device_state *d, int k) { return k ? d->release_threshold : vmm__S.cache_limit; }
@@ -255,11 +263,13 @@ void vmm__pair_init_locked(device_state *d, vmm__pool *pair, uint32_t tag)
                          .event_release = event_release,
                          .now_ns = vmm__now_ns,
                          .seg_move = seg_move,
-                         .unmap_old = unmap_old};
+                         .unmap_old = unmap_old,
+                         .stream_wait = vmm__cu.StreamWaitEvent ? stream_wait : NULL};
     uint64_t arena = arena_bytes(d);
     for (int k = 0; k < 2; k++) {
         vmm__pool_init(&pair[k], &ops, d->granularity, arena, vmm__retain_of(d, k), vmm__S.isolate);
         pair[k].tag = tag;
+        if (k) pair[k].reuse &= ~d->reuse_off;
     }
     pair[0].exact = 1; /* cudaMalloc: natively each allocation is memory of its own, gone at its free */
     if (!vmm__S.isolate) pair[1].seg_max = VMM_POOL_SEG_MAX; /* a pool that is seldom trimmed: holes go back in pieces */

@@ -65,6 +65,7 @@ static int load_driver(char *why, size_t len)
              LOAD(EventRecord, cuEventRecord) && LOAD(EventQuery, cuEventQuery) &&
              LOAD(EventSynchronize, cuEventSynchronize) && LOAD(EventDestroy, cuEventDestroy) &&
              LOAD(StreamSynchronize, cuStreamSynchronize) && LOAD(StreamIsCapturing, cuStreamIsCapturing);
+    if (ok) LOAD(StreamWaitEvent, cuStreamWaitEvent); /* without it a free reaches another stream once reached */
     if (ok) { /* sleep.c's, not needed to back allocations */
         LOAD(MemcpyDtoH, cuMemcpyDtoH);
         LOAD(MemcpyHtoD, cuMemcpyHtoD);

@@ -34,6 +34,7 @@ void vmm__ev_put(vmm__pool *p, vmm__ev *ev)
     if (!ev || --ev->refs) return;
     if (ev->e) p->ops.event_release(p->ops.ctx, ev->e);
     else p->n_unrecorded--;
+    if (ev->seq) p->n_tracked--;
     ev->next = p->spare_ev;
     p->spare_ev = ev;
 }
@@ -65,10 +66,21 @@ int vmm__ev_reached(vmm__pool *p, vmm__block *b)
 }
 
 /* May `stream` (any stream when !ordered) use free block b now?  Its own stream may at once:
- * work it queues runs after the free.  Others only once the free's event was reached. */
+ * work it queues runs after the free.  Others once the free's event was reached (OPPORTUNISTIC),
+ * or, in the allocation's waiting pass, at once with the stream made to wait for the free's event
+ * (INTERNAL), as the native pool does. */
 int vmm__ev_usable(vmm__pool *p, vmm__block *b, int ordered, uint64_t stream)
 {
     if (!b->event) return 1;
     if (ordered && b->stream == stream) return 1;
-    return vmm__ev_reached(p, b);
+    if ((!ordered || p->reuse & VMM_POOL_REUSE_OPPORTUNISTIC) && vmm__ev_reached(p, b)) return 1;
+    if (!ordered || !p->waiting || !(p->reuse & VMM_POOL_REUSE_INTERNAL) || !p->ops.stream_wait) return 0;
+    int r = vmm__ev_record(p, b->event, b->stream);
+    if (r < 0) { /* its stream is gone: its frees count as reached */
+        vmm__ev_clear(p, b);
+        return 1;
+    }
+    if (r == 0 || p->ops.stream_wait(p->ops.ctx, stream, b->event->e)) return 0;
+    p->cross_waits++;
+    return 1;
 }

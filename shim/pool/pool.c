@@ -765,6 +765,13 @@ vmm__block *vmm__pool_alloc(vmm__pool *p, uint64_t size, int stream_ordered, uin
     }
     vmm__block *b = find_free(p, small, 1, need, align, stream_ordered, stream);
     if (b) return carve(p, b, round_up(b->addr, align), need, err);
+    if (stream_ordered && p->reuse & VMM_POOL_REUSE_INTERNAL && p->ops.stream_wait) {
+        /* another stream's free not reached yet, the stream made to wait for it, before new memory */
+        p->waiting = 1;
+        b = find_free(p, small, 1, need, align, stream_ordered, stream);
+        p->waiting = 0;
+        if (b) return carve(p, b, round_up(b->addr, align), need, err);
+    }
     /* Growing: what sits empty beyond the budget goes first, so the footprint follows the live
      * bytes rather than adding new memory on top of memory this request could not use. */
     release_until(p, 0, p->retain, UINT64_MAX);
@@ -816,8 +823,9 @@ int vmm__pool_free_unrecorded(vmm__pool *p, vmm__block *b, uint64_t stream, void
         return free_with(p, b, stream, NULL);
     }
     ev->sctx = stream_ctx;
-    ev->seq = seq;
+    ev->seq = seq ? seq : 1;
     p->n_unrecorded++;
+    p->n_tracked++;
     return free_with(p, b, stream, ev);
 }
 
@@ -827,11 +835,14 @@ int vmm__pool_free_unrecorded(vmm__pool *p, vmm__block *b, uint64_t stream, void
         for (int c_ = next_class(&(p)->bins[k_][1], 0); c_ >= 0; c_ = next_class(&(p)->bins[k_][1], c_ + 1)) \
             for (vmm__block *b = (p)->bins[k_][1].head[c_], *b##_next; b && ((b##_next = b->fnext), 1); b = b##_next)
 
+/* A synchronization that began after the free covers it, whether its event was recorded since
+ * (a give-back or another stream asked) or not: on a GPU lagging its host, an event recorded after
+ * the synchronization would complete only later, and the free would wait for nothing. */
 void vmm__pool_reached_by_sync(vmm__pool *p, int any_stream, uint64_t stream, void *stream_ctx, uint64_t before_seq)
 {
-    if (!p->n_unrecorded) return;
+    if (!p->n_tracked) return;
     FOR_PENDING(p, b)
-        if (b->event && !b->event->e && b->event->seq < before_seq && b->event->sctx == stream_ctx &&
+        if (b->event && b->event->seq && b->event->seq < before_seq && b->event->sctx == stream_ctx &&
             (any_stream || b->stream == stream))
             vmm__ev_clear(p, b);
 }
@@ -867,6 +878,7 @@ void vmm__pool_init(vmm__pool *p, const vmm__pool_ops *ops, uint64_t granule, ui
     p->arena_size = round_up(arena_size > p->granule ? arena_size : p->granule, p->granule);
     p->retain = retain;
     p->isolate = isolate;
+    p->reuse = VMM_POOL_REUSE_OPPORTUNISTIC | VMM_POOL_REUSE_INTERNAL;
 }
 
 void vmm__pool_settle(vmm__pool *p)

@@ -106,7 +106,22 @@ typedef struct vmm__pool_ops {
      * stays until unmap_old, once the frees that last touched it are reached. */
     int (*seg_move)(void *ctx, vmm__seg *from, uint64_t base);
     void (*unmap_old)(void *ctx, uint64_t base, uint64_t size);
+    /* Optional (NULL: a free reaches another stream only once its event is reached).  Make
+     * `stream` wait for recorded event (cuStreamWaitEvent): 0, or nonzero with nothing changed. */
+    int (*stream_wait)(void *ctx, uint64_t stream, void *event);
 } vmm__pool_ops;
+
+/* How a stream-ordered pool lets a free reach another stream, as the native pool's reuse
+ * attributes say (cudaMemPoolReuse*; all on by default, and for this pool's `reuse`):
+ * OPPORTUNISTIC  a free whose event the stream reached already serves any stream;
+ * INTERNAL       a free not reached yet serves another stream, which is made to wait for it
+ *                (ops.stream_wait), when no free block is usable without a wait, before growing.
+ * With neither, a free serves another stream once a synchronization covered it.  A free the pool
+ * has seen reached (a synchronization, the give-back's polling) no longer says which stream freed
+ * it and serves any stream, OPPORTUNISTIC or not; following the program's own event dependencies
+ * (cudaMemPoolReuseFollowEventDependencies) is left to INTERNAL, which covers them. */
+#define VMM_POOL_REUSE_OPPORTUNISTIC 1u
+#define VMM_POOL_REUSE_INTERNAL 2u
 
 #define VMM_POOL_CLASSES 320
 
@@ -137,7 +152,12 @@ typedef struct vmm__pool {
     uint64_t footprint_high;             /* reserved_high, but never reset by the program */
     uint64_t n_segs, segs_made, segs_released, segs_moved;
     uint64_t n_unrecorded;               /* events of frees not recorded yet */
+    uint64_t n_tracked;                  /* events of frees made without one (free_unrecorded), recorded since or
+                                            not, still held: a synchronization may settle them */
     uint32_t tag;                        /* the caller's own (shim/backing: which tag's pools these are) */
+    unsigned reuse;                      /* VMM_POOL_REUSE_*: both after vmm__pool_init */
+    int waiting;                         /* inside the allocation's pass that may make a stream wait */
+    uint64_t cross_waits;                /* frees handed to another stream with a wait (statistics) */
 } vmm__pool;
 
 /* arena_size: address space reserved at a time (more arenas are added when one is full). */

@@ -160,6 +160,9 @@ EXPORT cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t keep)
 EXPORT cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, int attr, void *value)
 {
     REAL("cudaMemPoolSetAttribute", (cudaMemPool_t, int, void *));
-    line(now(), "pa %d %llu", attr, attr == 4 /* release threshold */ ? *(unsigned long long *)value : 0ull);
+    /* "pa2": the value as its type has it (a cuuint64_t threshold, an int reuse policy); older
+     * traces' "pa" lines logged every policy as 0 */
+    line(now(), "pa2 %d %llu", attr, attr == 4 /* release threshold */ ? *(unsigned long long *)value
+                                                                      : (unsigned long long)*(int *)value);
     return real_(pool, attr, value);
 }

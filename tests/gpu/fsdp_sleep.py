@@ -18,6 +18,7 @@ tests/gpu/paused.sh (mp.spawn from here; the parent prints the ranks' lines in r
         HYBRID_TOKENS (32) tokens greedily for 8 prompts and the ranks all_reduce a checksum of them
         over NCCL; resume("trainer").  Prints tokens and losses per iteration (bit-exact against
         the run without --sleep), iteration, pause and resume times, and peak NVML per GPU.
+With tests/gpu/alloc_trace.c preloaded and ALLOC_TRACE=PATH, each rank writes PATH.rankR.
 Lines: "rank R loss STEP VALUE", "rank R tokens ITER HEX", "R ..." measurements; "# ..." volatile."""
 import os
 import sys
@@ -62,6 +63,8 @@ class Peak:
 
 def setup(rank, init):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if os.environ.get("ALLOC_TRACE"):  # tests/gpu/alloc_trace.c preloaded: one trace a rank, written at exit
+        os.environ["ALLOC_TRACE"] += f".rank{rank}"
     import torch
     import torch.distributed as dist
     torch.cuda.set_device(rank)

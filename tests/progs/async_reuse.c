@@ -1,6 +1,10 @@
 /* Stream-ordered reuse as the shim promises it, with blocks big enough to be whole chunks of the
  * pool, so reuse shows as the same address (run under the shim with the emulated driver's
- * FAKECUDA_EVENT_DELAY_US, so a recorded free stays pending for a while). */
+ * FAKECUDA_EVENT_DELAY_US, so a recorded free stays pending for a while).  As the native default
+ * pool: another stream takes a free not reached yet and is made to wait for it (its work is then
+ * queued behind the free: cuStreamQuery answers not ready); with
+ * cudaMemPoolReuseAllowInternalDependencies off it gets new memory instead. */
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <stdio.h>
@@ -21,6 +25,10 @@ static unsigned long long event_records(void)
 int main(void)
 {
     cudaStream_t a, b, c;
+    cudaMemPool_t pool;
+    unsigned long long keep = ~0ull;
+    cudaDeviceGetDefaultMemPool(&pool, 0);
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep); /* as PyTorch: a synchronization keeps it */
     cudaStreamCreate(&a);
     cudaStreamCreate(&b);
     cudaStreamCreate(&c);
@@ -31,13 +39,27 @@ int main(void)
     printf("same stream reuses at once: %s\n", q == p ? "yes" : "no");
     cudaFreeAsync(q, a);
     cudaMallocAsync(&r, 16u << 20, b);
-    printf("other stream before the free completes: %s\n", r == q ? "reused" : "new");
-    cudaStreamSynchronize(a);
-    cudaMallocAsync(&t, 16u << 20, c);
-    printf("other stream after the free completes: %s\n", t == q ? "reused" : "new");
+    printf("other stream before the free completes: %s, made to wait: %s\n", r == q ? "reused" : "new",
+           cuStreamQuery((CUstream)b) == CUDA_ERROR_NOT_READY ? "yes" : "no");
     cudaFreeAsync(r, b);
+    cudaStreamSynchronize(b);
+    cudaMallocAsync(&t, 16u << 20, c);
+    printf("other stream after the free completes: %s, made to wait: %s\n", t == q ? "reused" : "new",
+           cuStreamQuery((CUstream)c) == CUDA_ERROR_NOT_READY ? "yes" : "no");
     cudaFreeAsync(t, c);
     cudaDeviceSynchronize();
+
+    /* internal dependencies refused on the default pool: the other stream gets new memory */
+    int off = 0, on = 1;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &off);
+    cudaMallocAsync(&p, 16u << 20, a);
+    cudaFreeAsync(p, a);
+    cudaMallocAsync(&q, 16u << 20, b);
+    printf("internal dependencies refused, other stream before the free completes: %s\n", q == p ? "reused" : "new");
+    cudaFreeAsync(q, b);
+    cudaDeviceSynchronize();
+
+    cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &on);
 
     /* a free's event is recorded only when needed: none for a stream reusing its own blocks */
     unsigned long long before = event_records();
@@ -56,7 +78,8 @@ int main(void)
     cudaFreeAsync(u, d);
     cudaStreamDestroy(d);
     cudaMallocAsync(&v, 16u << 20, c);
-    printf("other stream after the freeing stream was destroyed: %s\n", v == u ? "reused" : "new");
+    printf("other stream after the freeing stream was destroyed: %s, made to wait: %s\n", v == u ? "reused" : "new",
+           cuStreamQuery((CUstream)c) == CUDA_ERROR_NOT_READY ? "yes" : "no");
     cudaFreeAsync(v, c);
     cudaDeviceSynchronize();
     return 0;

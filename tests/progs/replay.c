@@ -1,7 +1,9 @@
 /* Replays a real program's allocation trace (tests/gpu/alloc_trace.c's lines) through the CUDA
- * runtime: every cudaMallocAsync / cudaFreeAsync / cudaMalloc / cudaFree in order, the stream
- * and device synchronizations where the program made them, and the default pool's attributes as
- * it set them.  Run under the shim over the emulated driver with FAKECUDA_EVENT_DELAY_US, it plays
+ * runtime: every cudaMallocAsync / cudaFreeAsync / cudaMalloc / cudaFree in order, each on a
+ * stream of its own for each stream the program used (the default stream as itself), the events
+ * it recorded and the stream waits on them (which order its streams' frees and allocations), the
+ * stream, event and device synchronizations where the program made them, and the default pool's
+ * attributes as it set them.  Run under the shim over the emulated driver with FAKECUDA_EVENT_DELAY_US, it plays
  * the program on a GPU that lags behind the host.  REPLAY_SYNC_EVERY=N adds a stream
  * synchronization every N calls (a training loop reading its loss).  Prints
  * "R replay calls=N live_peak=B reserved_high=B used_high=B fail=N" (the default pool's figures).
@@ -20,6 +22,45 @@ typedef struct {
 } ptr_map;
 
 static ptr_map *live;
+
+/* The program's streams and events, each replayed by one of this process's own. */
+typedef struct {
+    unsigned long long from;
+    void *to;
+    UT_hash_handle hh;
+} handle_map;
+
+static handle_map *streams, *events;
+
+static void *mapped(handle_map **table, unsigned long long from, int stream)
+{
+    if (!from) return NULL;
+    handle_map *m = NULL;
+    HASH_FIND(hh, *table, &from, sizeof from, m);
+    if (m) return m->to;
+    m = calloc(1, sizeof *m);
+    m->from = from;
+    if (stream) cudaStreamCreateWithFlags((cudaStream_t *)&m->to, cudaStreamNonBlocking);
+    else cudaEventCreate((cudaEvent_t *)&m->to);
+    HASH_ADD(hh, *table, from, sizeof m->from, m);
+    return m->to;
+}
+
+/* A pointer, stream or event of the trace: hex, or "(nil)" (0). */
+static int handle_at(const char **rest, unsigned long long *v)
+{
+    int used = 0;
+    *v = 0;
+    if (sscanf(*rest, " (nil)%n", &used) == 0 && used) {
+        *rest += used;
+        return 1;
+    }
+    if (sscanf(*rest, " %llx%n", v, &used) == 1) {
+        *rest += used;
+        return 1;
+    }
+    return 0;
+}
 
 int main(int argc, char **argv)
 {
@@ -55,14 +96,17 @@ int main(int argc, char **argv)
         if (!rest) rest = "";
         int async = !strcmp(op, "ma") || !strcmp(op, "fa");
         if (!strcmp(op, "ma") || !strcmp(op, "m")) {
-            unsigned long long size;
-            int rc;
-            if (sscanf(rest, " %llx %llu %*s %d", &a, &size, &rc) < 2 &&
-                sscanf(rest, " (nil) %llu", &size) != 1)
-                continue;
+            unsigned long long size, s = 0;
             if (!strncmp(rest, " (nil)", 6)) continue; /* it failed natively too */
+            if (!handle_at(&rest, &a) || sscanf(rest, " %llu%n", &size, &(int){0}) != 1) continue;
+            if (async) {
+                int used = 0;
+                (void)sscanf(rest, " %*u%n", &used);
+                rest += used;
+                handle_at(&rest, &s);
+            }
             void *q = NULL;
-            cudaError_t e = async ? cudaMallocAsync(&q, size, 0) : cudaMalloc(&q, size);
+            cudaError_t e = async ? cudaMallocAsync(&q, size, mapped(&streams, s, 1)) : cudaMalloc(&q, size);
             calls++;
             if (e != cudaSuccess) {
                 fails++;
@@ -76,27 +120,44 @@ int main(int argc, char **argv)
             live_bytes += size;
             if (live_bytes > live_peak) live_peak = live_bytes;
         } else if (!strcmp(op, "fa") || !strcmp(op, "f")) {
-            if (sscanf(rest, " %llx", &a) != 1) continue;
+            unsigned long long s = 0;
+            if (!handle_at(&rest, &a)) continue;
+            if (async) handle_at(&rest, &s);
             ptr_map *m = NULL;
             HASH_FIND(hh, live, &a, sizeof a, m);
             if (!m) continue;
-            if (async) cudaFreeAsync(m->to, 0);
+            if (async) cudaFreeAsync(m->to, mapped(&streams, s, 1));
             else cudaFree(m->to);
             calls++;
             live_bytes -= m->size;
             HASH_DEL(live, m);
             free(m);
         } else if (!strcmp(op, "ss")) {
-            cudaStreamSynchronize(0);
+            unsigned long long s = 0;
+            handle_at(&rest, &s);
+            cudaStreamSynchronize(mapped(&streams, s, 1));
+        } else if (!strcmp(op, "er")) {
+            unsigned long long e = 0, s = 0;
+            if (handle_at(&rest, &e) && handle_at(&rest, &s) && e)
+                cudaEventRecord(mapped(&events, e, 0), mapped(&streams, s, 1));
+        } else if (!strcmp(op, "we")) {
+            unsigned long long s = 0, e = 0;
+            if (handle_at(&rest, &s) && handle_at(&rest, &e) && e)
+                cudaStreamWaitEvent(mapped(&streams, s, 1), mapped(&events, e, 0), 0);
+        } else if (!strcmp(op, "es")) {
+            unsigned long long e = 0;
+            if (handle_at(&rest, &e) && e) cudaEventSynchronize(mapped(&events, e, 0));
         } else if (!strcmp(op, "ds")) {
             cudaDeviceSynchronize();
-        } else if (!strcmp(op, "pa")) {
+        } else if (!strcmp(op, "pa") || !strcmp(op, "pa2")) {
+            /* "pa" lines logged a reuse policy's value as 0 whatever it was (the logger before
+             * "pa2"): only their release threshold is replayed */
             int attr;
             unsigned long long v;
             if (sscanf(rest, " %d %llu", &attr, &v) != 2) continue;
             if (attr == cudaMemPoolAttrReleaseThreshold) {
                 cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &v);
-            } else {
+            } else if (!strcmp(op, "pa2")) {
                 int on = (int)v;
                 cudaMemPoolSetAttribute(pool, (enum cudaMemPoolAttr)attr, &on);
             }

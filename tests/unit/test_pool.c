@@ -130,7 +130,7 @@ static void setup(vmm__pool *p, uint64_t capacity, uint64_t retain, int isolate)
     record_answer = 1;
     move_answer = 0;
     vmm__pool_ops ops = {NULL,   fk_reserve, fk_unreserve, fk_create, fk_destroy, fk_done, fk_record, fk_release,
-                         fk_now, fk_move,    fk_unmap_old};
+                         fk_now, fk_move,    fk_unmap_old, NULL};
     vmm__pool_init(p, &ops, GRANULE, 16 * GiB, retain, isolate);
 }
 
@@ -347,6 +347,56 @@ static void test_streams(void)
     CHECK(live_events == 0 && double_releases == 0, "every event released once (%d live, %d twice)", live_events, double_releases);
     CHECK(consistent(&p), "consistent");
     vmm__pool_destroy(&p);
+}
+
+static int waits, wait_answer;
+static uint64_t waited_stream;
+static void *waited_event;
+
+static int fk_wait(void *ctx, uint64_t stream, void *event)
+{
+    (void)ctx;
+    if (wait_answer) return wait_answer;
+    waits++;
+    waited_stream = stream;
+    waited_event = event;
+    return 0;
+}
+
+/* Another stream and a free in flight, with the mechanism able to make a stream wait
+ * (VMM_POOL_REUSE_INTERNAL, the native pool's default): when no free block is usable at once, the
+ * other stream takes the pending one, made to wait for exactly its free's event (recorded then,
+ * as it was not); with INTERNAL off, or the wait refused, it gets new memory; the cudaMalloc pool
+ * (!ordered) never waits. */
+static void test_internal_dependencies(void)
+{
+    vmm__pool p;
+    for (int variant = 0; variant < 4; variant++) {
+        setup(&p, 8 * GiB, 0, 0);
+        p.ops.stream_wait = fk_wait;
+        waits = wait_answer = 0;
+        if (variant == 1) p.reuse &= ~VMM_POOL_REUSE_INTERNAL;
+        if (variant == 2) wait_answer = -1;
+        int ordered = variant != 3;
+        vmm__block *a = take(&p, 8 * MiB, ordered, 7);
+        uint64_t addr = a->addr, reserved = p.reserved;
+        if (ordered) vmm__pool_free_unrecorded(&p, a, 7, (void *)0x1, 1);
+        else vmm__pool_free(&p, a, 7, ev_new());
+        vmm__block *c = take(&p, 8 * MiB, ordered, 9); /* the free merged with the segment's free rest: all pending */
+        if (variant == 0) {
+            CHECK(c && c->addr == addr && p.reserved == reserved, "another stream takes the pending free");
+            CHECK(waits == 1 && waited_stream == 9 && waited_event == &events[n_events - 1] && p.cross_waits == 1,
+                  "made to wait for its free's event, recorded now (%d waits on %llu)", waits, (unsigned long long)waited_stream);
+        } else {
+            CHECK(c && c->addr != addr && waits == 0 && p.reserved > reserved, "variant %d: new memory, no wait", variant);
+        }
+        vmm__pool_free(&p, c, 9, NULL);
+        for (int i = 0; i < n_events; i++) events[i].done = 1;
+        vmm__pool_release(&p, 0, 0, UINT64_MAX);
+        CHECK(p.reserved == 0 && live_events == 0 && double_releases == 0 && consistent(&p),
+              "variant %d: all given back, every event released once", variant);
+        vmm__pool_destroy(&p);
+    }
 }
 
 /* The freeing stream takes part of a block whose free is in flight: the rest still waits on the
@@ -598,6 +648,7 @@ int main(void)
     test_exact();
     test_va_kept();
     test_streams();
+    test_internal_dependencies();
     test_unrecorded();
     test_rest_keeps_waiting();
     test_oom();

@@ -99,10 +99,11 @@ static void test_async_order(void)
     int rc = run(argv, env, out, sizeof out, err, sizeof err);
     CHECK(rc == 0, "rc %d: %s", rc, err);
     CHECK(strstr(out, "same stream reuses at once: yes") != NULL, "%s", out);
-    CHECK(strstr(out, "other stream before the free completes: new") != NULL, "%s", out);
-    CHECK(strstr(out, "other stream after the free completes: reused") != NULL, "%s", out);
+    CHECK(strstr(out, "other stream before the free completes: reused, made to wait: yes") != NULL, "%s", out);
+    CHECK(strstr(out, "other stream after the free completes: reused, made to wait: no") != NULL, "%s", out);
+    CHECK(strstr(out, "internal dependencies refused, other stream before the free completes: new") != NULL, "%s", out);
     CHECK(strstr(out, "event records for 1000 same-stream pairs: 0\n") != NULL, "%s", out);
-    CHECK(strstr(out, "other stream after the freeing stream was destroyed: new") != NULL, "%s", out);
+    CHECK(strstr(out, "other stream after the freeing stream was destroyed: reused, made to wait: yes") != NULL, "%s", out);
 }
 
 /* A real program's stream-ordered allocations (a GPT-2-class model trained with varying sequence
@@ -133,6 +134,71 @@ static void test_lagging_replay(void)
                reserved >> 20, live >> 20, live ? (double)reserved / (double)live : 0);
         CHECK(reserved <= live + live / 20 + (64ull << 20), "%s: the pool's reserved peak %llu MiB <= 1.05 x live peak %llu MiB + 64 MiB",
               delays[i], reserved >> 20, live >> 20);
+    }
+}
+
+/* A real multi-stream program: rank 0 of PyTorch FSDP2 (8 MLP blocks of width 2048, AdamW, 2 GPUs)
+ * under backend:cudaMallocAsync, 12 steps, recorded on a 2xH200 by tests/gpu/alloc_trace.c with its
+ * three streams' allocations, frees, event records and stream waits (the gather and reduce-scatter
+ * streams beside the compute one).  Natively that rank reserved 7.84 GiB at most
+ * (max_memory_reserved) for 7.31 GiB live.  Replayed on a GPU lagging 0 to 20 ms the shim's pool
+ * must reserve at most 1.05x that + 64 MiB: before frees recorded after a synchronization that
+ * covered them were settled by it, and before another stream could take a free not yet reached,
+ * it reserved 13.33 GB at 5 ms (1.58x native). */
+static void test_fsdp_replay(void)
+{
+    char prog[600], out[4096], err[4096];
+    snprintf(prog, sizeof prog, "%s/progs/replay", build);
+    char trace[] = "tests/progs/traces/fsdp2-async.trace.gz";
+    char *argv[] = {prog, trace, NULL};
+    const unsigned long long native = 8418135900ull; /* 7.84 GiB */
+    const char *delays[] = {"FAKECUDA_EVENT_DELAY_US=0", "FAKECUDA_EVENT_DELAY_US=1000", "FAKECUDA_EVENT_DELAY_US=5000",
+                            "FAKECUDA_EVENT_DELAY_US=20000"};
+    for (int i = 0; i < 4; i++) {
+        const char *env[] = {preload, "FAKECUDA_MEM_BYTES=64G", delays[i], NULL};
+        int rc = run(argv, env, out, sizeof out, err, sizeof err);
+        unsigned long long live = 0, reserved = 0, used = 0;
+        long fails = -1;
+        const char *r = strstr(out, "R replay ");
+        int got = r && sscanf(r, "R replay calls=%*d live_peak=%llu reserved_high=%llu used_high=%llu fail=%ld", &live,
+                              &reserved, &used, &fails) == 4;
+        CHECK(rc == 0 && got && fails == 0 && live > (7ull << 30), "%s: rc %d, %s%s", delays[i], rc, out, err);
+        printf("stat: FSDP2 replay with %s: reserved peak %llu MiB for a live peak of %llu MiB, %.3fx native's %llu MiB\n",
+               delays[i], reserved >> 20, live >> 20, (double)reserved / (double)native, native >> 20);
+        CHECK(reserved <= native + native / 20 + (64ull << 20), "%s: reserved peak %llu MiB <= 1.05 x native %llu MiB + 64 MiB",
+              delays[i], reserved >> 20, native >> 20);
+    }
+}
+
+/* The two patterns of issue 38 (tests/progs/stream_patterns.c) on a GPU lagging 5 ms: three streams
+ * taking turns at 256 MiB, and FSDP's gather/compute shape.  The default pool holds what one round
+ * needs (native reuses another stream's free by making that stream wait for it), as the pool's own
+ * ReservedMemHigh says; with cudaMemPoolReuseAllowInternalDependencies off it may not, and each
+ * round takes new memory, as natively. */
+static void test_stream_patterns(void)
+{
+    char prog[600], out[4096], err[4096];
+    snprintf(prog, sizeof prog, "%s/progs/stream_patterns", build);
+    char *argv[] = {prog, NULL};
+    for (int off = 0; off < 2; off++) {
+        const char *env[] = {preload, "FAKECUDA_MEM_BYTES=16G", "FAKECUDA_EVENT_DELAY_US=5000",
+                             off ? "STREAM_PATTERNS_NO_INTERNAL=1" : "STREAM_PATTERNS_NO_INTERNAL=0", NULL};
+        int rc = run(argv, env, out, sizeof out, err, sizeof err);
+        CHECK(rc == 0, "rc %d: %s%s", rc, out, err);
+        const char *names[] = {"turns", "fsdp"};
+        for (int k = 0; k < 2; k++) {
+            char key[64];
+            snprintf(key, sizeof key, "R pattern=%s ", names[k]);
+            unsigned long long live = 0, high = 0;
+            const char *r = strstr(out, key);
+            int got = r && sscanf(r, "R pattern=%*s rounds=%*d live_peak=%llu reserved_high=%llu", &live, &high) == 2;
+            if (!off)
+                CHECK(got && high <= live + live / 20 + (64ull << 20), "%s: ReservedMemHigh %llu MiB for %llu MiB live (%s)",
+                      names[k], high >> 20, live >> 20, out);
+            else
+                CHECK(got && high >= 4 * live, "%s with internal dependencies refused: ReservedMemHigh %llu MiB for %llu MiB live",
+                      names[k], high >> 20, live >> 20);
+        }
     }
 }
 
@@ -683,6 +749,8 @@ int main(void)
     test_threads();
     test_async_order();
     test_lagging_replay();
+    test_fsdp_replay();
+    test_stream_patterns();
     test_thread_tags();
     test_cross_device_copy();
     test_rtld_next();
