@@ -358,12 +358,13 @@ static int pause_arena(vmm__pool *p, vmm__arena *a, unsigned flags, vmm__sleep_i
     return rc;
 }
 
-/* The pinned buffers the chosen pools' live allocations lack, made at once (sleep_copy.c). */
-static void pin_ahead_locked(const char *tag)
+/* The live allocations of the chosen pools' awake arenas (an array the caller frees, *n of them;
+ * as many as memory allowed). */
+static vmm__block **awake_blocks_locked(const char *tag, size_t *n)
 {
-    size_t n = 0, cap = 0;
-    void ***slots = NULL;
-    uint64_t *sizes = NULL;
+    size_t cap = 0;
+    vmm__block **v = NULL;
+    *n = 0;
     for (int i = 0; i < MAX_DEVICES; i++) {
         vmm__pool *pools[MAX_POOLS];
         int np = pools_of(&vmm__S.dev[i], tag, pools, MAX_POOLS);
@@ -371,21 +372,32 @@ static void pin_ahead_locked(const char *tag)
             for (vmm__arena *a = pools[k]->arenas; a; a = a->next)
                 for (vmm__block *b = a->paused ? NULL : a->first; b; b = b->next) {
                     if (b->free || !b->live) continue;
-                    if (n == cap) {
+                    if (*n == cap) {
                         size_t c = cap ? 2 * cap : 256;
-                        void ***s = realloc(slots, c * sizeof *s);
-                        if (s) slots = s;
-                        uint64_t *z = s ? realloc(sizes, c * sizeof *z) : NULL;
-                        if (z) sizes = z;
-                        if (!s || !z) goto pin; /* what was gathered still goes ahead */
+                        vmm__block **m = realloc(v, c * sizeof *m);
+                        if (!m) return v;
+                        v = m;
                         cap = c;
                     }
-                    slots[n] = &b->kept;
-                    sizes[n++] = b->requested;
+                    v[(*n)++] = b;
                 }
     }
-pin:
-    if (n) (void)vmm__sleep_pin_ahead(slots, sizes, n);
+    return v;
+}
+
+/* The pinned buffers the chosen pools' live allocations lack, made at once (sleep_copy.c). */
+static void pin_ahead_locked(const char *tag)
+{
+    size_t n;
+    vmm__block **blocks = awake_blocks_locked(tag, &n);
+    void ***slots = n ? malloc(n * sizeof *slots) : NULL;
+    uint64_t *sizes = n ? malloc(n * sizeof *sizes) : NULL;
+    for (size_t i = 0; slots && sizes && i < n; i++) {
+        slots[i] = &blocks[i]->kept;
+        sizes[i] = blocks[i]->requested;
+    }
+    if (slots && sizes) (void)vmm__sleep_pin_ahead(slots, sizes, n);
+    free(blocks);
     free(slots);
     free(sizes);
 }
@@ -462,32 +474,19 @@ int vmm__sleep_pause(const char *tag, unsigned flags, vmm__sleep_out *out, char 
 int64_t vmm__sleep_prepare(const char *tag)
 {
     if (!vmm__S.ready) return -ENODEV;
-    size_t n = 0, cap = 0;
-    uint64_t *addrs = NULL, *sizes = NULL;
+    size_t n = 0, all;
     CUcontext ctx = NULL;
     pthread_mutex_lock(&vmm__S.lock);
-    for (int i = 0; i < MAX_DEVICES; i++) {
-        vmm__pool *pools[MAX_POOLS];
-        int np = pools_of(&vmm__S.dev[i], tag, pools, MAX_POOLS);
-        for (int k = 0; k < np; k++)
-            for (vmm__arena *a = pools[k]->arenas; a; a = a->next)
-                for (vmm__block *b = a->paused ? NULL : a->first; b; b = b->next) {
-                    if (b->free || !b->live || !vmm__sleep_lacks_buffer(&b->kept, b->requested)) continue;
-                    if (n == cap) {
-                        size_t c = cap ? 2 * cap : 256;
-                        uint64_t *x = realloc(addrs, c * sizeof *x);
-                        if (x) addrs = x;
-                        uint64_t *z = x ? realloc(sizes, c * sizeof *z) : NULL;
-                        if (z) sizes = z;
-                        if (!x || !z) goto gathered;
-                        cap = c;
-                    }
-                    if (!ctx) ctx = b->ctx;
-                    addrs[n] = b->addr;
-                    sizes[n++] = b->requested;
-                }
+    vmm__block **blocks = awake_blocks_locked(tag, &all);
+    uint64_t *addrs = all ? malloc(all * sizeof *addrs) : NULL, *sizes = all ? malloc(all * sizeof *sizes) : NULL;
+    for (size_t i = 0; addrs && sizes && i < all; i++) {
+        vmm__block *b = blocks[i];
+        if (!vmm__sleep_lacks_buffer(&b->kept, b->requested)) continue;
+        if (!ctx) ctx = b->ctx;
+        addrs[n] = b->addr;
+        sizes[n++] = b->requested;
     }
-gathered:
+    free(blocks);
     pthread_mutex_unlock(&vmm__S.lock);
     void **made = n ? calloc(n, sizeof *made) : NULL;
     int64_t ready = 0;
