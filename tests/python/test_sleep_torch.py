@@ -2,8 +2,8 @@
 runtime, with a stand-in for the torch calls that module makes (no torch here).  The stand-in logs
 each call; its memory is real cudaMalloc'd memory under the shim, and its memory_snapshot() names
 those allocations as the caching allocator's segments, in the default pool or a private one.
-Checks: cuBLAS's workspaces are dropped before the shim pauses (nothing paused when they go), on
-every pause; after a pause of everything, every device's allocations go to one fresh pool, and
+Checks: cuBLAS's workspaces are dropped once the shim paused (the memory paused when they go), on
+every pause, before any route; after a pause of everything, every device's allocations go to one fresh pool, and
 once resumed the route ends and the pool is let go; a tag whose memory holds no default-pool
 segment is paused with no route, one that does is routed; a second pause while routed adds no
 route, and the route lasts until the last paused tag is resumed (also a resume of one tag after a
@@ -123,19 +123,19 @@ def main():
         T.check(not out["torch_imported_by_us"] and logs["no_torch"] == [] and "error" not in out["no_torch"],
                 f"without torch imported: no call, and the package imports none: {out['no_torch']}")
         pa = logs["pause_all"]
-        T.check(pa[:1] == [["clear", 0]], f"cuBLAS's workspaces go first, before anything is paused: {pa}")
+        T.check(len(pa) > 0 and pa[0][0] == "clear" and pa[0][1] > 0,
+                f"cuBLAS's workspaces go first, once the memory is paused: {pa}")
         begins = [e for e in pa if e[0] == "begin"]
         T.check([e[1] for e in begins] == [0, 1] and begins[0][2] == begins[1][2],
                 f"a pause of everything routes both devices to one fresh pool: {pa}")
         pool = begins[0][2] if begins else None
-        T.check(out["pause_again"].get("error") == "WrongState" and
-                [e for e in logs["pause_again"] if e[0] == "begin"] == [],
-                f"a refused pause adds no route: {out['pause_again']}")
+        T.check(out["pause_again"].get("error") == "WrongState" and logs["pause_again"] == [],
+                f"a refused pause touches nothing of torch's: {out['pause_again']}")
         T.check(logs["resume_kv_only"] == [], f"resuming one tag after a pause of everything keeps the route: "
                 f"{logs['resume_kv_only']}")
         T.check(logs["resume_all"] == [["end", 0, pool], ["release", 0, pool], ["end", 1, pool], ["release", 1, pool]],
                 f"once everything is resumed the route ends and its pool is let go: {logs['resume_all']}")
-        T.check(logs["pause_kv_private"][:1] == [["clear", 0]] and
+        T.check([e[0] for e in logs["pause_kv_private"]] == ["clear"] and logs["pause_kv_private"][0][1] > 0 and
                 [e for e in logs["pause_kv_private"] if e[0] == "begin"] == [] and logs["resume_kv_private"] == [],
                 f"a tag under a private pool only: cleared, not routed: {logs['pause_kv_private']} "
                 f"{logs['resume_kv_private']}")
@@ -154,7 +154,7 @@ def main():
                 f"the last tag resumed ends the route: {logs['resume_optim']}")
         T.check(logs["capture_unrouted"] == [["capture_begin"], ["capture_end"]],
                 f"with no route a capture is left alone: {logs['capture_unrouted']}")
-        T.check(logs["pause_async"] == [["clear", 0]] and logs["resume_async"] == [],
+        T.check([e[0] for e in logs["pause_async"]] == ["clear"] and logs["resume_async"] == [],
                 f"backend:cudaMallocAsync: cleared, never routed: {logs['pause_async']} {logs['resume_async']}")
         T.check(logs["pause_uninitialized"] == [] and logs["resume_uninitialized"] == [] and
                 "error" not in out["pause_uninitialized"],

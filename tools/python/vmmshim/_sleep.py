@@ -126,7 +126,6 @@ def pause(tag=None, keep=True, to_file=False):
     p, _, error, _ = _sleep_functions()
     flags = (0 if keep else PAUSE_DISCARD) | (PAUSE_FILE if keep and to_file else 0)
     r = _lib.SleepReport()
-    _sleep_torch.before_pause()
     status = p(tag.encode() if tag else None, flags, ctypes.byref(r), ctypes.sizeof(r))
     if status == _lib.OK or r.bytes_released:  # a failed pause keeps what it paused before the failure
         _sleep_torch.after_pause(tag or None)

@@ -6,8 +6,9 @@ Two things in PyTorch outlive a pause without knowing of it:
 - the caching allocator keeps free blocks inside segments that are now paused, and hands them out
   to the next tensor of a fitting size, on any thread;
 - cuBLAS keeps a workspace per handle and stream, made before the pause.
-So, around the shim's pause:
-- the cuBLAS workspaces are dropped first (the next matmul makes a new one where allocations go now);
+So, once the shim paused (it waited for the device first, so no kernel still uses them):
+- the cuBLAS workspaces are dropped (the next matmul makes a new one where allocations go now; one
+  in paused memory is not handed out again while paused);
 - with the native allocator (default and expandable_segments), while anything paused lies under a
   pool the program allocates from without asking (the default pool: always after a pause of
   everything; after a tag's pause only when the default pool has a segment in that tag's memory),
@@ -46,11 +47,10 @@ def _native(torch):
         return False
 
 
-def before_pause():
-    """Drop cuBLAS's workspaces before the shim pauses (a later matmul makes new ones)."""
-    torch = _torch()
-    if torch is None:
-        return
+def _clear_workspaces(torch):
+    """Drop cuBLAS's workspaces (a later matmul makes new ones).  Only after the shim's pause waited
+    for the device: freed before it, a workspace an earlier kernel still used could go to another
+    stream's allocation meanwhile."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
@@ -138,14 +138,18 @@ def _patch_capture(torch):
 
 
 def after_pause(tag):
-    """The shim paused tag (None: everything): route new allocations away from paused memory."""
+    """The shim paused tag (None: everything): cuBLAS's workspaces go, and new allocations are
+    routed away from paused memory."""
     with _lock:
         if tag is None:
             _state["all"] = True
         else:
             _state["tags"].add(tag)
         torch = _torch()
-        if torch is None or _state["route"] is not None or not _native(torch):
+        if torch is None:
+            return
+        _clear_workspaces(torch)
+        if _state["route"] is not None or not _native(torch):
             return
         if _default_pool_paused(torch, tag):
             _route_begin(torch)
