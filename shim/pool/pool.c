@@ -823,7 +823,7 @@ int vmm__pool_free_unrecorded(vmm__pool *p, vmm__block *b, uint64_t stream, void
         return free_with(p, b, stream, NULL);
     }
     ev->sctx = stream_ctx;
-    ev->seq = seq ? seq : 1;
+    ev->seq = seq;
     p->n_unrecorded++;
     p->n_tracked++;
     return free_with(p, b, stream, ev);

@@ -174,10 +174,11 @@ int vmm__pool_free(vmm__pool *p, vmm__block *b, uint64_t stream, void *event);
 /* The same, with no event recorded: the free costs no driver call.  The event is recorded on
  * `stream` only once another stream, a give-back or a wait needs it (ops.event_record, which then
  * covers at least the work queued before this free), unless a synchronization covering the free
- * comes first (vmm__pool_reached_by_sync).  seq orders the free against synchronizations. */
+ * comes first (vmm__pool_reached_by_sync).  seq (1 or more) orders the free against
+ * synchronizations. */
 int vmm__pool_free_unrecorded(vmm__pool *p, vmm__block *b, uint64_t stream, void *stream_ctx, uint64_t seq);
 /* A synchronization of `stream` (of every stream of stream_ctx when any_stream) that began after
- * every free numbered below before_seq: those frees, not recorded yet, are reached. */
+ * every free numbered below before_seq: those frees are reached, their events recorded since or not. */
 void vmm__pool_reached_by_sync(vmm__pool *p, int any_stream, uint64_t stream, void *stream_ctx, uint64_t before_seq);
 /* Record the events of `stream`'s unrecorded frees now (it is about to be destroyed). */
 void vmm__pool_record_stream(vmm__pool *p, uint64_t stream);

@@ -175,8 +175,3 @@ def after_resume(tag):
             _state["route"] = None
             _state["steps_aside"] = 0
 
-
-def routed():
-    """(pool id, devices) while new allocations are routed away from paused memory, else None."""
-    with _lock:
-        return _state["route"]
