@@ -307,6 +307,20 @@ vmm_status vmm_pause_prepare(const char *tag, uint64_t *bytes_ready);
  * that is paused now: 1 or 0 (0 too when not under the shim).  A framework's allocator asks it of
  * the blocks it would hand out (vmmshim's Python side: PyTorch's default pool's segments). */
 int vmm_paused_overlaps(const uint64_t *starts, const uint64_t *sizes, size_t n);
+/* The host copy of this process's byte at addr: the contents a kept pause holds in host memory, or,
+ * once resumed, the pinned buffer that allocation keeps for its next pause (VMMSHIM_PAUSE_HOST_CACHE),
+ * which holds what its last pause copied.  *host: the copy of that byte; *bytes: how many of the
+ * allocation's bytes follow it contiguously there.  VMM_ERR_NOT_FOUND when host memory holds no copy
+ * of it (awake with no buffer kept, discarded, kept in a file, not the shim's memory). */
+vmm_status vmm_sleep_host(uint64_t addr, void **host, uint64_t *bytes);
+/* Free the pinned buffers that the awake allocations under tag (NULL: all) keep for their next kept
+ * pause, so that host memory holds nothing between cycles (at the cost of pinning anew at the next
+ * pause); paused contents are untouched.  Returns the bytes freed. */
+uint64_t vmm_sleep_drop_host(const char *tag);
+/* torch_memory_saver's C entry points tms_pause(tag) and tms_resume(tag), which the shim exports
+ * for programs that call them through the process's symbols, go to these once set (vmmshim's
+ * stand-in for that module sets its own); before, they pause what TMS_INIT_ENABLE=1 makes TMS's. */
+void vmm_tms_entries(int (*pause)(const char *tag), int (*resume)(const char *tag));
 /* The calling thread's last failure of the calls above, one line; "" when none. */
 const char *vmm_sleep_error(void);
 

@@ -407,7 +407,39 @@ static int overlaps_adopted(const uint64_t *starts, const uint64_t *sizes, size_
     return hit;
 }
 
-static const vmm__sleep_adopted ops = {survey, contexts, pause_adopted, resume_adopted, prepare_adopted, overlaps_adopted};
+static int host_adopted(uint64_t addr, void **host, uint64_t *bytes)
+{
+    int rc = -ENOENT;
+    if (!vmm__adopt_on()) return rc;
+    pthread_mutex_lock(&A.lock);
+    for (range *r = A.by_addr; r; r = r->hh.next) {
+        if (addr < r->addr || addr - r->addr >= r->size) continue;
+        uint64_t n = 0, off = addr - r->addr;
+        const char *h = vmm__sleep_host_bytes(r->kept, &n);
+        if (h && off < n) {
+            *host = (void *)(h + off);
+            *bytes = n - off;
+            rc = 0;
+        }
+        break;
+    }
+    pthread_mutex_unlock(&A.lock);
+    return rc;
+}
+
+static uint64_t drop_host_adopted(const char *tag)
+{
+    uint64_t freed = 0;
+    if (!vmm__adopt_on()) return 0;
+    pthread_mutex_lock(&A.lock);
+    for (range *r = A.by_addr; r; r = r->hh.next)
+        if (!r->h->paused && vmm__tag_selects(tag, r->h->tag)) freed += vmm__sleep_drop_idle(&r->kept);
+    pthread_mutex_unlock(&A.lock);
+    return freed;
+}
+
+static const vmm__sleep_adopted ops = {survey,          contexts,         pause_adopted, resume_adopted, prepare_adopted,
+                                       overlaps_adopted, host_adopted, drop_host_adopted};
 
 /* One atomic store, no CUDA call and nothing read: whether anything is pausable is decided when a
  * pause comes (VMMSHIM_SLEEP_ADOPTED). */

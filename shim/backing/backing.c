@@ -110,39 +110,6 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     return VMM__DONE;
 }
 
-/* The arena of one of the shim's pools holding p (allocated, free or not mapped), or NULL. */
-static vmm__arena *arena_containing_locked(uint64_t p)
-{
-    for (int i = 0; i < MAX_DEVICES; i++) {
-        if (!vmm__S.dev[i].pool_ready) continue;
-        VMM__FOR_POOLS(&vmm__S.dev[i], q, k) {
-            vmm__arena *a = vmm__pool_arena_at(q, p);
-            if (a) return a;
-        }
-    }
-    return NULL;
-}
-
-/* The live allocation whose [addr, addr + requested) holds p. */
-static vmm__block *block_containing_locked(uint64_t p)
-{
-    vmm__block *b = NULL;
-    HASH_FIND(hh, vmm__S.by_addr, &p, sizeof p, b);
-    if (!b) {
-        vmm__arena *a = arena_containing_locked(p);
-        if (!a) return NULL;
-        vmm_reg_alloc rec;
-        uint64_t slot;
-        if (vmm__S.registry_ok && vmm__reg_find(&vmm__S.reg, vmm__S.reg.pid, p, &rec, &slot) == 0) {
-            uint32_t key = (uint32_t)slot;
-            HASH_FIND(hs, vmm__S.by_slot, &key, sizeof key, b);
-        } else {
-            b = vmm__pool_block_at(a, a->pool->granule, p); /* unpublished: walk the arena */
-        }
-    }
-    return b && b->live && p - b->addr < b->requested + (b->requested == 0) ? b : NULL;
-}
-
 static void sync_ctx(CUcontext ctx)
 {
     CUcontext prev = NULL;
@@ -196,7 +163,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
         note *n = NULL;
         HASH_FIND(hh, vmm__S.notes, &p, sizeof p, n);
         if (n) HASH_DELETE(hh, vmm__S.notes, n); /* the real runtime owns it; drop our note of it */
-        vmm__result r = n ? VMM__PASS : arena_containing_locked(p) ? VMM__INVALID : VMM__PASS;
+        vmm__result r = n ? VMM__PASS : vmm__arena_containing_locked(p) ? VMM__INVALID : VMM__PASS;
         pthread_mutex_unlock(&vmm__S.lock);
         if (n) {
             if (n->slot != NO_SLOT) vmm__reg_remove(&vmm__S.reg, n->slot);
@@ -317,7 +284,7 @@ int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out)
 {
     if (!vmm__S.ready || !ptr) return 0;
     pthread_mutex_lock(&vmm__S.lock);
-    vmm__block *b = block_containing_locked(ptr);
+    vmm__block *b = vmm__block_containing_locked(ptr);
     if (b) {
         uint32_t n;
         uint64_t bytes;
@@ -339,7 +306,7 @@ int vmm__owned(uint64_t ptr)
 {
     if (!vmm__S.ready || !ptr) return 0;
     pthread_mutex_lock(&vmm__S.lock);
-    int owned = arena_containing_locked(ptr) != NULL;
+    int owned = vmm__arena_containing_locked(ptr) != NULL;
     pthread_mutex_unlock(&vmm__S.lock);
     return owned;
 }

@@ -231,6 +231,10 @@ void vmm__purge_kick_locked(void);
 void vmm__start_broker(void);
 
 /* ---- records.c: one registry record per allocation ---- */
+/* records.c: the arena of one of the shim's pools holding p (allocated, free or not mapped), and the
+ * live allocation whose [addr, addr + requested) holds p (paused ones too); NULL when none. */
+vmm__arena *vmm__arena_containing_locked(uint64_t p);
+vmm__block *vmm__block_containing_locked(uint64_t p);
 void vmm__publish_locked(vmm__block *b, CUstream stream, const vmm__frames *f);
 void vmm__retract_locked(vmm__block *b);
 #endif

@@ -176,3 +176,38 @@ void vmm__range_set_paused(const vmm__published *pub, int paused, uint64_t chunk
     uint32_t kinds = exportable && __atomic_load_n(&vmm__S.broker_started, __ATOMIC_ACQUIRE) > 0 ? VMM_HANDLE_BROKER : 0;
     vmm__reg_set_paused(&vmm__S.reg, pub->slot, paused, paused ? 0 : chunk_id, paused ? 0 : kinds, -1, NULL);
 }
+
+/* ---- lookups by address (backing.c's frees and queries, sleep.c's host copies) ---- */
+
+/* The arena of one of the shim's pools holding p (allocated, free or not mapped), or NULL. */
+vmm__arena *vmm__arena_containing_locked(uint64_t p)
+{
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        if (!vmm__S.dev[i].pool_ready) continue;
+        VMM__FOR_POOLS(&vmm__S.dev[i], q, k) {
+            vmm__arena *a = vmm__pool_arena_at(q, p);
+            if (a) return a;
+        }
+    }
+    return NULL;
+}
+
+/* The live allocation whose [addr, addr + requested) holds p. */
+vmm__block *vmm__block_containing_locked(uint64_t p)
+{
+    vmm__block *b = NULL;
+    HASH_FIND(hh, vmm__S.by_addr, &p, sizeof p, b);
+    if (!b) {
+        vmm__arena *a = vmm__arena_containing_locked(p);
+        if (!a) return NULL;
+        vmm_reg_alloc rec;
+        uint64_t slot;
+        if (vmm__S.registry_ok && vmm__reg_find(&vmm__S.reg, vmm__S.reg.pid, p, &rec, &slot) == 0) {
+            uint32_t key = (uint32_t)slot;
+            HASH_FIND(hs, vmm__S.by_slot, &key, sizeof key, b);
+        } else {
+            b = vmm__pool_block_at(a, a->pool->granule, p); /* unpublished: walk the arena */
+        }
+    }
+    return b && b->live && p - b->addr < b->requested + (b->requested == 0) ? b : NULL;
+}

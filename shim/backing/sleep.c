@@ -540,6 +540,49 @@ int vmm__sleep_overlaps(const uint64_t *starts, const uint64_t *sizes, size_t n)
     return hit;
 }
 
+/* ---- the host copies, for a program that reads them (vmm_sleep_host) or wants them gone ---- */
+
+int vmm__sleep_host(uint64_t addr, void **host, uint64_t *bytes)
+{
+    int rc = -ENOENT, found = 0;
+    if (!vmm__S.ready) return -ENOENT;
+    pthread_mutex_lock(&vmm__S.lock);
+    vmm__block *b = vmm__block_containing_locked(addr);
+    if (b) {
+        uint64_t n = 0, off = addr - b->addr;
+        const char *h = vmm__sleep_host_bytes(b->kept, &n);
+        found = 1;
+        if (h && off < n) {
+            *host = (void *)(h + off);
+            *bytes = n - off;
+            rc = 0;
+        }
+    }
+    pthread_mutex_unlock(&vmm__S.lock);
+    const vmm__sleep_adopted *ad = adopted_ops();
+    if (!found && ad && ad->host) rc = ad->host(addr, host, bytes);
+    return rc;
+}
+
+uint64_t vmm__sleep_drop_host(const char *tag)
+{
+    uint64_t freed = 0;
+    if (!vmm__S.ready) return 0;
+    pthread_mutex_lock(&vmm__S.lock);
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        vmm__pool *pools[MAX_POOLS];
+        int np = pools_of(&vmm__S.dev[i], tag, pools, MAX_POOLS);
+        for (int k = 0; k < np; k++)
+            for (vmm__arena *a = pools[k]->arenas; a; a = a->next)
+                for (vmm__block *b = a->paused ? NULL : a->first; b; b = b->next)
+                    if (b->live && !b->free) freed += vmm__sleep_drop_idle(&b->kept);
+    }
+    pthread_mutex_unlock(&vmm__S.lock);
+    const vmm__sleep_adopted *ad = adopted_ops();
+    if (ad && ad->drop_host) freed += ad->drop_host(tag);
+    return freed;
+}
+
 /* ---- resume ---- */
 
 /* Map a fresh handle at paused segment s (marked 2 until the resume commits): 0, or -ENOMEM /

@@ -112,6 +112,14 @@ int64_t vmm__sleep_prepare(const char *tag);
 /* vmm_paused_overlaps: whether any of the n ranges [starts[i], starts[i] + sizes[i]) overlaps memory
  * of this process that is paused now (the pools' paused arenas, the program's own paused ranges). */
 int vmm__sleep_overlaps(const uint64_t *starts, const uint64_t *sizes, size_t n);
+/* vmm_sleep_host / vmm_sleep_drop_host (vmm_api.h): 0 or -ENOENT; the bytes freed. */
+int vmm__sleep_host(uint64_t addr, void **host, uint64_t *bytes);
+uint64_t vmm__sleep_drop_host(const char *tag);
+/* The host bytes of kept (its contents, or the idle pinned buffer, which holds its last pause's):
+ * the buffer and *bytes, or NULL when it holds none there (discarded, in a file). */
+const void *vmm__sleep_host_bytes(const void *kept, uint64_t *bytes);
+/* An idle pinned buffer (holding no contents) goes: the bytes freed, *kept NULL then; else 0. */
+uint64_t vmm__sleep_drop_idle(void **kept);
 /* Whether kept holds contents (a discarded pause keeps none, an idle buffer holds none). */
 int vmm__sleep_holds(const void *kept);
 /* Copy the kept contents back to addr (context current); maybe queued, as vmm__sleep_keep's.
@@ -142,6 +150,9 @@ typedef struct vmm__sleep_adopted {
     uint64_t (*prepare)(const char *tag);
     /* Whether any of the n ranges overlaps the program's own memory that is paused now. */
     int (*overlaps)(const uint64_t *starts, const uint64_t *sizes, size_t n);
+    /* As vmm__sleep_host and vmm__sleep_drop_host, for the program's own memory. */
+    int (*host)(uint64_t addr, void **host, uint64_t *bytes);
+    uint64_t (*drop_host)(const char *tag);
 } vmm__sleep_adopted;
 /* Called once, from adopt_sleep.c's constructor (an atomic store). */
 void vmm__sleep_adopted_by(const vmm__sleep_adopted *ops);

@@ -482,6 +482,24 @@ void vmm__sleep_kept_free(void *p)
     free(k);
 }
 
+const void *vmm__sleep_host_bytes(const void *p, uint64_t *bytes)
+{
+    const kept *k = p;
+    if (!k || !k->host || k->file || k->epoch != epoch_now() || !(k->full || k->idle)) return NULL;
+    *bytes = k->bytes;
+    return k->host;
+}
+
+uint64_t vmm__sleep_drop_idle(void **pk)
+{
+    kept *k = *pk;
+    if (!k || k->full || !k->idle || k->file) return 0;
+    uint64_t n = k->cap;
+    vmm__sleep_kept_free(k);
+    *pk = NULL;
+    return n;
+}
+
 int vmm__sleep_holds(const void *p)
 {
     const kept *k = p;

@@ -5,11 +5,13 @@
  * a preloaded shim's come first in symbol lookup. */
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "api/vmm_api.h"
 #include "backing/sleep.h"
+#include "core/options.h"
 
 #define VMM_HOOK __attribute__((visibility("default")))
 
@@ -90,7 +92,51 @@ VMM_HOOK int vmm_paused_overlaps(const uint64_t *starts, const uint64_t *sizes, 
     return starts && sizes ? vmm__sleep_overlaps(starts, sizes, n) : 0;
 }
 
+VMM_HOOK vmm_status vmm_sleep_host(uint64_t addr, void **host, uint64_t *bytes)
+{
+    if (!host || !bytes) return VMM_ERR_INVALID;
+    return status_of(vmm__sleep_host(addr, host, bytes));
+}
+
+VMM_HOOK uint64_t vmm_sleep_drop_host(const char *tag) { return vmm__sleep_drop_host(tag); }
+
 VMM_HOOK const char *vmm_sleep_error(void) { return last_error; }
+
+/* torch_memory_saver's two C entry points, which its callers reach through the process's symbols
+ * (ctypes.CDLL(None).tms_pause).  vmmshim's stand-in for its Python module hands in its own pause
+ * and resume (vmm_tms_entries), so that a C caller pauses exactly what a Python one would.  Before
+ * that, the only memory TMS would own is what TMS_INIT_ENABLE=1 puts under its "default" tag: this
+ * process's untagged memory, kept when TMS_INIT_ENABLE_CPU_BACKUP=1.  0, or -1 with the reason in
+ * vmm_sleep_error. */
+typedef int (*tms_entry_fn)(const char *);
+static tms_entry_fn tms_entry[2];
+
+VMM_HOOK void vmm_tms_entries(tms_entry_fn pause, tms_entry_fn resume)
+{
+    __atomic_store_n(&tms_entry[0], pause, __ATOMIC_RELEASE);
+    __atomic_store_n(&tms_entry[1], resume, __ATOMIC_RELEASE);
+}
+
+static int env_is_1(const char *name)
+{
+    const char *v = getenv(name);
+    return v && strcmp(v, "1") == 0;
+}
+
+static int tms_call(int which, const char *tag)
+{
+    tms_entry_fn f = __atomic_load_n(&tms_entry[which], __ATOMIC_ACQUIRE);
+    if (f) return f(tag);
+    if (!env_is_1("TMS_INIT_ENABLE") || (tag && *tag && strcmp(tag, "default") != 0)) return 0;
+    const char *untagged = vmm__opt_str(VMM__OPT_TAG);
+    vmm_status s = which ? vmm_resume(untagged)
+                         : vmm_pause(untagged, env_is_1("TMS_INIT_ENABLE_CPU_BACKUP") ? 0 : VMM_PAUSE_DISCARD);
+    return s == VMM_OK || s == VMM_ERR_STATE || s == VMM_ERR_NOT_FOUND ? 0 : -1;
+}
+
+VMM_HOOK int tms_pause(const char *tag) { return tms_call(0, tag); }
+
+VMM_HOOK int tms_resume(const char *tag) { return tms_call(1, tag); }
 
 /* Pause and resume from outside (vmmctl pause, vmm_pause_process) come through the broker, which
  * needs the backing's control function before its first request.  A constructor sets it (one

@@ -56,6 +56,9 @@
  *   "Q [tag]"        vmm_pause_prepare (the shim's; no tag: NULL); answers "ok <bytes made ready>" or
  *                    "error <status> <why>"
  *   "O <address> <bytes>" vmm_paused_overlaps of that one range (the shim's); answers "ok <0|1>"
+ *   "C <address>"    vmm_sleep_host there; answers "ok <status> <contiguous bytes> 0x<the copy's first
+ *                    8 bytes as a word, 0 when none>"
+ *   "D"              vmm_sleep_drop_host(NULL); answers "ok <bytes freed>"
  *   "q"              exits
  * A failure answers "error <what>". */
 #include <cuda.h>
@@ -304,6 +307,20 @@ int main(void)
             uint64_t start = a, len = b;
             if (overlaps) printf("ok %d\n", overlaps(&start, &len, 1));
             else printf("error no vmm_paused_overlaps\n");
+        } else if (line[0] == 'C' && sscanf(line + 1, "%llx", &a) == 1) {
+            void *sym = sym_of("vmm_sleep_host");
+            vmm_status (*host_of)(uint64_t, void **, uint64_t *) = NULL;
+            memcpy(&host_of, &sym, sizeof host_of);
+            void *host = NULL;
+            uint64_t bytes = 0, first = 0;
+            vmm_status st = host_of ? host_of(a, &host, &bytes) : VMM_ERR_NO_SHIM;
+            if (st == VMM_OK && bytes >= sizeof first) memcpy(&first, host, sizeof first);
+            printf("ok %d %llu 0x%llx\n", (int)st, (unsigned long long)bytes, (unsigned long long)first);
+        } else if (line[0] == 'D') {
+            void *sym = sym_of("vmm_sleep_drop_host");
+            uint64_t (*drop)(const char *) = NULL;
+            memcpy(&drop, &sym, sizeof drop);
+            printf("ok %llu\n", (unsigned long long)(drop ? drop(NULL) : 0));
         } else if (line[0] == 'Q') {
             char tag[64] = "";
             int has = sscanf(line + 1, "%63s", tag) == 1;

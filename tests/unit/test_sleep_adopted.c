@@ -242,10 +242,26 @@ static void prepared(void)
     CHECK(p.ok && p.kept == 10 * MIB && owner_mem().host_made == m1.host_made, "the pause after: %s", p.line);
     CHECK(owner_cmd(line, "O %llx 4096", (unsigned long long)(a_addr + 5 * MIB)) && sscanf(line, "ok %d", &o) == 1 && o == 1,
           "paused: vmm_paused_overlaps finds the program's own paused range: %s", line);
+    int st = -1;
+    unsigned long long bytes = 0, first = 0;
+    uint64_t want = word(601, 5 * MIB / 8);
+    CHECK(owner_cmd(line, "C %llx", (unsigned long long)(a_addr + 5 * MIB)) &&
+              sscanf(line, "ok %d %llu 0x%llx", &st, &bytes, &first) == 3 && st == 0 && bytes == MIB && first == want,
+          "paused: vmm_sleep_host finds the kept copy of the byte 5 MiB in, 1 MiB left of it: %s", line);
     sleep_ans r = sleep_cmd("R");
     CHECK(r.ok && verify(a, 601) && verify(b, 602), "resume: %s", r.line);
     CHECK(owner_cmd(line, "O %llx 4096", (unsigned long long)(a_addr + 5 * MIB)) && sscanf(line, "ok %d", &o) == 1 && o == 0,
           "resumed: none again: %s", line);
+    CHECK(owner_cmd(line, "C %llx", (unsigned long long)(a_addr + 5 * MIB)) &&
+              sscanf(line, "ok %d %llu 0x%llx", &st, &bytes, &first) == 3 && st == 0 && first == want,
+          "resumed: the buffer kept for the next pause still holds the last pause's bytes: %s", line);
+    unsigned long long freed = 0;
+    CHECK(owner_cmd(line, "D") && sscanf(line, "ok %llu", &freed) == 1 && freed == 10 * MIB,
+          "vmm_sleep_drop_host frees both kept buffers: %s", line);
+    CHECK(owner_mem().host_freed - m1.host_freed == 2, "the two pinned buffers were given back");
+    CHECK(owner_cmd(line, "C %llx", (unsigned long long)(a_addr + 5 * MIB)) &&
+              sscanf(line, "ok %d", &st) == 1 && st == VMM_ERR_NOT_FOUND,
+          "after the drop no host copy is left: %s", line);
     CHECK(owner_cmd(NULL, "U %d", a) && owner_cmd(NULL, "U %d", b), "unmap and release");
     owner_stop();
 }

@@ -202,4 +202,18 @@ VMM_PUBLIC int vmm_paused_overlaps(const uint64_t *starts, const uint64_t *sizes
     return 0;
 }
 
+VMM_PUBLIC vmm_status vmm_sleep_host(uint64_t addr, void **host, uint64_t *bytes)
+{
+    (void)addr;
+    if (host) *host = NULL;
+    if (bytes) *bytes = 0;
+    return NO_SHIM("vmm_sleep_host");
+}
+
+VMM_PUBLIC uint64_t vmm_sleep_drop_host(const char *tag)
+{
+    (void)tag;
+    return 0;
+}
+
 VMM_PUBLIC const char *vmm_sleep_error(void) { return vmm__error_text(); }
