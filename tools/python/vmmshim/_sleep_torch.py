@@ -6,9 +6,12 @@ Two things in PyTorch outlive a pause without knowing of it:
 - the caching allocator keeps free blocks inside segments that are now paused, and hands them out
   to the next tensor of a fitting size, on any thread;
 - cuBLAS keeps a workspace per handle and stream, made before the pause.
-So, once the shim paused (it waited for the device first, so no kernel still uses them):
+So, once the shim paused (it waited for the device first, so no kernel still uses them), when the
+paused memory lies under the default pool (always after a pause of everything):
 - the cuBLAS workspaces are dropped (the next matmul makes a new one where allocations go now; one
-  in paused memory is not handed out again while paused);
+  in paused memory is not handed out again while paused).  Not after a tag's pause that leaves the
+  default pool alone: a CUDA graph captured earlier replays with the workspace it baked in, and
+  faults once that is freed, so a pause of everything breaks graphs captured before it;
 - with the native allocator (default and expandable_segments), while anything paused lies under a
   pool the program allocates from without asking (the default pool: always after a pause of
   everything; after a tag's pause only when the default pool has a segment in that tag's memory),
@@ -20,13 +23,17 @@ So, once the shim paused (it waited for the device first, so no kernel still use
 
 A CUDA graph captured while the route is on gets its memory from the graph's own pool: the route
 steps aside for the capture (torch.cuda.CUDAGraph.capture_begin / capture_end), and allocations of
-other threads during a capture go to the default pool then."""
+other threads during a capture go to the default pool then.  It steps aside as well for
+torch.cuda.empty_cache(), which PyTorch refuses (an internal assert ends the process) while any
+pool is allocated to; a MemPool deleted while routed empties its cache the same way from C++,
+where nothing can step aside: delete pools once resumed, or inside stepped_aside()."""
+import contextlib
 import sys
 import threading
 
 _lock = threading.RLock()
-_state = {"all": False, "tags": set(), "route": None, "steps_aside": 0}
-_capture_patched = False
+_state = {"all": False, "tags": set(), "route": None, "steps_aside": 0, "spent": []}
+_patched = False
 
 
 def _torch():
@@ -90,7 +97,7 @@ def _route_begin(torch):
     for d in devices:
         torch._C._cuda_beginAllocateToPool(d, pool)
     _state["route"] = (pool, devices)
-    _patch_capture(torch)
+    _patch(torch)
 
 
 def _route_end(torch, release):
@@ -101,40 +108,104 @@ def _route_end(torch, release):
         if release:
             torch._C._cuda_releasePool(d, pool)
     if release:
+        _release_spent(torch)
         _state["route"] = None
 
 
-def _patch_capture(torch):
+def _release_spent(torch):
+    for pool, devices in _state["spent"]:
+        for d in devices:
+            torch._C._cuda_releasePool(d, pool)
+    _state["spent"] = []
+
+
+def route_behind():
+    """The calling thread just began allocating to a pool of its own (use_mem_pool): put the route
+    behind it, since PyTorch takes the first pool whose filter matches and the route's, begun earlier,
+    matches every stream.  The route moves to a fresh pool, begun before the old one ends, so no
+    allocation of another thread meanwhile finds no route; the old pool is let go with the route
+    (tensors made in it stay valid)."""
+    with _lock:
+        if _state["route"] is None or _state["steps_aside"]:
+            return
+        torch = sys.modules.get("torch")
+        old, devices = _state["route"]
+        pool = torch.cuda.graph_pool_handle()
+        for d in devices:
+            torch._C._cuda_beginAllocateToPool(d, pool)
+        end = _end_fn(torch)
+        for d in devices:
+            end(d, old)
+        _state["spent"].append((old, devices))
+        _state["route"] = (pool, devices)
+
+
+def _step_aside(torch):
+    with _lock:
+        if _state["route"] is not None and _state["steps_aside"] == 0:
+            _route_end(torch, release=False)
+        if _state["route"] is not None:
+            _state["steps_aside"] += 1
+
+
+def _step_back(torch):
+    with _lock:
+        if _state["route"] is not None and _state["steps_aside"] > 0:
+            _state["steps_aside"] -= 1
+            if _state["steps_aside"] == 0:
+                pool, devices = _state["route"]
+                for d in devices:
+                    torch._C._cuda_beginAllocateToPool(d, pool)
+
+
+@contextlib.contextmanager
+def stepped_aside():
+    """The route steps aside inside: what PyTorch refuses while any pool is allocated to, as during a
+    capture (emptying a cache asserts that none is), runs there.  Another thread's allocation
+    meanwhile goes to the default pool."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    _step_aside(torch)
+    try:
+        yield
+    finally:
+        _step_back(torch)
+
+
+def _patch(torch):
     """Make the route step aside while a CUDA graph is captured (PyTorch takes the first pool whose
-    filter matches, and the route's matches every stream)."""
-    global _capture_patched
+    filter matches, and the route's matches every stream) and while empty_cache() runs (PyTorch
+    asserts that no pool is allocated to, and would end the process)."""
+    global _patched
     graph = getattr(torch.cuda, "CUDAGraph", None)
-    if _capture_patched or graph is None:
+    if _patched or graph is None:
         return
     begin, end = graph.capture_begin, graph.capture_end
 
     def capture_begin(self, *args, **kwargs):
-        with _lock:
-            if _state["route"] is not None and _state["steps_aside"] == 0:
-                _route_end(torch, release=False)
-            if _state["route"] is not None:
-                _state["steps_aside"] += 1
+        _step_aside(torch)
         return begin(self, *args, **kwargs)
 
     def capture_end(self, *args, **kwargs):
         try:
             return end(self, *args, **kwargs)
         finally:
-            with _lock:
-                if _state["route"] is not None and _state["steps_aside"] > 0:
-                    _state["steps_aside"] -= 1
-                    if _state["steps_aside"] == 0:
-                        pool, devices = _state["route"]
-                        for d in devices:
-                            torch._C._cuda_beginAllocateToPool(d, pool)
+            _step_back(torch)
 
     graph.capture_begin, graph.capture_end = capture_begin, capture_end
-    _capture_patched = True
+    empty = getattr(torch.cuda, "empty_cache", None)
+    if empty is not None:
+        def empty_cache(*args, **kwargs):
+            with _lock, stepped_aside():
+                return empty(*args, **kwargs)
+
+        torch.cuda.empty_cache = empty_cache
+        memory = getattr(torch.cuda, "memory", None)
+        if memory is not None and getattr(memory, "empty_cache", None) is empty:
+            memory.empty_cache = empty_cache
+    _patched = True
 
 
 def after_pause(tag):
@@ -148,10 +219,14 @@ def after_pause(tag):
         torch = _torch()
         if torch is None:
             return
-        _clear_workspaces(torch)
-        if _state["route"] is not None or not _native(torch):
+        native = _native(torch)
+        # only where eager work allocates (the default pool) does paused memory matter to it; the
+        # workspaces also hold what CUDA graphs captured earlier baked in, and a graph replayed after
+        # its workspace went faults (2026-11-28, H200: a captured decode step after a tag's pause)
+        if tag is not None and not (native and _default_pool_paused(torch, tag)):
             return
-        if _default_pool_paused(torch, tag):
+        _clear_workspaces(torch)
+        if _state["route"] is None and native:
             _route_begin(torch)
 
 
@@ -172,6 +247,7 @@ def after_resume(tag):
             pool, devices = _state["route"]
             for d in devices:
                 torch._C._cuda_releasePool(d, pool)
+            _release_spent(torch)
             _state["route"] = None
             _state["steps_aside"] = 0
 
