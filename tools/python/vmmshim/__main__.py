@@ -188,7 +188,8 @@ def _pid(text):
     return int(text)
 
 
-PATHS = {"shim": "shim_lib", "client": None, "lib": "lib_dir", "include": "include_dir", "vmmctl": "vmmctl"}
+PATHS = {"shim": "shim_lib", "client": None, "lib": "lib_dir", "include": "include_dir", "vmmctl": "vmmctl",
+         "tms": None}
 
 
 def _path(argv, prog):
@@ -199,6 +200,8 @@ def _path(argv, prog):
     what = argv[0]
     if what == "client":
         found = next((p for p in _paths.client_lib_candidates() if os.path.isfile(p)), None)
+    elif what == "tms":  # the directory whose torch_memory_saver is vmmshim's stand-in
+        found = _paths.tms_dir()
     else:
         found = getattr(_paths, PATHS[what])()
     if not found:
@@ -222,8 +225,8 @@ def main(argv=None, prog="python -m vmmshim"):
         return _path(argv[1:], prog)
     p = _Parser(prog=prog, description="Inspect the vmmshim registry (as vmmctl); run a program under the shim "
                 "(run); check that the shim can work here (doctor); print where its parts are (path).",
-                epilog="also: run [--tag T] [--config F] [--keep] [--] CMD [ARGS...]  |  doctor  |  "
-                "path shim|client|lib|include|vmmctl   (run -h, doctor -h)")
+                epilog="also: run [--tag T] [--config F] [--keep] [--torch-memory-saver] [--] CMD [ARGS...]  |  doctor  |  "
+                "path shim|client|lib|include|vmmctl|tms   (run -h, doctor -h)")
     p.add_argument("--registry", metavar="NAME", help="registry name (default: $VMMSHIM_REGISTRY, else per user)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     ls = sub.add_parser("list", help="one row per live allocation")

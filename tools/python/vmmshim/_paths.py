@@ -49,6 +49,13 @@ def vmmctl():
     return _first("VMMSHIM_VMMCTL", NATIVE / "bin" / "vmmctl", SOURCE_BUILD / "vmmctl") or shutil.which("vmmctl")
 
 
+def tms_dir():
+    """The directory to put first on PYTHONPATH so that `import torch_memory_saver` finds vmmshim's
+    stand-in (vmmshim/_tms), or None."""
+    d = PACKAGE_DIR / "_tms"
+    return str(d) if (d / "torch_memory_saver" / "__init__.py").is_file() else None
+
+
 def include_dir():
     """The directory holding vmmshim.h, or None."""
     for d in (NATIVE / "include", PACKAGE_DIR.parents[1] / "include"):

@@ -1,9 +1,13 @@
-"""vmmshim run [--tag T] [--config F] [--keep] [--] CMD [ARGS...]: CMD under the shim.
+"""vmmshim run [--tag T] [--config F] [--keep] [--torch-memory-saver] [--] CMD [ARGS...]: CMD under the shim.
 
 The shim goes into CMD's environment (LD_PRELOAD: first, after any sanitizer runtime that must
 stay first; the other entries kept, no second libvmmshim.so), so every process CMD starts inherits
 it: torchrun's workers, multiprocessing's spawned and forked children, subprocesses.  --tag sets
-VMMSHIM_TAG, --config VMMSHIM_CONFIG (made absolute).  Without --keep this process becomes CMD
+VMMSHIM_TAG, --config VMMSHIM_CONFIG (made absolute).  --torch-memory-saver puts vmmshim's stand-in
+for the torch_memory_saver module first on PYTHONPATH (so SGLang, slime and verl sleep through the
+shim, their code unchanged) and sets VMMSHIM_SLEEP_ADOPTED=1 unless set (so that a pause also takes
+memory PyTorch maps itself under expandable_segments); it refuses to start when the real
+torch_memory_saver's hook library is in LD_PRELOAD.  Without --keep this process becomes CMD
 (exec): its exit status is CMD's, a death by signal included.
 
 --keep: CMD runs as a child, and every process of the job that appears in the registry (CMD and
@@ -25,7 +29,7 @@ import time
 
 from . import _paths
 
-USAGE = "usage: vmmshim run [--tag T] [--config FILE] [--keep] [--] CMD [ARGS...]"
+USAGE = "usage: vmmshim run [--tag T] [--config FILE] [--keep] [--torch-memory-saver] [--] CMD [ARGS...]"
 SANITIZER = ("libasan", "libhwasan", "libtsan", "libmsan", "libubsan", "libclang_rt.")
 POLL_S = 0.05
 
@@ -56,7 +60,7 @@ def compose_preload(shim, current):
 
 def parse(argv):
     """(options dict, cmd list) or raises SystemExit with a usage error."""
-    opts = {"tag": None, "config": None, "keep": False}
+    opts = {"tag": None, "config": None, "keep": False, "tms": False}
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -68,6 +72,8 @@ def parse(argv):
             raise SystemExit(0)
         if a == "--keep":
             opts["keep"] = True
+        elif a == "--torch-memory-saver":
+            opts["tms"] = True
         elif a in ("--tag", "--config"):
             if i + 1 >= len(argv):
                 raise SystemExit(_error(f"run: {a} takes a value ({USAGE})"))
@@ -104,6 +110,18 @@ def environment(opts, base=None):
         env["VMMSHIM_TAG"] = opts["tag"]
     if opts["config"] is not None:
         env["VMMSHIM_CONFIG"] = opts["config"]
+    if opts.get("tms"):
+        hook = next((e for e in env.get("LD_PRELOAD", "").split(":") if os.path.basename(e).startswith("torch_memory_saver")),
+                    None)
+        if hook:
+            raise SystemExit(_error(f"run: --torch-memory-saver: the real torch_memory_saver's hook ({hook}) is in "
+                                    "LD_PRELOAD, and only one library may own the allocations: drop it"))
+        here = _paths.tms_dir()
+        if not here:
+            raise SystemExit(_error("run: --torch-memory-saver: the stand-in is not installed with this package", 1))
+        env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                      if p and p != here])
+        env.setdefault("VMMSHIM_SLEEP_ADOPTED", "1")
     return env
 
 

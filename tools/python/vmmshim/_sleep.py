@@ -89,7 +89,8 @@ def _sleep_functions():
         if _sleep_fns is None:
             try:
                 here = ctypes.CDLL(None)
-                fns = (here.vmm_pause_ex, here.vmm_resume_ex, here.vmm_sleep_error, getattr(here, "vmm_pause_prepare", None))
+                fns = (here.vmm_pause_ex, here.vmm_resume_ex, here.vmm_sleep_error, getattr(here, "vmm_pause_prepare", None),
+                       getattr(here, "vmm_sleep_host", None), getattr(here, "vmm_sleep_drop_host", None))
             except (OSError, AttributeError):
                 raise NotUnderShim("vmmshim: not running under the shim: start the program with `vmmshim run --` "
                                    "or LD_PRELOAD=/path/to/libvmmshim.so", _lib.NO_SHIM) from None
@@ -99,6 +100,11 @@ def _sleep_functions():
             fns[2].restype, fns[2].argtypes = ctypes.c_char_p, []
             if fns[3] is not None:
                 fns[3].restype, fns[3].argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64)]
+            if fns[4] is not None:
+                fns[4].restype = ctypes.c_int
+                fns[4].argtypes = [ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint64)]
+            if fns[5] is not None:
+                fns[5].restype, fns[5].argtypes = ctypes.c_uint64, [ctypes.c_char_p]
             _sleep_fns = fns
         return _sleep_fns
 
@@ -123,7 +129,7 @@ def pause(tag=None, keep=True, to_file=False):
     The process keeps working meanwhile: work that touches no paused tensor runs, on any thread.
     Under PyTorch, new tensors never land in paused memory and cuBLAS's workspaces are made anew
     (_sleep_torch.py says how)."""
-    p, _, error, _ = _sleep_functions()
+    p, error = _sleep_functions()[0], _sleep_functions()[2]
     flags = (0 if keep else PAUSE_DISCARD) | (PAUSE_FILE if keep and to_file else 0)
     r = _lib.SleepReport()
     status = p(tag.encode() if tag else None, flags, ctypes.byref(r), ctypes.sizeof(r))
@@ -137,7 +143,7 @@ def pause(tag=None, keep=True, to_file=False):
 def resume(tag=None):
     """Fresh device memory at exactly the old addresses, with the same access, and the kept contents
     copied back; raises with the shim's reason (the device full: nothing is lost, resume again later)."""
-    _, r_, error, _ = _sleep_functions()
+    r_, error = _sleep_functions()[1], _sleep_functions()[2]
     r = _lib.SleepReport()
     _sleep_check(r_(tag.encode() if tag else None, ctypes.byref(r), ctypes.sizeof(r)), error, "vmmshim.resume")
     _sleep_torch.after_resume(tag or None)
@@ -167,3 +173,27 @@ def prepare_pause(tag=None, background=True):
     t = threading.Thread(target=run, name="vmmshim-prepare-pause", daemon=True)
     t.start()
     return t
+
+
+def host_copy(address):
+    """Where host memory holds the copy of this process's device byte at `address`: (host address,
+    bytes that follow it contiguously there), or None.  A kept pause's contents while paused; once
+    resumed, the pinned buffer the allocation keeps for its next pause, which holds what that pause
+    copied, until drop_host_copies().  Under the shim only."""
+    fn = _sleep_functions()[4]
+    if fn is None:
+        raise NotUnderShim("vmmshim.host_copy: the preloaded shim predates it", _lib.NO_SHIM)
+    host, n = ctypes.c_void_p(), ctypes.c_uint64()
+    if fn(address, ctypes.byref(host), ctypes.byref(n)) != _lib.OK:
+        return None
+    return host.value, n.value
+
+
+def drop_host_copies(tag=None):
+    """Free the pinned buffers the awake allocations under `tag` (None: all) keep between kept pauses
+    (VMMSHIM_PAUSE_HOST_CACHE): host memory then holds nothing between cycles, and the next pause pins
+    anew.  Returns the bytes freed."""
+    fn = _sleep_functions()[5]
+    if fn is None:
+        raise NotUnderShim("vmmshim.drop_host_copies: the preloaded shim predates it", _lib.NO_SHIM)
+    return int(fn(tag.encode() if tag is not None else None))

@@ -1,0 +1,3 @@
+from typing import Literal
+
+HookMode = Literal["preload", "torch"]
