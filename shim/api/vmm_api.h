@@ -317,6 +317,10 @@ vmm_status vmm_sleep_host(uint64_t addr, void **host, uint64_t *bytes);
  * pause, so that host memory holds nothing between cycles (at the cost of pinning anew at the next
  * pause); paused contents are untouched.  Returns the bytes freed. */
 uint64_t vmm_sleep_drop_host(const char *tag);
+/* What cudaMalloc freed and the shim still holds for quick reuse (VMMSHIM_GIVE_BACK_HOLD, for
+ * VMMSHIM_GIVE_BACK_MS) goes back to the device now, beyond VMMSHIM_CACHE_SIZE; for a program that
+ * just emptied its own cache and wants the device to see it.  Returns the bytes given back. */
+uint64_t vmm_give_back(void);
 /* torch_memory_saver's C entry points tms_pause(tag) and tms_resume(tag), which the shim exports
  * for programs that call them through the process's symbols, go to these once set (vmmshim's
  * stand-in for that module sets its own); before, they pause what TMS_INIT_ENABLE=1 makes TMS's. */

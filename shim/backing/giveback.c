@@ -107,6 +107,21 @@ void vmm__purge_kick_locked(void)
     }
 }
 
+uint64_t vmm__give_back_now(void)
+{
+    uint64_t freed = 0;
+    if (!vmm__S.ready) return 0;
+    pthread_mutex_lock(&vmm__S.lock);
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        device_state *d = &vmm__S.dev[i];
+        if (!d->pool_ready) continue;
+        VMM__FOR_POOLS(d, p, k)
+            if (k == 0) freed += vmm__pool_release(p, 0, p->retain, UINT64_MAX); /* stream-ordered pools keep their threshold, as natively */
+    }
+    pthread_mutex_unlock(&vmm__S.lock);
+    return freed;
+}
+
 /* Natively a synchronization releases the default pool's memory beyond its threshold; with no
  * give-back delay, what cudaMalloc freed goes then too.  The hooks come here only when
  * vmm__sync_watching() said something waits (backing.h). */

@@ -225,6 +225,9 @@ static inline int vmm__pool_kind(const device_state *d, const vmm__pool *p)
 void vmm__emptied_locked(vmm__pool *p, int stream_ordered);
 /* A segment became empty, or a budget shrank: the give-back thread has a deadline to keep. */
 void vmm__purge_kick_locked(void);
+/* vmm_give_back: what cudaMalloc freed and the give-back delay still holds goes back now (beyond
+ * each pool's VMMSHIM_CACHE_SIZE budget); the bytes given back. */
+uint64_t vmm__give_back_now(void);
 
 /* ---- export.c: the broker and its export callback ---- */
 /* Start the broker once (one atomic load after that). */

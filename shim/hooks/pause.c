@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "api/vmm_api.h"
+#include "backing/internal.h"
 #include "backing/sleep.h"
 #include "core/options.h"
 
@@ -101,6 +102,10 @@ VMM_HOOK vmm_status vmm_sleep_host(uint64_t addr, void **host, uint64_t *bytes)
 VMM_HOOK uint64_t vmm_sleep_drop_host(const char *tag) { return vmm__sleep_drop_host(tag); }
 
 VMM_HOOK const char *vmm_sleep_error(void) { return last_error; }
+
+/* Not sleep, but the same wish: memory back to the device now, for a program that just emptied
+ * its own cache (the stand-in for torch_memory_saver, once every tag sleeps). */
+VMM_HOOK uint64_t vmm_give_back(void) { return vmm__give_back_now(); }
 
 /* torch_memory_saver's two C entry points, which its callers reach through the process's symbols
  * (ctypes.CDLL(None).tms_pause).  vmmshim's stand-in for its Python module hands in its own pause

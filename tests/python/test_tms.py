@@ -98,6 +98,14 @@ def states():
 def state(t):
     return states().get(hex(t.ptr))
 
+class Counters(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_ulonglong) for n in sys.argv[1].split(",")]
+
+def phys():
+    c = Counters()
+    ctypes.CDLL("libcuda.so.1").fakecuda_counters(ctypes.byref(c))
+    return c.phys_bytes_live
+
 S.hook_mode = "preload"
 with S.region(tag="weights", enable_cpu_backup=True):
     out["tag_in_region"] = vmmshim.thread_tag()
@@ -111,8 +119,13 @@ out["pools"] = [e for e in log if e[0] == "pool"]
 
 S.pause("kv_cache")
 out["after_kv"] = [state(w)[1], state(kv)[1], state(plain)[1]]
+freed = Tensor(8 * MiB)
+rt.cudaFree.argtypes = [ctypes.c_void_p]
+assert rt.cudaFree(freed.ptr) == 0   # held by the shim for quick reuse (VMMSHIM_GIVE_BACK_HOLD)
+out["held_before"] = phys()
 del log[:]
 S.pause()
+out["held_after"] = phys()
 out["after_all"] = [state(w)[1], state(kv)[1], state(plain)[1]]
 out["empty_cache"] = log.count("empty_cache")
 S.pause()
@@ -239,7 +252,8 @@ def test_c_entries():
 def child(script, env, tms_path=True):
     if tms_path:
         env = dict(env, PYTHONPATH=os.pathsep.join([str(PACKAGE / "vmmshim" / "_tms"), str(PACKAGE)]))
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    fields = ",".join(harness._counter_names())
+    return subprocess.run([sys.executable, "-c", script, fields], capture_output=True, text=True, env=env, timeout=120)
 
 
 def last_json(run, what):
@@ -266,12 +280,14 @@ def test_switch():
     os.makedirs(os.path.dirname(hook), exist_ok=True)
     with open(BUILD / "tests" / "libnccl-standin.so", "rb") as src, open(hook, "wb") as dst:
         dst.write(src.read())
+    # behind whatever is preloaded already (the ASan runtime must stay first)
+    with_hook = " ".join(p for p in (os.environ.get("LD_PRELOAD", ""), hook) if p)
     r = subprocess.run(VMMSHIM + ["run", "--torch-memory-saver", "--", "true"], capture_output=True, text=True,
-                       env=dict(env, LD_PRELOAD=hook), timeout=60)
+                       env=dict(env, LD_PRELOAD=with_hook), timeout=60)
     lines = r.stderr.strip().splitlines()
     T.check(r.returncode == 2 and len(lines) == 1 and lines[0].startswith("vmmshim: error:") and hook in lines[0],
             f"the real TMS's hook preloaded: run refuses in one line: rc {r.returncode} {r.stderr!r}")
-    r = child("import torch_memory_saver", dict(env, LD_PRELOAD=hook))
+    r = child("import torch_memory_saver", dict(env, LD_PRELOAD=with_hook))
     last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
     T.check(r.returncode != 0 and last.startswith("ImportError: vmmshim: error:") and "LD_PRELOAD" in last,
             f"the real TMS's hook preloaded: importing the stand-in raises one line: {last!r}")
@@ -347,6 +363,9 @@ def test_api():
             f"each region allocates from a PyTorch pool of its own: {out['pools']}")
     T.check(out["after_kv"] == [False, True, False], f"pause('kv_cache') takes only that tag: {out['after_kv']}")
     T.check(out["after_all"] == [True, True, False], f"pause() takes every region, nothing outside: {out['after_all']}")
+    T.check(out["held_before"] - out["held_after"] >= 8 << 20,
+            f"once every tag sleeps what the shim held of a free goes back to the device: "
+            f"{out['held_before']} -> {out['held_after']} bytes")
     T.check(out["empty_cache"] == 1, f"once every tag sleeps PyTorch's cache is emptied, once: {out['empty_cache']}")
     T.check(out.get("twice_ok") is True, "pausing what is paused is no error")
     T.check(out["backup_paused"] and out["backup_discarded"],

@@ -216,4 +216,8 @@ VMM_PUBLIC uint64_t vmm_sleep_drop_host(const char *tag)
     return 0;
 }
 
+VMM_PUBLIC uint64_t vmm_give_back(void) { return 0; }
+
+VMM_PUBLIC void vmm_tms_entries(int (*pause)(const char *), int (*resume)(const char *)) { (void)pause, (void)resume; }
+
 VMM_PUBLIC const char *vmm_sleep_error(void) { return vmm__error_text(); }

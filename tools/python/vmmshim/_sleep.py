@@ -197,3 +197,13 @@ def drop_host_copies(tag=None):
     if fn is None:
         raise NotUnderShim("vmmshim.drop_host_copies: the preloaded shim predates it", _lib.NO_SHIM)
     return int(fn(tag.encode() if tag is not None else None))
+
+
+def give_back():
+    """What cudaMalloc freed and the shim still holds for quick reuse (VMMSHIM_GIVE_BACK_HOLD) goes
+    back to the device now; returns the bytes.  0 outside the shim."""
+    fn = getattr(ctypes.CDLL(None), "vmm_give_back", None)
+    if fn is None:
+        return 0
+    fn.restype, fn.argtypes = ctypes.c_uint64, []
+    return int(fn())
