@@ -158,6 +158,13 @@ S.retain_cpu_backup = False
 S.resume("weights")
 out["released"] = S.get_cpu_backup(w) is None and w.read()[:16] == bytes([0xD4]) * 16
 
+S.pause("kv_cache")
+vmmshim.resume("kv_cache")   # behind the stand-in's back
+S.pause("kv_cache")
+out["repaused"] = state(kv)[1]
+S.resume("kv_cache")
+out["reawake"] = state(kv)[1]
+
 cd = S._impl._binary_wrapper.cdll
 with S.region(tag="outer", enable_cpu_backup=True):
     with S.region(tag="inner"):
@@ -380,6 +387,9 @@ def test_api():
     T.check(out["retained"] and out["retained_refreshed"] and out["released"],
             f"retain_cpu_backup: the same host buffer after resume, refreshed by the next pause, let go by a "
             f"resume without it: {out['retained']} {out['retained_refreshed']} {out['released']}")
+    T.check(out["repaused"] is True and out["reawake"] is False,
+            f"a tag resumed by vmmshim.resume behind the stand-in's back is paused again by the next pause: "
+            f"{out['repaused']} {out['reawake']}")
     T.check(out["nested"] == [["inner", False, "inner"], ["outer", True, "outer+cpu"], ["default", False]],
             f"nested regions restore the outer config: {out['nested']}")
     T.check(out["c_pause"] == [False, True] and out["c_resume"] is False,

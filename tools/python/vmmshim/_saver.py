@@ -133,17 +133,17 @@ def _raise(status, who):
 
 def pause(tag=None):
     """TMS's pause: every stand-in tag under `tag` (None: all), each as its mode says; what is paused
-    already, or holds no memory, is passed over."""
+    already (also by a vmmshim.pause of the program's own), or holds no memory, is passed over."""
     fn = _sleep._sleep_functions()[0]
     report = _lib.SleepReport()
     with _lock:
         for name, mode in _targets(tag):
-            if name in _paused:
-                continue
             status = fn(name.encode(), _FLAGS[mode], ctypes.byref(report), ctypes.sizeof(report))
             if status == _lib.OK or report.bytes_released:
                 _paused.add(name)
                 _sleep_torch.after_pause(name)
+            elif status == _lib.STATE:
+                _paused.add(name)
             if status not in (_lib.OK, _lib.NOT_FOUND, _lib.STATE):
                 _raise(status, "torch_memory_saver.pause")
         if _all_paused():
@@ -152,20 +152,19 @@ def pause(tag=None):
 
 def resume(tag=None):
     """TMS's resume: every stand-in tag under `tag` that is paused, contents copied back where kept;
-    the host copies go unless retain_cpu_backup."""
+    the host copies go unless retain_cpu_backup.  What is awake is passed over."""
     fn = _sleep._sleep_functions()[1]
     report = _lib.SleepReport()
     with _lock:
         for name, mode in _targets(tag):
-            if name not in _paused:
-                continue
             status = fn(name.encode(), ctypes.byref(report), ctypes.sizeof(report))
             if status not in (_lib.OK, _lib.STATE, _lib.NOT_FOUND):
                 _raise(status, "torch_memory_saver.resume")
             _paused.discard(name)
-            _sleep_torch.after_resume(name)
-            if mode == "cpu" and not settings["retain"]:
-                _sleep.drop_host_copies(name)
+            if status == _lib.OK:
+                _sleep_torch.after_resume(name)
+                if mode == "cpu" and not settings["retain"]:
+                    _sleep.drop_host_copies(name)
 
 
 _c_entries = None
