@@ -7,7 +7,9 @@ a pause under the default pool, before any route; after a pause of everything, e
 once resumed the route ends and the pool is let go; a tag whose memory holds no default-pool
 segment is paused with no route and cuBLAS's workspaces kept, one that does is cleared and routed; a second pause while routed adds no
 route, and the route lasts until the last paused tag is resumed (also a resume of one tag after a
-pause of everything keeps it); empty_cache() while routed runs with the route stepped aside; under backend:cudaMallocAsync nothing is routed; a CUDA graph
+pause of everything keeps it); empty_cache() while routed runs with the route stepped aside; a pool begun while routed: the route
+stays where PyTorch takes the last begun pool (2.10 on), moves behind it where the first (a fresh pool,
+both let go at the resume); under backend:cudaMallocAsync nothing is routed; a CUDA graph
 captured while routed finds the route stepped aside and put back after it; a pause the shim
 refuses routes nothing; torch imported but CUDA not started, or not imported at all: no call.
 Ends with "N passed, N failed"."""
@@ -100,6 +102,15 @@ step("capture", lambda: (torch.cuda.CUDAGraph().capture_begin(), torch.cuda.CUDA
 step("resume_kv", lambda: vmmshim.resume("kv"))
 step("resume_optim", lambda: vmmshim.resume("optim"))
 step("capture_unrouted", lambda: (torch.cuda.CUDAGraph().capture_begin(), torch.cuda.CUDAGraph().capture_end()))
+# a pool the program begins while routed: PyTorch 2.10 and later take the last begun (no move),
+# earlier ones the first (the route moves behind it, to a fresh pool)
+torch.__version__ = "2.11.0+cu130"
+step("pause_all_again", vmmshim.pause)
+from vmmshim import _sleep_torch
+step("behind_lifo", _sleep_torch.route_behind)
+torch.__version__ = "2.9.1"
+step("behind_fifo", _sleep_torch.route_behind)
+step("resume_after_behind", vmmshim.resume)
 cfg["backend"] = "cudaMallocAsync"
 step("pause_async", vmmshim.pause)
 step("resume_async", vmmshim.resume)
@@ -159,6 +170,16 @@ def main():
                 f"the last tag resumed ends the route: {logs['resume_optim']}")
         T.check(logs["capture_unrouted"] == [["capture_begin"], ["capture_end"]],
                 f"with no route a capture is left alone: {logs['capture_unrouted']}")
+        p1 = next((e[2] for e in logs["pause_all_again"] if e[0] == "begin"), None)
+        T.check(logs["behind_lifo"] == [], f"torch 2.11 takes the last begun pool: the route stays: {logs['behind_lifo']}")
+        moved = logs["behind_fifo"]
+        p2 = moved[0][2] if moved else None
+        T.check(p1 is not None and p2 != p1 and
+                moved == [["begin", 0, p2], ["begin", 1, p2], ["end", 0, p1], ["end", 1, p1]],
+                f"torch 2.9 takes the first: the route moves behind, onto a fresh pool begun before the old ends: {moved}")
+        T.check(logs["resume_after_behind"] == [["end", 0, p2], ["release", 0, p2], ["end", 1, p2], ["release", 1, p2],
+                                                ["release", 0, p1], ["release", 1, p1]],
+                f"the resume ends the route and lets both pools go: {logs['resume_after_behind']}")
         T.check([e[0] for e in logs["pause_async"]] == ["clear"] and logs["resume_async"] == [],
                 f"backend:cudaMallocAsync: cleared, never routed: {logs['pause_async']} {logs['resume_async']}")
         T.check(logs["pause_uninitialized"] == [] and logs["resume_uninitialized"] == [] and

@@ -26,7 +26,10 @@ steps aside for the capture (torch.cuda.CUDAGraph.capture_begin / capture_end), 
 other threads during a capture go to the default pool then.  It steps aside as well for
 torch.cuda.empty_cache(), which PyTorch refuses (an internal assert ends the process) while any
 pool is allocated to; a MemPool deleted while routed empties its cache the same way from C++,
-where nothing can step aside: delete pools once resumed, or inside stepped_aside()."""
+where nothing can step aside: delete pools once resumed, or inside stepped_aside().  Since 2.10
+PyTorch takes the last begun pool that matches: a use_mem_pool() begun while routed gets its
+allocations, but the route begun again after a capture or empty_cache() comes before a pool that
+was begun earlier and is still in use."""
 import contextlib
 import sys
 import threading
@@ -119,16 +122,31 @@ def _release_spent(torch):
     _state["spent"] = []
 
 
+def _first_match_wins(torch):
+    """Whether PyTorch hands an allocation to the first begun pool whose filter matches.  Since
+    pytorch#168382 (2.10) it takes the last, so that nested use_mem_pool() contexts work, and a
+    pool begun after the route already comes before it."""
+    try:
+        major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    except (AttributeError, ValueError):
+        return False
+    return (major, minor) < (2, 10)
+
+
 def route_behind():
-    """The calling thread just began allocating to a pool of its own (use_mem_pool): put the route
-    behind it, since PyTorch takes the first pool whose filter matches and the route's, begun earlier,
-    matches every stream.  The route moves to a fresh pool, begun before the old one ends, so no
-    allocation of another thread meanwhile finds no route; the old pool is let go with the route
-    (tensors made in it stay valid)."""
+    """The calling thread just began allocating to a pool of its own (use_mem_pool): where PyTorch
+    takes the first matching pool, the route (begun earlier, matching every stream) would take its
+    allocations, so the route moves behind it onto a fresh pool, begun before the old one ends so
+    that no allocation of another thread meanwhile finds no route; the old pool is let go with the
+    route (tensors made in it stay valid).  Where PyTorch takes the last, nothing to do: moving the
+    route on top would take the caller's allocations instead (torch 2.11, H200: the 5 GB a
+    torch_memory_saver disable() made under TMS_INIT_ENABLE stayed in the route's pool)."""
     with _lock:
         if _state["route"] is None or _state["steps_aside"]:
             return
         torch = sys.modules.get("torch")
+        if not _first_match_wins(torch):
+            return
         old, devices = _state["route"]
         pool = torch.cuda.graph_pool_handle()
         for d in devices:
