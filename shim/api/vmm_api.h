@@ -321,6 +321,11 @@ uint64_t vmm_sleep_drop_host(const char *tag);
  * VMMSHIM_GIVE_BACK_MS) goes back to the device now, beyond VMMSHIM_CACHE_SIZE; for a program that
  * just emptied its own cache and wants the device to see it.  Returns the bytes given back. */
 uint64_t vmm_give_back(void);
+/* From now on the shim's pools make no new memory that would leave the device with less than
+ * `bytes` free (cuMemGetInfo): such an allocation fails with out-of-memory, as one the device
+ * cannot hold (torch_memory_saver's memory_margin_bytes).  0 (the default) turns it off.  Memory
+ * the program maps itself (expandable_segments) is not checked. */
+void vmm_set_alloc_margin(uint64_t bytes);
 /* torch_memory_saver's C entry points tms_pause(tag) and tms_resume(tag), which the shim exports
  * for programs that call them through the process's symbols, go to these once set (vmmshim's
  * stand-in for that module sets its own); before, they pause what TMS_INIT_ENABLE=1 makes TMS's. */

@@ -86,13 +86,14 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
 
     pthread_mutex_lock(&vmm__S.lock);
     vmm__pools_ready_locked(d);
+    (void)vmm__margin_refused();
     int err;
     vmm__pool *pair = vmm__pools_of_locked(d, vmm__thread_tag, 1);
     if (!pair) pair = d->pool; /* no memory for a tag's pools: its allocation goes with the untagged */
     vmm__block *b = alloc_kept_locked(d, &pair[stream_ordered], size, stream_ordered, (uint64_t)(uintptr_t)stream, &err);
     if (!b) {
         pthread_mutex_unlock(&vmm__S.lock);
-        if (err == -ENOMEM) return VMM__NOMEM;
+        if (err == -ENOMEM) return vmm__margin_refused() ? VMM__MARGIN : VMM__NOMEM;
         vmm__log(VMM__LOG_WARNING, "VMM allocation of %zu bytes failed (%s); passing it through", size, strerror(-err));
         return VMM__UNSUPPORTED;
     }

@@ -11,8 +11,8 @@
  * fails: nothing else would ever undo it, and a failure may be passing.  The second result stands. */
 #define VMM__TWICE(call) ((call) == CUDA_SUCCESS ? CUDA_SUCCESS : (call))
 
-/* What the shim made of a call.  For an allocation, every answer but DONE and REFUSED sends it
- * to the real function, and says why (the coverage counters, layout.h). */
+/* What the shim made of a call.  For an allocation, every answer but DONE, REFUSED and MARGIN
+ * sends it to the real function, and says why (the coverage counters, layout.h). */
 typedef enum {
     VMM__DONE = 0,        /* handled by the shim: *ptr set */
     VMM__PASS = 1,        /* not the shim's: call the real function (an allocation of no bytes, or none) */
@@ -23,7 +23,8 @@ typedef enum {
     VMM__UNSUPPORTED = 5, /* the device lacks VMM or export, or the driver refused the shim's VMM calls */
     VMM__OWN_POOL = 6,    /* the program's own pool is current: its memory, noted */
     VMM__CAPTURED = 7,    /* (the hooks' answer) the stream is being captured: the real pool's memory, noted */
-    VMM__DISABLED = 8     /* the shim is not active in this process (VMMSHIM_ENABLE=0, a failed start) */
+    VMM__DISABLED = 8,    /* the shim is not active in this process (VMMSHIM_ENABLE=0, a failed start) */
+    VMM__MARGIN = 9       /* it would leave less than vmm_set_alloc_margin free: out of memory, not passed on */
 } vmm__result;
 
 /* Allocate `size` bytes on the current context's device (binding the device's primary context

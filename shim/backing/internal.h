@@ -120,6 +120,7 @@ typedef struct vmm__driver {
     /* queued copies to and from pinned memory, waited for once (sleep_copy.c); optional too */
     CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
     CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*MemGetInfo)(size_t *, size_t *); /* optional: the allocation margin (vmm_set_alloc_margin) */
 } vmm__driver;
 
 typedef struct vmm__state {
@@ -140,6 +141,7 @@ typedef struct vmm__state {
     uint64_t cache_limit;          /* bytes of empty synchronous memory kept past the give-back delay */
     uint64_t hold_limit;           /* bytes of it that may wait out the delay (at least cache_limit) */
     uint64_t give_back_ns;
+    uint64_t alloc_margin;         /* vmm_set_alloc_margin: a new segment must leave this much free (atomic) */
     pthread_cond_t purge_wake;     /* the give-back thread waits on it (CLOCK_MONOTONIC) */
     int purge_state;               /* 0 not started, 1 waiting for work, 2 waiting for a deadline, -1 could not start */
     int stopping;                  /* at exit: no more driver calls from the give-back thread */
@@ -228,6 +230,10 @@ void vmm__purge_kick_locked(void);
 /* vmm_give_back: what cudaMalloc freed and the give-back delay still holds goes back now (beyond
  * each pool's VMMSHIM_CACHE_SIZE budget); the bytes given back. */
 uint64_t vmm__give_back_now(void);
+/* vmm_set_alloc_margin (segment.c checks it when the pools grow); whether the calling thread's
+ * last growth was refused for it (and forget it). */
+void vmm__set_alloc_margin(uint64_t bytes);
+int vmm__margin_refused(void);
 
 /* ---- export.c: the broker and its export callback ---- */
 /* Start the broker once (one atomic load after that). */

@@ -55,10 +55,34 @@ int vmm__access_list(device_state *d, CUmemAccessDesc *acc, int synchronous_pool
     return n;
 }
 
+/* torch_memory_saver's memory_margin_bytes: a segment that would leave the device with less than
+ * the margin free is refused as the driver refuses one that does not fit, so the program (PyTorch
+ * frees its cache and retries, then raises) fails early and leaves room for its neighbour.  One
+ * cuMemGetInfo per new segment, none while the margin is 0. */
+static _Thread_local int margin_refused;
+
+int vmm__margin_refused(void)
+{
+    int was = margin_refused;
+    margin_refused = 0;
+    return was;
+}
+
+static int within_margin(uint64_t size)
+{
+    uint64_t margin = __atomic_load_n(&vmm__S.alloc_margin, __ATOMIC_RELAXED);
+    size_t free_bytes = 0, total = 0;
+    if (!margin || !vmm__cu.MemGetInfo || vmm__cu.MemGetInfo(&free_bytes, &total) != CUDA_SUCCESS) return 1;
+    if ((uint64_t)free_bytes >= margin && (uint64_t)free_bytes - margin >= size) return 1;
+    margin_refused = 1;
+    return 0;
+}
+
 static int seg_create(void *ctx, vmm__seg *ps)
 {
     device_state *d = ctx;
     int dev = d->index;
+    if (!within_margin(ps->size)) return -ENOMEM;
     CUmemAllocationProp p = {0};
     p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;

@@ -75,6 +75,7 @@ static int load_driver(char *why, size_t len)
         LOAD(MemHostUnregister, cuMemHostUnregister);
         LOAD(MemcpyDtoHAsync, cuMemcpyDtoHAsync);
         LOAD(MemcpyHtoDAsync, cuMemcpyHtoDAsync);
+        LOAD(MemGetInfo, cuMemGetInfo);
     }
     if (!ok) {
         snprintf(why, len, "libcuda.so.1 lacks the VMM entry points");

@@ -41,6 +41,7 @@ static CUresult alloc(CUresult (*real)(CUdeviceptr *, size_t), CUdeviceptr *dptr
         return CUDA_SUCCESS;
     }
     if (why == VMM__REFUSED) return CUDA_ERROR_NOT_SUPPORTED;
+    if (why == VMM__MARGIN) return CUDA_ERROR_OUT_OF_MEMORY;
     vmm__enter(); /* the real allocator decides, so an OOM stays native */
     CUresult rc = real(dptr, size);
     vmm__leave();
@@ -84,6 +85,7 @@ static CUresult alloc_async(CUresult (*real)(CUdeviceptr *, size_t, CUstream), C
         return CUDA_SUCCESS;
     }
     if (why == VMM__REFUSED) return CUDA_ERROR_NOT_SUPPORTED;
+    if (why == VMM__MARGIN) return CUDA_ERROR_OUT_OF_MEMORY;
     /* captured into a graph, or the device is full: the real pool's memory, noted not exportable */
     vmm__enter();
     CUresult rc = real(dptr, size, stream);
@@ -153,6 +155,7 @@ VMM_HOOK CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t wi
         return CUDA_SUCCESS;
     }
     if (why == VMM__REFUSED) return CUDA_ERROR_NOT_SUPPORTED;
+    if (why == VMM__MARGIN) return CUDA_ERROR_OUT_OF_MEMORY;
     vmm__enter();
     rc = real_(dptr, pitch, width, height, elem);
     vmm__leave();

@@ -46,6 +46,7 @@ VMM_HOOK cudaError_t cudaMalloc(void **ptr, size_t size)
     switch (why) {
     case VMM__DONE: return cudaSuccess;
     case VMM__REFUSED: return cudaErrorNotSupported;
+    case VMM__MARGIN: return cudaErrorMemoryAllocation;
     default: /* the real allocator decides, so OOM (and the sticky last error) stay native */
         return forward_malloc(why, call_real_malloc(real_, ptr, size), ptr, size, VMM_API_CUDA_MALLOC, NULL);
     }
@@ -85,6 +86,7 @@ static cudaError_t malloc_async(malloc_async_fn real, void **ptr, size_t size,
                                                       : vmm__alloc(size, VMM_API_CUDA_MALLOC_ASYNC, 1, cu_stream, ptr);
     if (why == VMM__DONE) return cudaSuccess;
     if (why == VMM__REFUSED) return cudaErrorNotSupported;
+    if (why == VMM__MARGIN) return cudaErrorMemoryAllocation;
     /* captured into a graph, or the device is full: the real pool's memory, noted as not exportable */
     vmm__enter();
     cudaError_t rc = real(ptr, size, stream);

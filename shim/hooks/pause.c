@@ -107,6 +107,8 @@ VMM_HOOK const char *vmm_sleep_error(void) { return last_error; }
  * its own cache (the stand-in for torch_memory_saver, once every tag sleeps). */
 VMM_HOOK uint64_t vmm_give_back(void) { return vmm__give_back_now(); }
 
+VMM_HOOK void vmm_set_alloc_margin(uint64_t bytes) { vmm__set_alloc_margin(bytes); }
+
 /* torch_memory_saver's two C entry points, which its callers reach through the process's symbols
  * (ctypes.CDLL(None).tms_pause).  vmmshim's stand-in for its Python module hands in its own pause
  * and resume (vmm_tms_entries), so that a C caller pauses exactly what a Python one would.  Before

@@ -12,7 +12,8 @@ Checks:
   tag, a pause of everything every region's memory and nothing outside; pausing or resuming twice is
   no error, and any order works; a CPU-backed tag comes back bit-exact, a discarded one does not keep
   its bytes; get_cpu_backup gives the contents while paused, None once resumed, and with
-  retain_cpu_backup the same host buffer cycle after cycle, with each pause's contents; nested regions
+  retain_cpu_backup the same host buffer cycle after cycle, with each pause's contents; memory_margin_bytes
+  refuses new memory as out-of-memory; nested regions
   restore the outer config; two TorchMemorySaver instances share the pauses; PyTorch's cache is
   emptied once every tag sleeps; a tag longer than the shim's 31 bytes is shortened;
 - TMS_INIT_ENABLE=1: memory allocated outside every region is the "default" tag, kept with
@@ -185,6 +186,17 @@ S.pause("second")
 out["instances_share"] = state(x)[1]
 S2.resume("second")
 out["instances_resume"] = state(x)[1]
+
+def try_alloc(n):
+    p = ctypes.c_void_p()
+    rc = rt.cudaMalloc(ctypes.byref(p), n)
+    if rc == 0:
+        rt.cudaFree(p)
+    return rc
+S.memory_margin_bytes = 1 << 50    # more than the device has: no new memory at all
+out["margin_refused"] = try_alloc(64 * MiB)
+S.memory_margin_bytes = 0
+out["margin_off"] = try_alloc(64 * MiB)
 
 with S.region(tag="t" * 40, enable_cpu_backup=True):
     out["long_tag"] = vmmshim.thread_tag()
@@ -396,6 +408,9 @@ def test_api():
             f"the shim's C tms_pause/tms_resume go through the stand-in: {out['c_pause']} {out['c_resume']}")
     T.check(out["instances_share"] is True and out["instances_resume"] is False,
             f"two instances pause and resume each other's tags: {out['instances_share']} {out['instances_resume']}")
+    T.check(out["margin_refused"] == 2 and out["margin_off"] == 0,
+            f"memory_margin_bytes: new memory leaving less free is refused as out-of-memory (cudaErrorMemoryAllocation), "
+            f"0 allows it again: {out['margin_refused']} {out['margin_off']}")
     T.check(len(out["long_tag"].encode()) <= 31 and out["long_tag"].endswith("+cpu"),
             f"a 40-byte tag is shortened to the shim's 31 bytes: {out['long_tag']!r}")
 

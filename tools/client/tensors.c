@@ -218,6 +218,8 @@ VMM_PUBLIC uint64_t vmm_sleep_drop_host(const char *tag)
 
 VMM_PUBLIC uint64_t vmm_give_back(void) { return 0; }
 
+VMM_PUBLIC void vmm_set_alloc_margin(uint64_t bytes) { (void)bytes; }
+
 VMM_PUBLIC void vmm_tms_entries(int (*pause)(const char *), int (*resume)(const char *)) { (void)pause, (void)resume; }
 
 VMM_PUBLIC const char *vmm_sleep_error(void) { return vmm__error_text(); }

@@ -167,6 +167,20 @@ def resume(tag=None):
                     _sleep.drop_host_copies(name)
 
 
+def set_margin(nbytes):
+    """torch_memory_saver's memory_margin_bytes: the shim refuses new device memory that would leave
+    less than nbytes free (vmm_set_alloc_margin); 0 turns it off."""
+    if nbytes < 0:
+        raise ValueError(f"memory_margin_bytes must be >= 0, not {nbytes}")
+    fn = getattr(ctypes.CDLL(None), "vmm_set_alloc_margin", None)
+    if fn is None:
+        raise Error("torch_memory_saver.memory_margin_bytes: the preloaded shim predates vmm_set_alloc_margin",
+                    _lib.NO_SHIM)
+    fn.argtypes, fn.restype = [ctypes.c_uint64], None
+    fn(nbytes)
+    settings["margin"] = nbytes
+
+
 _c_entries = None
 
 

@@ -87,11 +87,10 @@ class TorchMemorySaver:
 
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value: int):
+        """New device memory that would leave less than value bytes free fails as out-of-memory (the
+        shim's vmm_set_alloc_margin: every allocation through its pools, not only a region's)."""
         self._ensure_initialized()
-        _saver.settings["margin"] = int(value)
-        if value:
-            _warn_once("margin", "torch_memory_saver: memory_margin_bytes is recorded, not enforced: region "
-                       "allocations fail only when the device is full, as outside regions")
+        _saver.set_margin(int(value))
 
     @property
     def retain_cpu_backup(self) -> bool:
@@ -183,7 +182,7 @@ class _Cdll:
         _saver.settings["retain"] = bool(on)
 
     def set_memory_margin_bytes(self, value):
-        _saver.settings["margin"] = int(value)
+        _saver.set_margin(int(value))
 
     def __getattr__(self, name):
         for lib in _runtime_libraries():
