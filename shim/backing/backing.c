@@ -90,7 +90,7 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
     int err;
     vmm__pool *pair = vmm__pools_of_locked(d, vmm__thread_tag, 1);
     if (!pair) pair = d->pool; /* no memory for a tag's pools: its allocation goes with the untagged */
-    vmm__block *b = alloc_kept_locked(d, &pair[stream_ordered], size, stream_ordered, (uint64_t)(uintptr_t)stream, &err);
+    vmm__block *b = alloc_kept_locked(d, &pair[stream_ordered], size, stream_ordered, vmm__stream_key(stream), &err);
     if (!b) {
         pthread_mutex_unlock(&vmm__S.lock);
         if (err == -ENOMEM) return vmm__margin_refused() ? VMM__MARGIN : VMM__NOMEM;
@@ -217,7 +217,7 @@ vmm__result vmm__free(void *ptr, int stream_ordered, CUstream stream)
         pool_free_list_locked(covered);
     }
     if (stream_ordered) pthread_mutex_lock(&vmm__S.lock); /* the other branch holds it already */
-    if (vmm__pool_free(pool, b, (uint64_t)(uintptr_t)stream, ev)) vmm__emptied_locked(pool, stream_ordered);
+    if (vmm__pool_free(pool, b, vmm__stream_key(stream), ev)) vmm__emptied_locked(pool, stream_ordered);
     pthread_mutex_unlock(&vmm__S.lock);
     return VMM__DONE;
 }

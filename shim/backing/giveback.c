@@ -148,7 +148,7 @@ void vmm__synchronized(int whole_context, CUstream stream, uint64_t mark)
         if (unrecorded) VMM__FOR_POOLS(d, p, k) {
             /* the frees this synchronization covers are reached, with no event recorded at all;
              * the legacy stream has two names */
-            vmm__pool_reached_by_sync(p, whole_context, (uint64_t)(uintptr_t)stream, ctx, mark);
+            vmm__pool_reached_by_sync(p, whole_context, vmm__stream_key(stream), ctx, mark);
             if (!whole_context && legacy_stream(stream))
                 vmm__pool_reached_by_sync(p, 0, (uint64_t)(uintptr_t)(stream ? NULL : CU_STREAM_LEGACY), ctx, mark);
             still_unrecorded += p->n_tracked;

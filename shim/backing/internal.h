@@ -240,6 +240,8 @@ int vmm__margin_refused(void);
 void vmm__start_broker(void);
 
 /* ---- records.c: one registry record per allocation ---- */
+/* segment.c: the key the pools know a stream by (the per-thread default stream: one per thread). */
+uint64_t vmm__stream_key(CUstream s);
 /* records.c: the arena of one of the shim's pools holding p (allocated, free or not mapped), and the
  * live allocation whose [addr, addr + requested) holds p (paused ones too); NULL when none. */
 vmm__arena *vmm__arena_containing_locked(uint64_t p);

@@ -255,10 +255,26 @@ static int record_now(void *ctx, uint64_t stream_id, void *stream_ctx, void **ou
 
 /* Another stream takes a free not reached yet (pool.h, VMM_POOL_REUSE_INTERNAL): it waits for the
  * free's event, as the native pool makes it (cudaMemPoolReuseAllowInternalDependencies). */
+/* The per-thread default stream is one handle (CU_STREAM_PER_THREAD) naming a stream of each thread,
+ * and the pool hands a free out at once on the stream it was freed on: so each thread gets a key of
+ * its own for it, odd (no stream handle is; 1 is the legacy stream's) and never given twice.
+ * stream_wait turns a key back into the handle, which the allocating thread's own call resolves to
+ * that thread's stream. */
+uint64_t vmm__stream_key(CUstream s)
+{
+    static _Thread_local uint64_t mine;
+    static uint64_t next = 3;
+    if (s != CU_STREAM_PER_THREAD) return (uint64_t)(uintptr_t)s;
+    if (!mine) mine = __atomic_fetch_add(&next, 2, __ATOMIC_RELAXED);
+    return mine;
+}
+
+static CUstream stream_of_key(uint64_t key) { return (key & 1) && key > 2 ? CU_STREAM_PER_THREAD : (CUstream)(uintptr_t)key; }
+
 static int stream_wait(void *ctx, uint64_t stream, void *event)
 {
     (void)ctx;
-    return vmm__cu.StreamWaitEvent((CUstream)(uintptr_t)stream, (CUevent)event, 0) != CUDA_SUCCESS;
+    return vmm__cu.StreamWaitEvent(stream_of_key(stream), (CUevent)event, 0) != CUDA_SUCCESS;
 }
 
 /* Stream-ordered memory stays mapped up to the default pool's release threshold, as natively;

@@ -2453,6 +2453,7 @@ static CUresult stream_wait_event(CUstream hStream, CUevent hEvent, unsigned int
     }
     if (e->recorded && e->done_at > s->busy_until) s->busy_until = e->done_at;
     UNLOCK();
+    CNT_ADD(calls_cuStreamWaitEvent, 1);
     return CUDA_SUCCESS;
 }
 
