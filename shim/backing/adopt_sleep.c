@@ -414,13 +414,7 @@ static int host_adopted(uint64_t addr, void **host, uint64_t *bytes)
     pthread_mutex_lock(&A.lock);
     for (range *r = A.by_addr; r; r = r->hh.next) {
         if (addr < r->addr || addr - r->addr >= r->size) continue;
-        uint64_t n = 0, off = addr - r->addr;
-        const char *h = vmm__sleep_host_bytes(r->kept, &n);
-        if (h && off < n) {
-            *host = (void *)(h + off);
-            *bytes = n - off;
-            rc = 0;
-        }
+        rc = vmm__sleep_host_at(r->kept, addr - r->addr, host, bytes);
         break;
     }
     pthread_mutex_unlock(&A.lock);

@@ -86,7 +86,6 @@ vmm__result vmm__alloc(size_t size, uint32_t api, int stream_ordered, CUstream s
 
     pthread_mutex_lock(&vmm__S.lock);
     vmm__pools_ready_locked(d);
-    (void)vmm__margin_refused();
     int err;
     vmm__pool *pair = vmm__pools_of_locked(d, vmm__thread_tag, 1);
     if (!pair) pair = d->pool; /* no memory for a tag's pools: its allocation goes with the untagged */

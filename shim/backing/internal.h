@@ -231,7 +231,7 @@ void vmm__purge_kick_locked(void);
  * each pool's VMMSHIM_CACHE_SIZE budget); the bytes given back. */
 uint64_t vmm__give_back_now(void);
 /* vmm_set_alloc_margin (segment.c checks it when the pools grow); whether the calling thread's
- * last growth was refused for it (and forget it). */
+ * last new segment was refused for it. */
 void vmm__set_alloc_margin(uint64_t bytes);
 int vmm__margin_refused(void);
 

@@ -59,23 +59,18 @@ int vmm__access_list(device_state *d, CUmemAccessDesc *acc, int synchronous_pool
  * the margin free is refused as the driver refuses one that does not fit, so the program (PyTorch
  * frees its cache and retries, then raises) fails early and leaves room for its neighbour.  One
  * cuMemGetInfo per new segment, none while the margin is 0. */
-static _Thread_local int margin_refused;
+static _Thread_local int margin_refused; /* the verdict of this thread's last segment */
 
-int vmm__margin_refused(void)
-{
-    int was = margin_refused;
-    margin_refused = 0;
-    return was;
-}
+int vmm__margin_refused(void) { return margin_refused; }
 
 static int within_margin(uint64_t size)
 {
     uint64_t margin = __atomic_load_n(&vmm__S.alloc_margin, __ATOMIC_RELAXED);
     size_t free_bytes = 0, total = 0;
-    if (!margin || !vmm__cu.MemGetInfo || vmm__cu.MemGetInfo(&free_bytes, &total) != CUDA_SUCCESS) return 1;
-    if ((uint64_t)free_bytes >= margin && (uint64_t)free_bytes - margin >= size) return 1;
-    margin_refused = 1;
-    return 0;
+    int ok = !margin || !vmm__cu.MemGetInfo || vmm__cu.MemGetInfo(&free_bytes, &total) != CUDA_SUCCESS ||
+             ((uint64_t)free_bytes >= margin && (uint64_t)free_bytes - margin >= size);
+    margin_refused = !ok;
+    return ok;
 }
 
 static int seg_create(void *ctx, vmm__seg *ps)
@@ -253,8 +248,6 @@ static int record_now(void *ctx, uint64_t stream_id, void *stream_ctx, void **ou
     return r;
 }
 
-/* Another stream takes a free not reached yet (pool.h, VMM_POOL_REUSE_INTERNAL): it waits for the
- * free's event, as the native pool makes it (cudaMemPoolReuseAllowInternalDependencies). */
 /* The per-thread default stream is one handle (CU_STREAM_PER_THREAD) naming a stream of each thread,
  * and the pool hands a free out at once on the stream it was freed on: so each thread gets a key of
  * its own for it, odd (no stream handle is; 1 is the legacy stream's) and never given twice.
@@ -271,6 +264,8 @@ uint64_t vmm__stream_key(CUstream s)
 
 static CUstream stream_of_key(uint64_t key) { return (key & 1) && key > 2 ? CU_STREAM_PER_THREAD : (CUstream)(uintptr_t)key; }
 
+/* Another stream takes a free not reached yet (pool.h, VMM_POOL_REUSE_INTERNAL): it waits for the
+ * free's event, as the native pool makes it (cudaMemPoolReuseAllowInternalDependencies). */
 static int stream_wait(void *ctx, uint64_t stream, void *event)
 {
     (void)ctx;

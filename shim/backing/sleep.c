@@ -544,23 +544,13 @@ int vmm__sleep_overlaps(const uint64_t *starts, const uint64_t *sizes, size_t n)
 
 int vmm__sleep_host(uint64_t addr, void **host, uint64_t *bytes)
 {
-    int rc = -ENOENT, found = 0;
     if (!vmm__S.ready) return -ENOENT;
     pthread_mutex_lock(&vmm__S.lock);
     vmm__block *b = vmm__block_containing_locked(addr);
-    if (b) {
-        uint64_t n = 0, off = addr - b->addr;
-        const char *h = vmm__sleep_host_bytes(b->kept, &n);
-        found = 1;
-        if (h && off < n) {
-            *host = (void *)(h + off);
-            *bytes = n - off;
-            rc = 0;
-        }
-    }
+    int ours = b != NULL, rc = ours ? vmm__sleep_host_at(b->kept, addr - b->addr, host, bytes) : -ENOENT;
     pthread_mutex_unlock(&vmm__S.lock);
     const vmm__sleep_adopted *ad = adopted_ops();
-    if (!found && ad && ad->host) rc = ad->host(addr, host, bytes);
+    if (!ours && ad && ad->host) rc = ad->host(addr, host, bytes);
     return rc;
 }
 

@@ -115,9 +115,10 @@ int vmm__sleep_overlaps(const uint64_t *starts, const uint64_t *sizes, size_t n)
 /* vmm_sleep_host / vmm_sleep_drop_host (vmm_api.h): 0 or -ENOENT; the bytes freed. */
 int vmm__sleep_host(uint64_t addr, void **host, uint64_t *bytes);
 uint64_t vmm__sleep_drop_host(const char *tag);
-/* The host bytes of kept (its contents, or the idle pinned buffer, which holds its last pause's):
- * the buffer and *bytes, or NULL when it holds none there (discarded, in a file). */
-const void *vmm__sleep_host_bytes(const void *kept, uint64_t *bytes);
+/* Where kept's host bytes (its contents, or the idle pinned buffer, which holds its last pause's)
+ * hold the byte at off: *host and the *bytes from there; 0, or -ENOENT when it holds none there
+ * (discarded, in a file, off past them). */
+int vmm__sleep_host_at(const void *kept, uint64_t off, void **host, uint64_t *bytes);
 /* An idle pinned buffer (holding no contents) goes: the bytes freed, *kept NULL then; else 0. */
 uint64_t vmm__sleep_drop_idle(void **kept);
 /* Whether kept holds contents (a discarded pause keeps none, an idle buffer holds none). */

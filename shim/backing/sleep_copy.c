@@ -482,12 +482,13 @@ void vmm__sleep_kept_free(void *p)
     free(k);
 }
 
-const void *vmm__sleep_host_bytes(const void *p, uint64_t *bytes)
+int vmm__sleep_host_at(const void *p, uint64_t off, void **host, uint64_t *bytes)
 {
     const kept *k = p;
-    if (!k || !k->host || k->file || k->epoch != epoch_now() || !(k->full || k->idle)) return NULL;
-    *bytes = k->bytes;
-    return k->host;
+    if (!k || !k->host || k->file || k->epoch != epoch_now() || !(k->full || k->idle) || off >= k->bytes) return -ENOENT;
+    *host = (char *)k->host + off;
+    *bytes = k->bytes - off;
+    return 0;
 }
 
 uint64_t vmm__sleep_drop_idle(void **pk)

@@ -133,39 +133,16 @@ class TorchMemorySaver:
         del self._impl_ctor_kwargs
 
 
+# TMS's C names of the thread config's fields: (the stand-in's Config attribute, passed as bytes)
+_CONFIG_FIELDS = {"current_tag": ("tag", True), "interesting_region": ("interesting", False),
+                  "enable_cpu_backup": ("cpu_backup", False), "cpu_backup_backend": ("backend", True),
+                  "enable_disk_backup": ("disk", False)}
+
+
 class _Cdll:
-    """The getters and setters TMS's C library offers (its tests read them), over the stand-in's
-    thread config; any other name is the process's CUDA runtime symbol."""
-
-    def tms_get_current_tag(self):
-        return _saver.config().tag.encode()
-
-    def tms_set_current_tag(self, tag):
-        _saver.set_config(tag=tag.decode())
-
-    def tms_get_interesting_region(self):
-        return _saver.config().interesting
-
-    def tms_set_interesting_region(self, on):
-        _saver.set_config(interesting=bool(on))
-
-    def tms_get_enable_cpu_backup(self):
-        return _saver.config().cpu_backup
-
-    def tms_set_enable_cpu_backup(self, on):
-        _saver.set_config(cpu_backup=bool(on))
-
-    def tms_get_cpu_backup_backend(self):
-        return _saver.config().backend.encode()
-
-    def tms_set_cpu_backup_backend(self, backend):
-        _saver.set_config(backend=backend.decode())
-
-    def tms_get_enable_disk_backup(self):
-        return _saver.config().disk
-
-    def tms_set_enable_disk_backup(self, on):
-        _saver.set_config(disk=bool(on))
+    """The calls TMS's C library offers (its tests make them): tms_get_<field> / tms_set_<field> of
+    the thread config, pause, resume and the settings, over the stand-in; any other name is the
+    process's CUDA runtime symbol."""
 
     def tms_pause(self, tag):
         _saver.pause(tag.decode() if tag else None)
@@ -185,6 +162,12 @@ class _Cdll:
         _saver.set_margin(int(value))
 
     def __getattr__(self, name):
+        verb, _, field = name[len("tms_"):].partition("_") if name.startswith("tms_") else ("", "", "")
+        if verb in ("get", "set") and field in _CONFIG_FIELDS:
+            attr, text = _CONFIG_FIELDS[field]
+            if verb == "get":
+                return lambda: getattr(_saver.config(), attr).encode() if text else getattr(_saver.config(), attr)
+            return lambda value: _saver.set_config(**{attr: value.decode() if text else bool(value)})
         for lib in _runtime_libraries():
             try:
                 return getattr(lib, name)
