@@ -16,8 +16,10 @@ How TMS's terms map onto the shim's:
 - A resume lets the host copies go unless retain_cpu_backup; with it they stay, the same buffers
   each cycle (the shim's VMMSHIM_PAUSE_HOST_CACHE).
 - Once every tag the stand-in knows is paused, PyTorch's cached free blocks go back to the device
-  (empty_cache), and what the shim holds of them for quick reuse (vmm_give_back): what stays is the
-  CUDA context, NCCL's memory, cuBLAS's workspaces and the program's live tensors outside any region."""
+  (empty_cache) if any lie outside paused memory, and what the shim holds for quick reuse
+  (vmm_give_back): what stays is the CUDA context, NCCL's memory, cuBLAS's workspaces and the
+  program's live tensors outside any region.  A cache wholly in paused memory stays, to come back
+  at the resume as with TMS."""
 import contextlib
 import ctypes
 import hashlib
@@ -214,11 +216,12 @@ def _all_paused():
 
 
 def _release_left_behind():
-    """Every stand-in tag sleeps: PyTorch's cached free blocks go back to the device (those in
-    paused segments too, which frees them while paused), and so does what the shim holds of them
-    for quick reuse, so the framework needs no empty_cache() and NVML shows it at once."""
+    """Every stand-in tag sleeps: PyTorch's cached free blocks go back to the device where some lie
+    outside paused memory (those inside go too then, freed while paused, and do not come back at the
+    resume), and so does what the shim holds for quick reuse, so the framework needs no
+    empty_cache() and NVML shows it at once."""
     torch = _sleep_torch._torch()
-    if torch is not None:
+    if torch is not None and _sleep_torch.cache_outside_paused(torch):
         torch.cuda.empty_cache()
     _sleep.give_back()
 

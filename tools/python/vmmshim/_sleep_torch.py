@@ -77,17 +77,35 @@ def _default_pool_paused(torch, tag):
     except Exception:
         return True  # cannot tell: route, which is always safe
     default = [(s["address"], s["total_size"]) for s in segments if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
-    if not default:
-        return False
+    return bool(default) and _paused_overlaps(default) is not False
+
+
+def _paused_overlaps(ranges):
+    """Whether any of [(address, size)] overlaps this process's paused memory (vmm_paused_overlaps);
+    None when the shim cannot say."""
     import ctypes
     overlaps = getattr(ctypes.CDLL(None), "vmm_paused_overlaps", None)
     if overlaps is None:
-        return True  # a shim that cannot say: route
+        return None
     overlaps.restype = ctypes.c_int
     overlaps.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
-    starts = (ctypes.c_uint64 * len(default))(*(a for a, _ in default))
-    sizes = (ctypes.c_uint64 * len(default))(*(n for _, n in default))
-    return bool(overlaps(starts, sizes, len(default)))
+    starts = (ctypes.c_uint64 * len(ranges))(*(a for a, _ in ranges))
+    sizes = (ctypes.c_uint64 * len(ranges))(*(n for _, n in ranges))
+    return bool(overlaps(starts, sizes, len(ranges)))
+
+
+def cache_outside_paused(torch):
+    """Whether empty_cache() would give the device some of PyTorch's cache that lies outside paused
+    memory.  Cache inside paused memory is left alone where it can be: emptied, it would not come
+    back at the resume, as torch_memory_saver's users count on (its training_engine example)."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except Exception:
+        return True
+    releasable = [(s["address"], s["total_size"]) for s in segments
+                  if s.get("allocated_size", 0) == 0
+                  or (s.get("is_expandable") and s["total_size"] - s.get("allocated_size", 0) >= 2 << 20)]
+    return any(_paused_overlaps([r]) is not True for r in releasable)
 
 
 def _end_fn(torch):
