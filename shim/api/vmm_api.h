@@ -236,11 +236,43 @@ typedef struct vmm_tensor_desc {
     const int64_t *strides; /* ndim strides in elements; NULL: row-major, contiguous */
 } vmm_tensor_desc;
 
+/* A tensor that is one piece of a larger one laid over a device mesh (PyTorch's DTensor, whose
+ * local tensor is published): along each mesh dimension, how the whole tensor is placed and where
+ * this piece sits.  A split is torch.chunk's: pieces of ceil(global_extent / mesh) along dim. */
+#define VMM_MESH_MAX_DIMS 3
+enum { VMM_PLACE_NONE = 0, VMM_PLACE_REPLICATE = 1, VMM_PLACE_PARTIAL = 2, VMM_PLACE_SHARD = 3 };
+typedef struct vmm_placement {
+    uint8_t kind;          /* VMM_PLACE_* */
+    uint8_t dim;           /* VMM_PLACE_SHARD: the tensor dimension split */
+    uint16_t mesh;         /* the mesh's extent along this mesh dimension */
+    uint16_t coord;        /* this piece's coordinate along it */
+    uint16_t reserved;
+    int64_t global_extent; /* VMM_PLACE_SHARD: the whole tensor's extent along dim */
+} vmm_placement;
+typedef struct vmm_shard {
+    uint32_t mesh_ndim;    /* 0: a whole tensor; else 1..VMM_MESH_MAX_DIMS */
+    uint32_t reserved;
+    vmm_placement place[VMM_MESH_MAX_DIMS];
+} vmm_shard;
+
 /* Publish one tensor by name (owner side). */
 vmm_status vmm_publish(const char *name, uint64_t address, vmm_dtype dtype, uint32_t ndim, const int64_t *shape,
                        const int64_t *strides);
 /* Publish n tensors at once, all or none (a state dict): one failure leaves every name as it was. */
 vmm_status vmm_publish_many(const vmm_tensor_desc *tensors, size_t n);
+/* vmm_publish_many with each tensor's place in a larger one (shards may be NULL: all whole) and the
+ * version they are published at (0: none), which a reader sees per name. */
+vmm_status vmm_publish_shards(const vmm_tensor_desc *tensors, const vmm_shard *shards, size_t n, uint64_t version);
+/* The job tag (at most 23 bytes; NULL or "" clears it) under which companions find this process
+ * with the other ranks of its job (vmm_weights_state). */
+vmm_status vmm_publish_job(const char *job);
+/* The owner is about to change its published tensors in place (an optimizer step): readers that
+ * check vmm_weights_state around their copies see it and copy again.  vmm_update_end marks the
+ * change done, at `version`, once `stream` (a CUstream of the current context; NULL: the legacy
+ * default stream) has reached the point where it is called: the call itself does not wait.
+ * Nested begins end with the last end. */
+vmm_status vmm_update_begin(void);
+vmm_status vmm_update_end(uint64_t version, void *stream);
 /* Drop a name (owner side); VMM_ERR_NOT_FOUND when this process does not publish it. */
 vmm_status vmm_unpublish(const char *name);
 /* The calling thread's last failure of the three above, one line; "" when none. */

@@ -51,6 +51,10 @@ typedef struct vmm__alloc_ref {
 int vmm__lookup(uint64_t ptr, vmm__alloc_ref *out);
 /* Inside any arena the shim holds, allocated or free (or past an allocation's requested end). */
 int vmm__owned(uint64_t ptr);
+/* fn(arg) on a driver thread once `stream` (of the current context) reaches this point, or at once
+ * after a wait for it when the driver has no host functions.  0, -ENOSYS (the shim is not active)
+ * or -EIO.  fn must make no CUDA call. */
+int vmm__when_reached(void *stream, void (*fn)(void *), void *arg);
 /* The registry the shim publishes in, with this process attached; NULL when the shim is not active. */
 struct vmm__reg *vmm__registry(void);
 /* Exported fds the broker keeps (above 1023), of segments and of adopted handles: what exporting

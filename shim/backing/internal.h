@@ -121,6 +121,7 @@ typedef struct vmm__driver {
     CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
     CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
     CUresult (*MemGetInfo)(size_t *, size_t *); /* optional: the allocation margin (vmm_set_alloc_margin) */
+    CUresult (*LaunchHostFunc)(CUstream, CUhostFn, void *); /* optional: vmm_update_end without a wait */
 } vmm__driver;
 
 typedef struct vmm__state {

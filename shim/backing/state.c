@@ -76,6 +76,7 @@ static int load_driver(char *why, size_t len)
         LOAD(MemcpyDtoHAsync, cuMemcpyDtoHAsync);
         LOAD(MemcpyHtoDAsync, cuMemcpyHtoDAsync);
         LOAD(MemGetInfo, cuMemGetInfo);
+        LOAD(LaunchHostFunc, cuLaunchHostFunc);
     }
     if (!ok) {
         snprintf(why, len, "libcuda.so.1 lacks the VMM entry points");
@@ -415,4 +416,13 @@ void vmm__backing_kept_adopted(int delta)
 unsigned long vmm__backing_kept_fds(void)
 {
     return __atomic_load_n(&vmm__S.kept_fds, __ATOMIC_RELAXED) + __atomic_load_n(&kept_adopted, __ATOMIC_RELAXED);
+}
+
+int vmm__when_reached(void *stream, void (*fn)(void *), void *arg)
+{
+    if (!vmm__S.ready) return -ENOSYS;
+    if (vmm__cu.LaunchHostFunc) return vmm__cu.LaunchHostFunc((CUstream)stream, fn, arg) == CUDA_SUCCESS ? 0 : -EIO;
+    if (vmm__cu.StreamSynchronize((CUstream)stream) != CUDA_SUCCESS) return -EIO;
+    fn(arg);
+    return 0;
 }

@@ -77,20 +77,48 @@ static void want_exported(const vmm_tensor_desc *t, size_t n)
     if (len != &one_len) free(len);
 }
 
-static vmm_status publish(const char *fn, const vmm_tensor_desc *t, size_t n)
+_Static_assert(VMM_MESH_MAX_DIMS == VMM_NAMES_MESH_MAX_DIMS && (int)VMM_PLACE_SHARD == (int)VMM_NAMES_PLACE_SHARD &&
+                   (int)VMM_PLACE_PARTIAL == (int)VMM_NAMES_PLACE_PARTIAL &&
+                   (int)VMM_PLACE_REPLICATE == (int)VMM_NAMES_PLACE_REPLICATE,
+               "public placements match the table's");
+
+static vmm__name_shard shard_of(const vmm_shard *s)
+{
+    vmm__name_shard o = {.mesh_ndim = s->mesh_ndim > 255 ? 255 : (uint8_t)s->mesh_ndim};
+    for (uint32_t i = 0; i < VMM_MESH_MAX_DIMS && i < s->mesh_ndim; i++) {
+        o.kind[i] = s->place[i].kind;
+        o.dim[i] = s->place[i].dim;
+        o.mesh[i] = s->place[i].mesh;
+        o.coord[i] = s->place[i].coord;
+        o.global_extent[i] = s->place[i].global_extent;
+    }
+    return o;
+}
+
+static vmm_status publish(const char *fn, const vmm_tensor_desc *t, const vmm_shard *shards, size_t n, uint64_t version)
 {
     if (n && !t) return fail(VMM_ERR_INVALID, fn, "tensors is NULL");
     vmm__reg *r = registry_or_fail(fn);
     if (!r) return VMM_ERR_NO_SHIM;
     vmm__name_desc one, *d = n == 1 ? &one : calloc(n ? n : 1, sizeof *d);
-    if (!d) return fail(VMM_ERR_NOMEM, fn, "out of memory");
-    for (size_t i = 0; i < n; i++)
+    vmm__name_shard one_shard, *sh = !shards ? NULL : n == 1 ? &one_shard : calloc(n, sizeof *sh);
+    if (!d || (shards && !sh)) {
+        if (d != &one) free(d);
+        return fail(VMM_ERR_NOMEM, fn, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
         d[i] = (vmm__name_desc){.name = t[i].name, .address = t[i].address, .code = t[i].dtype.code,
                                 .bits = t[i].dtype.bits, .lanes = t[i].dtype.lanes, .ndim = t[i].ndim,
-                                .shape = t[i].shape, .strides = t[i].strides};
+                                .shape = t[i].shape, .strides = t[i].strides, .version = version};
+        if (shards && shards[i].mesh_ndim) {
+            sh[i] = shard_of(&shards[i]);
+            d[i].shard = &sh[i];
+        }
+    }
     char why[400];
     int rc = vmm__names_publish(r, d, n, why, sizeof why);
     if (d != &one) free(d);
+    if (sh != &one_shard) free(sh);
     if (rc) return fail(status_of(rc), fn, why);
     want_exported(t, n);
     return VMM_OK;
@@ -100,12 +128,53 @@ VMM_HOOK vmm_status vmm_publish(const char *name, uint64_t address, vmm_dtype dt
                                 const int64_t *strides)
 {
     vmm_tensor_desc t = {.name = name, .address = address, .dtype = dtype, .ndim = ndim, .shape = shape, .strides = strides};
-    return publish("vmm_publish", &t, 1);
+    return publish("vmm_publish", &t, NULL, 1, 0);
 }
 
 VMM_HOOK vmm_status vmm_publish_many(const vmm_tensor_desc *tensors, size_t n)
 {
-    return publish("vmm_publish_many", tensors, n);
+    return publish("vmm_publish_many", tensors, NULL, n, 0);
+}
+
+VMM_HOOK vmm_status vmm_publish_shards(const vmm_tensor_desc *tensors, const vmm_shard *shards, size_t n, uint64_t version)
+{
+    return publish("vmm_publish_shards", tensors, shards, n, version);
+}
+
+VMM_HOOK vmm_status vmm_publish_job(const char *job)
+{
+    vmm__reg *r = registry_or_fail("vmm_publish_job");
+    if (!r) return VMM_ERR_NO_SHIM;
+    char why[400];
+    int rc = vmm__names_set_job(r, job, why, sizeof why);
+    return rc ? fail(status_of(rc), "vmm_publish_job", why) : VMM_OK;
+}
+
+VMM_HOOK vmm_status vmm_update_begin(void)
+{
+    vmm__reg *r = registry_or_fail("vmm_update_begin");
+    if (!r) return VMM_ERR_NO_SHIM;
+    char why[400];
+    int rc = vmm__names_update_begin(r, why, sizeof why);
+    return rc ? fail(status_of(rc), "vmm_update_begin", why) : VMM_OK;
+}
+
+static void CUDA_CB update_reached(void *version)
+{
+    vmm__reg *r = vmm__registry();
+    if (r) vmm__names_update_end(r, (uint64_t)(uintptr_t)version);
+}
+
+VMM_HOOK vmm_status vmm_update_end(uint64_t version, void *stream)
+{
+    _Static_assert(sizeof(uintptr_t) >= sizeof(uint64_t), "a version travels in the host function's pointer");
+    vmm__reg *r = registry_or_fail("vmm_update_end");
+    if (!r) return VMM_ERR_NO_SHIM;
+    int rc = vmm__when_reached(stream, update_reached, (void *)(uintptr_t)version);
+    if (rc)
+        return fail(VMM_ERR_IO, "vmm_update_end",
+                    "the driver refused to call back when the stream reaches this point: the update stays open");
+    return VMM_OK;
 }
 
 VMM_HOOK vmm_status vmm_unpublish(const char *name)

@@ -161,6 +161,19 @@
  * the names of a freed allocation) is in progress: a reader wanting every name of one moment
  * loads it (acquire) before the walk and (after an acquire fence) again after, and walks again
  * if it was odd or moved, for some tens of milliseconds at most.  Only the owner writes the table.
+ * SHARDS: an entry with mesh_ndim > 0 is the owner's part of a larger tensor laid over a device
+ * mesh (PyTorch's DTensor; FSDP2's parameters): along mesh dimension i of extent mesh[i] the owner
+ * sits at coord[i], and the tensor is replicated there (REPLICATE), a partial sum (PARTIAL), or
+ * split along its dimension place_dim[i] (SHARD), whose whole extent is global_extent[i].  A split
+ * is torch.chunk's: pieces of ceil(extent / mesh[i]) along the dimension, the last ones shorter or
+ * empty; splits of one dimension by several mesh dimensions nest in mesh order.  The entry's shape
+ * is the owner's piece; the padding FSDP keeps after a short piece is not part of it.
+ * VERSIONS: weights_seq is a seqlock over the tensors' contents, not the table: the owner makes it
+ * odd before it starts changing them in place (an optimizer step) and even, with weights_version
+ * stored before it (release), once the device has done so.  A reader wanting one version of every
+ * owner's tensors loads each owner's weights_seq (acquire) and weights_version before its copies
+ * and weights_seq again after they completed: all even, equal before and after and the versions
+ * equal, or it copies again.  An owner that never updates leaves them 0.
  *
  * KEEP (layout version 5): a keeper (`vmmctl keep`) is a companion that holds an owner's memory (the
  * fds of its chunks, fetched from the owner's broker as any companion fetches them) so that it
@@ -232,9 +245,16 @@
 #define VMM_KEEP_MAGIC 0x5045454b534d4d56ull /* "VMMSKEEP" little-endian */
 #define VMM_KEEP_VERSION 1u
 #define VMM_NAMES_MAGIC 0x4d414e48534d4d56ull /* "VMMSHNAM" little-endian */
-#define VMM_NAMES_VERSION 1u
+/* 2: shards, versions and the job tag (SHARDS, VERSIONS), in bytes that were reserved (zero): a
+ * version-1 reader reads a version-2 table as it always did, so compat_version stays 1. */
+#define VMM_NAMES_VERSION 2u
+#define VMM_NAMES_COMPAT_VERSION 1u
+#define VMM_NAMES_MESH_MAX_DIMS 3u
 #define VMM_NAMES_NAME_MAX 127u /* bytes of a name, without its NUL */
 #define VMM_NAMES_MAX_DIMS 8u
+
+/* vmm_names_entry.place_kind */
+enum { VMM_NAMES_PLACE_NONE = 0, VMM_NAMES_PLACE_REPLICATE = 1, VMM_NAMES_PLACE_PARTIAL = 2, VMM_NAMES_PLACE_SHARD = 3 };
 
 /* vmm_reg_alloc.state */
 enum { VMM_REG_UNBOUND = 0, VMM_REG_BOUND = 1, VMM_REG_LIVE = 2 };
@@ -458,7 +478,9 @@ typedef struct vmm_names_header {
     uint64_t count;            /*  64 live names (atomic) */
     uint64_t changes;          /*  72 odd while the owner changes the table (atomic, release) */
     uint64_t created_ns;       /*  80 CLOCK_REALTIME */
-    uint8_t reserved[40];      /*  88 */
+    uint64_t weights_seq;      /*  88 odd while the owner updates its tensors in place (atomic; VERSIONS) */
+    uint64_t weights_version;  /*  96 the version the last update ended at (atomic; VERSIONS) */
+    char job[24];              /* 104 the owner's job tag, NUL-terminated; "" none (version 2) */
 } vmm_names_header;            /* 128 */
 
 typedef struct vmm_names_entry {
@@ -477,7 +499,15 @@ typedef struct vmm_names_entry {
     int64_t strides[8];        /* 128 in elements */
     uint64_t published_ns;     /* 192 CLOCK_REALTIME */
     char name[128];            /* 200 NUL-terminated */
-    uint8_t reserved[56];      /* 328 */
+    uint64_t version;          /* 328 the version it was published at (0: none given) (version 2) */
+    uint8_t mesh_ndim;         /* 336 0: a whole tensor; 1..3: a shard of a tensor over a device mesh (SHARDS) */
+    uint8_t place_kind[3];     /* 337 per mesh dimension: VMM_NAMES_PLACE_* */
+    uint8_t place_dim[3];      /* 340 VMM_NAMES_PLACE_SHARD: the tensor dimension it splits */
+    uint8_t reserved0;         /* 343 */
+    uint16_t mesh[3];          /* 344 the mesh's extent along each mesh dimension */
+    uint16_t coord[3];         /* 350 this shard's coordinate along each */
+    uint32_t reserved1;        /* 356 */
+    int64_t global_extent[3];  /* 360 VMM_NAMES_PLACE_SHARD: the whole tensor's extent along place_dim */
 } vmm_names_entry;             /* 384 */
 
 _Static_assert(sizeof(vmm_names_header) == 128, "names header size");
@@ -496,7 +526,9 @@ VMM_ASSERT_OFF(vmm_names_header, used, 56);
 VMM_ASSERT_OFF(vmm_names_header, count, 64);
 VMM_ASSERT_OFF(vmm_names_header, changes, 72);
 VMM_ASSERT_OFF(vmm_names_header, created_ns, 80);
-VMM_ASSERT_OFF(vmm_names_header, reserved, 88);
+VMM_ASSERT_OFF(vmm_names_header, weights_seq, 88);
+VMM_ASSERT_OFF(vmm_names_header, weights_version, 96);
+VMM_ASSERT_OFF(vmm_names_header, job, 104);
 
 _Static_assert(sizeof(vmm_names_entry) == 384, "names entry size");
 VMM_ASSERT_OFF(vmm_names_entry, seq, 0);
@@ -514,7 +546,15 @@ VMM_ASSERT_OFF(vmm_names_entry, shape, 64);
 VMM_ASSERT_OFF(vmm_names_entry, strides, 128);
 VMM_ASSERT_OFF(vmm_names_entry, published_ns, 192);
 VMM_ASSERT_OFF(vmm_names_entry, name, 200);
-VMM_ASSERT_OFF(vmm_names_entry, reserved, 328);
+VMM_ASSERT_OFF(vmm_names_entry, version, 328);
+VMM_ASSERT_OFF(vmm_names_entry, mesh_ndim, 336);
+VMM_ASSERT_OFF(vmm_names_entry, place_kind, 337);
+VMM_ASSERT_OFF(vmm_names_entry, place_dim, 340);
+VMM_ASSERT_OFF(vmm_names_entry, reserved0, 343);
+VMM_ASSERT_OFF(vmm_names_entry, mesh, 344);
+VMM_ASSERT_OFF(vmm_names_entry, coord, 350);
+VMM_ASSERT_OFF(vmm_names_entry, reserved1, 356);
+VMM_ASSERT_OFF(vmm_names_entry, global_extent, 360);
 _Static_assert(sizeof(((vmm_names_entry *)0)->name) == VMM_NAMES_NAME_MAX + 1, "name size");
 _Static_assert(sizeof(((vmm_names_entry *)0)->shape) == VMM_NAMES_MAX_DIMS * 8, "shape size");
 

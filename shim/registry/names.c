@@ -216,7 +216,7 @@ static int table_make(vmm__reg *r, char *err, size_t errlen)
         vmm_names_header *h = (vmm_names_header *)t->base;
         h->magic = VMM_NAMES_MAGIC;
         h->version = VMM_NAMES_VERSION;
-        h->compat_version = VMM_NAMES_VERSION;
+        h->compat_version = VMM_NAMES_COMPAT_VERSION;
         h->header_size = HEADER_SIZE;
         h->entry_size = sizeof(vmm_names_entry);
         h->capacity = VMM__NAMES_CAPACITY;
@@ -292,6 +292,51 @@ typedef struct plan {
     UT_hash_handle hh;  /* names of this call, to refuse one given twice */
 } plan;
 
+/* A shard's place (layout.h SHARDS): each split dimension exists, the coordinate lies in the
+ * mesh, and the piece fits in the whole. */
+static int check_shard(const vmm__name_shard *sh, vmm_names_entry *v, char *err, size_t errlen)
+{
+    const char *nm = v->name;
+    if (sh->mesh_ndim > VMM_NAMES_MESH_MAX_DIMS)
+        return say(err, errlen, -EINVAL, "\"%s\": a mesh of %u dimensions; at most %u", nm, sh->mesh_ndim, VMM_NAMES_MESH_MAX_DIMS);
+    for (uint32_t i = 0; i < sh->mesh_ndim; i++) {
+        if (sh->kind[i] < VMM_NAMES_PLACE_REPLICATE || sh->kind[i] > VMM_NAMES_PLACE_SHARD)
+            return say(err, errlen, -EINVAL, "\"%s\": placement %u of mesh dimension %u is none of replicate, partial, shard", nm,
+                       sh->kind[i], i);
+        if (sh->mesh[i] == 0 || sh->coord[i] >= sh->mesh[i])
+            return say(err, errlen, -EINVAL, "\"%s\": coordinate %u outside mesh dimension %u of extent %u", nm, sh->coord[i], i,
+                       sh->mesh[i]);
+        if (sh->kind[i] == VMM_NAMES_PLACE_SHARD &&
+            (sh->dim[i] >= v->ndim || sh->global_extent[i] < v->shape[sh->dim[i]]))
+            return say(err, errlen, -EINVAL, "\"%s\": mesh dimension %u splits dimension %u of %u with a whole extent of %lld", nm, i,
+                       sh->dim[i], v->ndim, (long long)sh->global_extent[i]);
+        v->place_kind[i] = sh->kind[i];
+        v->place_dim[i] = sh->kind[i] == VMM_NAMES_PLACE_SHARD ? sh->dim[i] : 0;
+        v->mesh[i] = sh->mesh[i];
+        v->coord[i] = sh->coord[i];
+        v->global_extent[i] = sh->kind[i] == VMM_NAMES_PLACE_SHARD ? sh->global_extent[i] : 0;
+    }
+    /* the piece torch.chunk's splits give, nested in mesh order, is the shape published */
+    int64_t left[VMM_NAMES_MAX_DIMS], whole[VMM_NAMES_MAX_DIMS];
+    bool split[VMM_NAMES_MAX_DIMS] = {false};
+    for (uint32_t i = 0; i < sh->mesh_ndim; i++) {
+        if (sh->kind[i] != VMM_NAMES_PLACE_SHARD) continue;
+        uint32_t d = sh->dim[i];
+        if (split[d] && sh->global_extent[i] != whole[d])
+            return say(err, errlen, -EINVAL, "\"%s\": two splits of dimension %u disagree on its whole extent", nm, d);
+        if (!split[d]) left[d] = whole[d] = sh->global_extent[i], split[d] = true;
+        int64_t piece = (left[d] + sh->mesh[i] - 1) / sh->mesh[i], start = (int64_t)sh->coord[i] * piece;
+        if (start > left[d]) start = left[d];
+        left[d] = (start + piece < left[d] ? start + piece : left[d]) - start;
+    }
+    for (uint32_t d = 0; d < v->ndim; d++)
+        if (split[d] && left[d] != v->shape[d])
+            return say(err, errlen, -EINVAL, "\"%s\": its extent %lld along dimension %u is not the %lld its place gives", nm,
+                       (long long)v->shape[d], d, (long long)left[d]);
+    v->mesh_ndim = sh->mesh_ndim;
+    return 0;
+}
+
 static int check_desc(plan *p, char *err, size_t errlen)
 {
     const vmm__name_desc *d = p->d;
@@ -329,8 +374,9 @@ static int check_desc(plan *p, char *err, size_t errlen)
     v->dtype_bits = d->bits;
     v->dtype_lanes = d->lanes;
     v->ndim = d->ndim;
+    v->version = d->version;
     memcpy(v->name, nm, strlen(nm) + 1);
-    return 0;
+    return d->shard ? check_shard(d->shard, v, err, errlen) : 0;
 }
 
 /* The live records of this process under [address, address + nbytes), each exportable. */
@@ -541,6 +587,56 @@ void vmm__names_drop_slot(vmm__reg *r, uint32_t slot)
     pthread_mutex_unlock(&names_mutex);
 }
 
+int vmm__names_set_job(vmm__reg *r, const char *job, char *err, size_t errlen)
+{
+    if (!r->attached) return say(err, errlen, -EINVAL, "this process is not registered");
+    size_t len = job ? strnlen(job, 24) : 0;
+    if (len >= 24) return say(err, errlen, -EINVAL, "a job tag is at most 23 bytes");
+    for (size_t i = 0; i < len; i++)
+        if ((unsigned char)job[i] < 0x20 || job[i] == 0x7f) return say(err, errlen, -EINVAL, "the job tag holds a control character");
+    pthread_mutex_lock(&names_mutex);
+    int rc = r->names ? 0 : table_make(r, err, errlen);
+    if (!rc) {
+        changes_step(r->names);
+        memset(r->names->hdr->job, 0, sizeof r->names->hdr->job);
+        memcpy(r->names->hdr->job, job ? job : "", len);
+        changes_step(r->names);
+    }
+    pthread_mutex_unlock(&names_mutex);
+    return rc;
+}
+
+/* Updates begun and not yet ended: weights_seq is odd while there are any.  Its own lock, since
+ * update_end runs on the driver's thread, which must not wait for a publish. */
+static pthread_mutex_t update_mutex = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t updates_open;
+
+int vmm__names_update_begin(vmm__reg *r, char *err, size_t errlen)
+{
+    if (!r->attached) return say(err, errlen, -EINVAL, "this process is not registered");
+    pthread_mutex_lock(&names_mutex);
+    int rc = r->names ? 0 : table_make(r, err, errlen);
+    vmm_names_header *h = rc ? NULL : r->names->hdr;
+    pthread_mutex_unlock(&names_mutex);
+    if (!h) return rc;
+    pthread_mutex_lock(&update_mutex);
+    if (updates_open++ == 0) __atomic_fetch_add(&h->weights_seq, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&update_mutex);
+    return 0;
+}
+
+void vmm__names_update_end(vmm__reg *r, uint64_t version)
+{
+    /* the table lives until the process detaches; an end arriving after that finds none */
+    vmm_names_header *h = r->names ? r->names->hdr : NULL;
+    pthread_mutex_lock(&update_mutex);
+    if (h && updates_open && --updates_open == 0) {
+        __atomic_store_n(&h->weights_version, version, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&h->weights_seq, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&update_mutex);
+}
+
 void vmm__names_release(vmm__reg *r, bool unlink_table)
 {
     pthread_mutex_lock(&names_mutex);
@@ -671,7 +767,7 @@ static bool entry_held(const vmm__reg *r, const vmm_names_header *h, const vmm_n
 static bool entry_sane(vmm_names_entry *e)
 {
     e->name[sizeof e->name - 1] = 0;
-    if (!e->name[0] || e->ndim > VMM_NAMES_MAX_DIMS || !e->dtype_bits || !e->dtype_lanes || !e->nbytes ||
+    if (!e->name[0] || e->ndim > VMM_NAMES_MAX_DIMS || e->mesh_ndim > VMM_NAMES_MESH_MAX_DIMS || !e->dtype_bits || !e->dtype_lanes || !e->nbytes ||
         e->address > UINT64_MAX - e->nbytes)
         return false;
     for (uint32_t i = 0; i < e->ndim; i++)
@@ -722,4 +818,18 @@ int vmm__names_for_each(const vmm__reg *r, const vmm__names_map *m, vmm__names_f
     for (size_t i = 0; i < n && !rc; i++) rc = fn(ctx, &got[i]) ? 1 : 0;
     free(got);
     return 0;
+}
+
+void vmm__names_state(const vmm__names_map *m, uint64_t *seq, uint64_t *version, char job[24])
+{
+    const vmm_names_header *h = m->hdr;
+    uint64_t s1, v;
+    do {
+        s1 = __atomic_load_n(&h->weights_seq, __ATOMIC_ACQUIRE);
+        v = __atomic_load_n(&h->weights_version, __ATOMIC_RELAXED);
+        SEQ_FENCE(__ATOMIC_ACQUIRE);
+    } while (__atomic_load_n(&h->weights_seq, __ATOMIC_RELAXED) != s1 && !(s1 & 1u));
+    *seq = s1, *version = v;
+    memcpy(job, (const char *)h->job, 24);
+    job[23] = 0;
 }

@@ -13,6 +13,14 @@
 /* Entries of a table: 96 MiB of sparse object at most, pages backed as entries are first used. */
 #define VMM__NAMES_CAPACITY (1u << 18)
 
+/* Where a shard lies in its whole tensor (layout.h SHARDS), as vmm_shard in vmmshim.h. */
+typedef struct vmm__name_shard {
+    uint8_t mesh_ndim;
+    uint8_t kind[VMM_NAMES_MESH_MAX_DIMS], dim[VMM_NAMES_MESH_MAX_DIMS];
+    uint16_t mesh[VMM_NAMES_MESH_MAX_DIMS], coord[VMM_NAMES_MESH_MAX_DIMS];
+    int64_t global_extent[VMM_NAMES_MESH_MAX_DIMS];
+} vmm__name_shard;
+
 /* One tensor to publish, as vmm_tensor_desc in vmmshim.h. */
 typedef struct vmm__name_desc {
     const char *name;
@@ -22,6 +30,8 @@ typedef struct vmm__name_desc {
     uint32_t ndim;
     const int64_t *shape;
     const int64_t *strides; /* in elements; NULL: row-major */
+    const vmm__name_shard *shard; /* NULL: a whole tensor */
+    uint64_t version;
 } vmm__name_desc;
 
 /* ---- writer (the owner, attached to r) ----
@@ -36,6 +46,14 @@ int vmm__names_unpublish(vmm__reg *r, const char *name, char *err, size_t errlen
 /* Record `slot` of this process is being freed: its names go.  Called by the registry's remove and
  * retract only while r->names_live is non-zero. */
 void vmm__names_drop_slot(vmm__reg *r, uint32_t slot);
+/* The job tag readers find this owner by (layout.h: job); at most 23 bytes.  0, -EINVAL, or the
+ * table's making failed; the reason in err. */
+int vmm__names_set_job(vmm__reg *r, const char *job, char *err, size_t errlen);
+/* layout.h VERSIONS: the owner starts changing its tensors in place (weights_seq made odd; nested
+ * updates count), and the device has done so (the last one stores version, weights_seq even).
+ * update_end may run on a driver thread (a host function): it takes no lock but its own. */
+int vmm__names_update_begin(vmm__reg *r, char *err, size_t errlen);
+void vmm__names_update_end(vmm__reg *r, uint64_t version);
 /* Detach or close: forget every name; with unlink_table, remove the table's object too. */
 void vmm__names_release(vmm__reg *r, bool unlink_table);
 /* In a fork child: the parent's table stays the parent's; nothing shared is touched. */
@@ -67,6 +85,8 @@ int vmm__names_validate(const void *base, size_t size, uint32_t pid, uint64_t st
  * returning non-zero stops the walk.  0, or -ENOMEM. */
 typedef int (*vmm__names_fn)(void *ctx, const vmm_names_entry *e);
 int vmm__names_for_each(const vmm__reg *r, const vmm__names_map *m, vmm__names_fn fn, void *ctx);
+/* The table's VERSIONS state, read as layout.h says (seq odd: an update in progress). */
+void vmm__names_state(const vmm__names_map *m, uint64_t *seq, uint64_t *version, char job[24]);
 /* bytes a tensor spans: itemsize x (1 + sum((shape[i] - 1) x strides[i])); 0 when it has no
  * element; UINT64_MAX on overflow. */
 uint64_t vmm__names_span(uint32_t itemsize, uint32_t ndim, const int64_t *shape, const int64_t *strides);

@@ -2599,6 +2599,73 @@ static CUresult event_record(CUevent hEvent, CUstream hStream)
     return CUDA_SUCCESS;
 }
 
+/* A host function runs once the stream reaches it: at once when nothing on it is late, else on a
+ * thread of its own at the time the stream's work completes (FAKECUDA_EVENT_DELAY_US). */
+typedef struct host_call {
+    CUhostFn fn;
+    void *data;
+    unsigned long long at;
+} host_call;
+
+static void *host_call_run(void *arg)
+{
+    host_call *c = arg;
+    unsigned long long now = now_ns();
+    if (c->at > now) {
+        struct timespec ts = {.tv_sec = (time_t)((c->at - now) / 1000000000ULL), .tv_nsec = (long)((c->at - now) % 1000000000ULL)};
+        nanosleep(&ts, NULL);
+    }
+    c->fn(c->data);
+    free(c);
+    return NULL;
+}
+
+static CUresult launch_host_func(CUstream hStream, CUhostFn fn, void *data)
+{
+    if (!fn) return CUDA_ERROR_INVALID_VALUE;
+    LOCK();
+    fc_stream *s = stream_get(hStream);
+    if (!s) {
+        UNLOCK();
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    unsigned long long now = now_ns(), t = now + g_delay_us * 1000ULL;
+    if (s->busy_until > t) t = s->busy_until;
+    s->busy_until = t;
+    UNLOCK();
+    CNT_ADD(calls_cuLaunchHostFunc, 1);
+    if (t <= now) {
+        fn(data);
+        return CUDA_SUCCESS;
+    }
+    host_call *c = malloc(sizeof *c);
+    pthread_t th;
+    pthread_attr_t attr;
+    if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
+    *c = (host_call){.fn = fn, .data = data, .at = t};
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int rc = pthread_create(&th, &attr, host_call_run, c);
+    pthread_attr_destroy(&attr);
+    if (rc) {
+        free(c);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return CUDA_SUCCESS;
+}
+
+FC_API CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
+{
+    FC_ENTER("cuLaunchHostFunc");
+    return launch_host_func(hStream, fn, userData);
+}
+
+FC_API CUresult cuLaunchHostFunc_ptsz(CUstream hStream, CUhostFn fn, void *userData)
+{
+    FC_ENTER("cuLaunchHostFunc");
+    return launch_host_func(hStream ? hStream : CU_STREAM_PER_THREAD, fn, userData);
+}
+
 FC_API CUresult cuEventRecord(CUevent hEvent, CUstream hStream) { FC_ENTER("cuEventRecord"); return event_record(hEvent, hStream); }
 FC_API CUresult cuEventRecord_ptsz(CUevent hEvent, CUstream hStream)
 {

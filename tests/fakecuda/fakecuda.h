@@ -81,6 +81,7 @@
     X(calls_cuMemcpyHtoDAsync) /* both exported variants */                                    \
     X(calls_legacy_abi)      /* pre-3.2 entry points with 32-bit pointers: always a bug */     \
     X(calls_cuStreamWaitEvent) /* successful cuStreamWaitEvent calls */                        \
+    X(calls_cuLaunchHostFunc)  /* host functions queued (cuLaunchHostFunc) */                  \
     X(failures_injected)
 
 #define FAKECUDA_COUNTER_MEMBER(name) unsigned long long name;

@@ -289,7 +289,7 @@ static void test_in_process(void)
     fh->used = 5;
     CHECK(vmm__names_validate(fake, sizeof fake, 7, 9, err, sizeof err) == -EPROTO, "used > capacity: %s", err);
     fh->used = 0;
-    fh->compat_version = 2;
+    fh->compat_version = VMM_NAMES_VERSION + 1;
     CHECK(vmm__names_validate(fake, sizeof fake, 7, 9, err, sizeof err) == -ENOTSUP, "newer: %s", err);
     fh->compat_version = 1;
     fh->ready = 0;

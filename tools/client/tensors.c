@@ -40,6 +40,16 @@ static void info_from(vmm_tensor_info *o, uint32_t pid, const vmm_names_entry *e
     o->published_ns = e->published_ns;
 }
 
+static void shard_from(vmm_tensor_shard *o, const vmm_names_entry *e)
+{
+    memset(o, 0, sizeof *o);
+    o->version = e->version;
+    o->shard.mesh_ndim = e->mesh_ndim;
+    for (uint32_t i = 0; i < e->mesh_ndim && i < VMM_MESH_MAX_DIMS; i++)
+        o->shard.place[i] = (vmm_placement){.kind = e->place_kind[i], .dim = e->place_dim[i], .mesh = e->mesh[i],
+                                            .coord = e->coord[i], .global_extent = e->global_extent[i]};
+}
+
 typedef struct {
     uint32_t pid;
     vmm_tensor_fn fn;  /* vmm_foreach_tensor */
@@ -47,11 +57,21 @@ typedef struct {
     const char *want;  /* vmm_find_tensor */
     vmm_tensor_info *out;
     bool found;
+    vmm_tensor_shard *shards; /* vmm_list_shards */
+    size_t max, n;
 } tensor_walk;
 
 static int visit(void *ctx, const vmm_names_entry *e)
 {
     tensor_walk *w = ctx;
+    if (w->shards) {
+        if (w->n < w->max) {
+            info_from(&w->out[w->n], w->pid, e);
+            shard_from(&w->shards[w->n], e);
+        }
+        w->n++;
+        return 0;
+    }
     if (w->want) {
         if (strcmp(e->name, w->want) != 0) return 0;
         info_from(w->out, w->pid, e);
@@ -63,8 +83,10 @@ static int visit(void *ctx, const vmm_names_entry *e)
     return w->fn(w->ctx, &info);
 }
 
-static vmm_status walk(vmm_registry *reg, const char *fn, uint32_t pid, tensor_walk *w)
+/* pid's table mapped into *m; VMM_OK with m->hdr NULL when it publishes no names. */
+static vmm_status open_table(vmm_registry *reg, const char *fn, uint32_t pid, vmm__names_map *m)
 {
+    memset(m, 0, sizeof *m);
     vmm_proc_info p;
     if (vmm__find_proc(reg, pid, &p) != VMM_OK)
         return vmm__error(VMM_ERR_NOT_FOUND,
@@ -73,10 +95,12 @@ static vmm_status walk(vmm_registry *reg, const char *fn, uint32_t pid, tensor_w
                           fn, pid, reg->r.name);
     if (p.alive == VMM_OWNER_DEAD)
         return vmm__error(VMM_ERR_OWNER_DEAD, "%s: pid %u has exited; its names went with it", fn, pid);
-    vmm__names_map m;
     char why[300];
-    int rc = vmm__names_open(&reg->r, pid, p.start_time, &m, why, sizeof why);
-    if (rc == -ENOENT) return VMM_OK; /* it publishes no names */
+    int rc = vmm__names_open(&reg->r, pid, p.start_time, m, why, sizeof why);
+    if (rc == -ENOENT) {
+        m->hdr = NULL; /* it publishes no names */
+        return VMM_OK;
+    }
     if (rc) {
         vmm_status st = rc == -ENOTSUP  ? VMM_ERR_VERSION
                         : rc == -EPROTO ? VMM_ERR_CORRUPT
@@ -84,8 +108,16 @@ static vmm_status walk(vmm_registry *reg, const char *fn, uint32_t pid, tensor_w
                                         : vmm__status_of(rc, false);
         return vmm__error(st, "%s: pid %u: %s", fn, pid, why);
     }
+    return VMM_OK;
+}
+
+static vmm_status walk(vmm_registry *reg, const char *fn, uint32_t pid, tensor_walk *w)
+{
+    vmm__names_map m;
+    vmm_status st = open_table(reg, fn, pid, &m);
+    if (st != VMM_OK || !m.hdr) return st;
     w->pid = pid;
-    rc = vmm__names_for_each(&reg->r, &m, visit, w);
+    int rc = vmm__names_for_each(&reg->r, &m, visit, w);
     vmm__names_close(&m);
     if (rc) return vmm__error(VMM_ERR_NOMEM, "%s: out of memory", fn);
     return VMM_OK;
@@ -138,6 +170,35 @@ VMM_PUBLIC vmm_status vmm_list_tensors(vmm_registry *reg, uint32_t pid, vmm_tens
     return st;
 }
 
+VMM_PUBLIC vmm_status vmm_list_shards(vmm_registry *reg, uint32_t pid, vmm_tensor_info *out, vmm_tensor_shard *shards,
+                                      size_t max, size_t *n)
+{
+    NEED(n, "n is NULL");
+    *n = 0;
+    NEED(reg, "reg is NULL");
+    NEED(pid != 0, "pid is 0");
+    NEED((out && shards) || max == 0, "out or shards is NULL");
+    vmm_tensor_shard none;
+    tensor_walk w = {.out = out, .shards = max ? shards : &none, .max = max};
+    vmm_status st = walk(reg, "vmm_list_shards", pid, &w);
+    *n = w.n;
+    return st;
+}
+
+VMM_PUBLIC vmm_status vmm_weights_state(vmm_registry *reg, uint32_t pid, vmm_weights_info *out)
+{
+    NEED(reg, "reg is NULL");
+    NEED(out, "out is NULL");
+    NEED(pid != 0, "pid is 0");
+    memset(out, 0, sizeof *out);
+    vmm__names_map m;
+    vmm_status st = open_table(reg, "vmm_weights_state", pid, &m);
+    if (st != VMM_OK || !m.hdr) return st;
+    vmm__names_state(&m, &out->seq, &out->version, out->job);
+    vmm__names_close(&m);
+    return VMM_OK;
+}
+
 /* ---- the owner side, without the shim ---- */
 
 #define NO_SHIM(fn)                                                                                                  \
@@ -160,6 +221,26 @@ VMM_PUBLIC vmm_status vmm_unpublish(const char *name)
 {
     (void)name;
     return NO_SHIM("vmm_unpublish");
+}
+
+VMM_PUBLIC vmm_status vmm_publish_shards(const vmm_tensor_desc *tensors, const vmm_shard *shards, size_t n, uint64_t version)
+{
+    (void)tensors, (void)shards, (void)n, (void)version;
+    return NO_SHIM("vmm_publish_shards");
+}
+
+VMM_PUBLIC vmm_status vmm_publish_job(const char *job)
+{
+    (void)job;
+    return NO_SHIM("vmm_publish_job");
+}
+
+VMM_PUBLIC vmm_status vmm_update_begin(void) { return NO_SHIM("vmm_update_begin"); }
+
+VMM_PUBLIC vmm_status vmm_update_end(uint64_t version, void *stream)
+{
+    (void)version, (void)stream;
+    return NO_SHIM("vmm_update_end");
 }
 
 VMM_PUBLIC const char *vmm_publish_error(void) { return vmm__error_text(); }

@@ -394,6 +394,24 @@ vmm_status vmm_find_tensor(vmm_registry *reg, uint32_t pid, const char *name, vm
  * ~1 us each): out[0..min(max, *n)) filled, *n every name pid publishes now, so *n > max asks
  * for a larger array (the names may change between two calls).  Statuses as vmm_foreach_tensor. */
 vmm_status vmm_list_tensors(vmm_registry *reg, uint32_t pid, vmm_tensor_info *out, size_t max, size_t *n);
+/* Where a name lies in a larger tensor (vmm_publish_shards), and the version it was published at. */
+typedef struct vmm_tensor_shard {
+    uint64_t version;
+    vmm_shard shard; /* mesh_ndim 0: a whole tensor */
+} vmm_tensor_shard;
+/* vmm_list_tensors with each name's shard beside it (shards[i] for out[i]). */
+vmm_status vmm_list_shards(vmm_registry *reg, uint32_t pid, vmm_tensor_info *out, vmm_tensor_shard *shards, size_t max,
+                           size_t *n);
+/* What a reader checks around its copies to get one version of an owner's tensors (vmm_update_begin):
+ * seq is odd while the owner changes them, and moves with every change; version is the one the
+ * last change ended at; job the owner's job tag ("" none).  A living owner that publishes no
+ * names: all 0.  Statuses as vmm_foreach_tensor. */
+typedef struct vmm_weights_info {
+    uint64_t seq;
+    uint64_t version;
+    char job[24];
+} vmm_weights_info;
+vmm_status vmm_weights_state(vmm_registry *reg, uint32_t pid, vmm_weights_info *out);
 
 #ifdef __cplusplus
 }

@@ -9,10 +9,9 @@
 #include <string.h>
 
 typedef struct {
-    vmm_tensor_info *t;
-    size_t n, cap;
-    bool oom;
-} tensor_list;
+    vmm_tensor_info t;
+    vmm_tensor_shard s;
+} row;
 
 typedef struct {
     vmm_registry *reg;
@@ -71,30 +70,33 @@ static bool row_major(const vmm_tensor_info *t)
     return true;
 }
 
-static int collect(void *ctx, const vmm_tensor_info *t)
+static int by_name(const void *a, const void *b) { return strcmp(((const row *)a)->t.name, ((const row *)b)->t.name); }
+
+/* "Shard(0) 1/2" per mesh dimension, then " of 4096" per split: where the piece lies in the whole. */
+static const char *place_text(const vmm_shard *sh, bool json, char *buf, size_t len)
 {
-    tensor_list *l = ctx;
-    if (l->n == l->cap) {
-        size_t cap = l->cap ? l->cap * 2 : 64;
-        vmm_tensor_info *p = realloc(l->t, cap * sizeof *p);
-        if (!p) {
-            l->oom = true;
-            return 1;
-        }
-        l->t = p, l->cap = cap;
+    size_t at = 0;
+    buf[0] = 0;
+    for (uint32_t i = 0; i < sh->mesh_ndim && i < VMM_MESH_MAX_DIMS && at < len; i++) {
+        const vmm_placement *p = &sh->place[i];
+        char kind[24];
+        if (p->kind == VMM_PLACE_SHARD) snprintf(kind, sizeof kind, "Shard(%u)", p->dim);
+        else snprintf(kind, sizeof kind, "%s", p->kind == VMM_PLACE_REPLICATE ? "Replicate" : p->kind == VMM_PLACE_PARTIAL ? "Partial" : "?");
+        int k = json ? snprintf(buf + at, len - at, "%s{\"placement\": \"%s\", \"mesh\": %u, \"coord\": %u, \"global_extent\": %lld}",
+                                i ? ", " : "", kind, p->mesh, p->coord, (long long)p->global_extent)
+                     : p->kind == VMM_PLACE_SHARD
+                         ? snprintf(buf + at, len - at, "%s%s %u/%u of %lld", i ? ", " : "", kind, p->coord, p->mesh, (long long)p->global_extent)
+                         : snprintf(buf + at, len - at, "%s%s %u/%u", i ? ", " : "", kind, p->coord, p->mesh);
+        if (k < 0) break;
+        at += (size_t)k;
     }
-    l->t[l->n++] = *t;
-    return 0;
+    return buf;
 }
 
-static int by_name(const void *a, const void *b)
+static void print_row(names_ctx *c, const row *r)
 {
-    return strcmp(((const vmm_tensor_info *)a)->name, ((const vmm_tensor_info *)b)->name);
-}
-
-static void print_row(names_ctx *c, const vmm_tensor_info *t)
-{
-    char dt[32], shape[256], strides[256];
+    const vmm_tensor_info *t = &r->t;
+    char dt[32], shape[256], strides[256], place[300];
     dtype_name(t->dtype, dt, sizeof dt);
     if (c->json) {
         char id[33];
@@ -103,18 +105,20 @@ static void print_row(names_ctx *c, const vmm_tensor_info *t)
         vmm__ctl_json_str(stdout, t->name);
         printf(", \"dtype\": \"%s\", \"dtype_code\": %u, \"dtype_bits\": %u, \"dtype_lanes\": %u, \"shape\": [%s], "
                "\"strides\": [%s], \"address\": %llu, \"address_hex\": \"0x%llx\", \"nbytes\": %llu, \"alloc_id\": \"%s\", "
-               "\"published_ns\": %llu}",
+               "\"published_ns\": %llu, \"version\": %llu, \"shard\": [%s]}",
                dt, t->dtype.code, t->dtype.bits, t->dtype.lanes, dims_text(t->shape, t->ndim, ", ", "", shape, sizeof shape),
                dims_text(t->strides, t->ndim, ", ", "", strides, sizeof strides), (unsigned long long)t->address,
-               (unsigned long long)t->address, (unsigned long long)t->nbytes, id, (unsigned long long)t->published_ns);
+               (unsigned long long)t->address, (unsigned long long)t->nbytes, id, (unsigned long long)t->published_ns,
+               (unsigned long long)r->s.version, place_text(&r->s.shard, true, place, sizeof place));
     } else {
         char name[sizeof t->name], cell[300];
         hbuf size;
         dims_text(t->shape, t->ndim, "x", "-", shape, sizeof shape);
         if (row_major(t)) snprintf(cell, sizeof cell, "%s", t->ndim ? shape : "-");
         else snprintf(cell, sizeof cell, "%s (strides %s)", shape, dims_text(t->strides, t->ndim, "x", "-", strides, sizeof strides));
-        printf("%7u %-40s %-14s %-24s 0x%012llx %10s\n", t->pid, vmm__ctl_cell(t->name, name, sizeof name), dt, cell,
-               (unsigned long long)t->address, vmm__ctl_human(t->nbytes, &size));
+        printf("%7u %-40s %-14s %-24s 0x%012llx %10s %s\n", t->pid, vmm__ctl_cell(t->name, name, sizeof name), dt, cell,
+               (unsigned long long)t->address, vmm__ctl_human(t->nbytes, &size),
+               r->s.shard.mesh_ndim ? place_text(&r->s.shard, false, place, sizeof place) : "-");
     }
     c->rows++;
     c->bytes += t->nbytes;
@@ -122,20 +126,33 @@ static void print_row(names_ctx *c, const vmm_tensor_info *t)
 
 static int one_process(names_ctx *c, uint32_t pid, bool asked)
 {
-    tensor_list l = {0};
-    vmm_status st = vmm_foreach_tensor(c->reg, pid, collect, &l);
-    if (st == VMM_OK && l.oom) st = VMM_ERR_NOMEM;
-    /* a process seen in the listing that exits before its names are read had none to show */
-    if (st == VMM_ERR_OWNER_DEAD && !asked) st = VMM_OK;
-    if (st != VMM_OK) {
-        free(l.t);
-        c->rc = vmm__ctl_api_error(st);
-        return 0;
+    size_t room = 64, n = 0;
+    vmm_tensor_info *t = NULL;
+    vmm_tensor_shard *sh = NULL;
+    row *rows = NULL;
+    vmm_status st;
+    for (;;) { /* again with room for more when the names outgrew the arrays */
+        free(t), free(sh);
+        t = malloc(room * sizeof *t), sh = malloc(room * sizeof *sh);
+        if (!t || !sh) {
+            st = VMM_ERR_NOMEM;
+            break;
+        }
+        st = vmm_list_shards(c->reg, pid, t, sh, room, &n);
+        if (st != VMM_OK || n <= room) break;
+        room = n + 64;
     }
-    qsort(l.t, l.n, sizeof *l.t, by_name);
-    for (size_t i = 0; i < l.n; i++) print_row(c, &l.t[i]);
-    c->procs += l.n > 0;
-    free(l.t);
+    if (st == VMM_OK && n && !(rows = malloc(n * sizeof *rows))) st = VMM_ERR_NOMEM;
+    /* a process seen in the listing that exits before its names are read had none to show */
+    if (st == VMM_ERR_OWNER_DEAD && !asked) st = VMM_OK, n = 0;
+    if (st != VMM_OK) c->rc = vmm__ctl_api_error(st);
+    for (size_t i = 0; st == VMM_OK && i < n; i++) rows[i] = (row){.t = t[i], .s = sh[i]};
+    if (st == VMM_OK && n) {
+        qsort(rows, n, sizeof *rows, by_name);
+        for (size_t i = 0; i < n; i++) print_row(c, &rows[i]);
+        c->procs++;
+    }
+    free(t), free(sh), free(rows);
     return 0;
 }
 
@@ -154,7 +171,7 @@ int vmm__ctl_list_names(uint32_t pid, bool json)
     if (json)
         putchar('[');
     else
-        printf("%7s %-40s %-14s %-24s %-14s %10s\n", "PID", "NAME", "DTYPE", "SHAPE", "ADDRESS", "SIZE");
+        printf("%7s %-40s %-14s %-24s %-14s %10s %s\n", "PID", "NAME", "DTYPE", "SHAPE", "ADDRESS", "SIZE", "PLACE");
     if (pid) {
         one_process(&c, pid, true);
     } else {

@@ -30,7 +30,7 @@ import time
 from . import _dlpack, _dtypes, _lib
 from ._errors import (BY_STATUS, Access, Busy, Corrupt, CudaError, Error, InvalidArgument, IOFailure, LibraryNotFound,
                       NotFound, NotUnderShim, OutOfMemory, OwnerDead, Paused, Stale, VersionMismatch, WrongState)
-from ._owner import publish, publish_many, unpublish
+from ._owner import publish, publish_many, unpublish, updating
 from ._sleep import pause, prepare_pause, region, resume, set_thread_tag, thread_tag
 from ._torch import to_torch
 from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_PAUSED, ALLOC_SHARED_CHUNK, KIND_BROKER,
@@ -39,7 +39,7 @@ from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_P
 __version__ = "0.1.0"
 
 __all__ = ["Registry", "Allocation", "Process", "Tensor", "Buffer", "View", "publish", "publish_many", "unpublish",
-           "region", "set_thread_tag", "thread_tag", "pause", "resume", "prepare_pause", "SleepReport",
+           "updating", "Group", "region", "set_thread_tag", "thread_tag", "pause", "resume", "prepare_pause", "SleepReport",
            "drop_idle", "to_torch",
            "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
            "Access", "Corrupt", "VersionMismatch", "Busy", "Stale", "OwnerDead", "CudaError", "OutOfMemory",
@@ -841,3 +841,6 @@ class View:
     def __repr__(self):
         return (f"<vmmshim.View {self.dtype}{list(self.shape)} strides {list(self.strides)} at offset {self.offset} "
                 f"of {self.buffer!r}>")
+
+
+from ._group import Group  # noqa: E402  (it reads Tensor and _check from here)

@@ -13,7 +13,8 @@ import os
 import sys
 import time
 
-from . import OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, KIND_BROKER, KIND_FABRIC, KIND_PIDFD, Error, OwnerDead, Registry
+from . import OWNER_ALIVE, OWNER_DEAD, OWNER_KEPT, KIND_BROKER, KIND_FABRIC, KIND_PIDFD, Error, OwnerDead, Registry, Tensor
+from ._group import _list_shards
 
 
 class _Parser(argparse.ArgumentParser):
@@ -138,6 +139,19 @@ def _cell(raw):
     return bytes(0x3F if b < 0x20 or b == 0x7F else b for b in raw).decode("utf-8", "surrogateescape") or "-"
 
 
+def _place_text(shard, json):
+    """As vmmctl's PLACE column: "Shard(0) 1/2 of 4096" per mesh dimension."""
+    parts = []
+    for p in shard.place[:min(shard.mesh_ndim, 3)]:
+        kind = f"Shard({p.dim})" if p.kind == 3 else {1: "Replicate", 2: "Partial"}.get(p.kind, "?")
+        if json:
+            parts.append(f'{{"placement": "{kind}", "mesh": {p.mesh}, "coord": {p.coord}, '
+                         f'"global_extent": {p.global_extent}}}')
+        else:
+            parts.append(f"{kind} {p.coord}/{p.mesh}" + (f" of {p.global_extent}" if p.kind == 3 else ""))
+    return ", ".join(parts)
+
+
 def _names(args):
     with Registry(args.registry) as reg:
         if args.pid:
@@ -147,14 +161,15 @@ def _names(args):
         per = []
         for pid in pids:
             try:
-                per.append(sorted(reg.tensors(pid).values(), key=lambda t: t._name_raw))
+                listed = [(Tensor(f), sh) for f, sh in _list_shards(reg, pid)]
+                per.append(sorted(listed, key=lambda r: r[0]._name_raw))
             except OwnerDead:
                 if asked:
                     raise
-    rows = [t for ts in per for t in ts]
+    rows = [r for rs in per for r in rs]
     if args.json:
         out = []
-        for t in rows:
+        for t, sh in rows:
             code, bits, lanes = t.dlpack_dtype
             dims = lambda v: ", ".join(str(x) for x in v)
             name = _json_str(t._name_raw.split(b"\0", 1)[0])
@@ -162,10 +177,11 @@ def _names(args):
                        f'"dtype": "{_dtype_name(code, bits, lanes)}", "dtype_code": {code}, "dtype_bits": {bits}, '
                        f'"dtype_lanes": {lanes}, "shape": [{dims(t.shape)}], "strides": [{dims(t.strides)}], '
                        f'"address": {t.address}, "address_hex": "0x{t.address:x}", "nbytes": {t.nbytes}, '
-                       f'"alloc_id": "{t.alloc_id}", "published_ns": {t.published_ns}}}')
+                       f'"alloc_id": "{t.alloc_id}", "published_ns": {t.published_ns}, '
+                       f'"version": {sh.version}, "shard": [{_place_text(sh.shard, True)}]}}')
         return "[" + ("\n" + ",\n".join(out) + "\n" if out else "") + "]\n"
-    lines = [f"{'PID':>7} {'NAME':<40} {'DTYPE':<14} {'SHAPE':<24} {'ADDRESS':<14} {'SIZE':>10}"]
-    for t in rows:
+    lines = [f"{'PID':>7} {'NAME':<40} {'DTYPE':<14} {'SHAPE':<24} {'ADDRESS':<14} {'SIZE':>10} PLACE"]
+    for t, sh in rows:
         shape = "x".join(str(n) for n in t.shape) or "-"
         step, row_major = 1, True
         for n, st in zip(reversed(t.shape), reversed(t.strides)):
@@ -175,10 +191,10 @@ def _names(args):
         if not row_major:
             shape += f" (strides {'x'.join(str(n) for n in t.strides) or '-'})"
         lines.append(f"{t.pid:7} {_cell(t._name_raw):<40} {_dtype_name(*t.dlpack_dtype):<14} {shape:<24} "
-                     f"0x{t.address:012x} {_human(t.nbytes):>10}")
+                     f"0x{t.address:012x} {_human(t.nbytes):>10} {_place_text(sh.shard, False) or '-'}")
     procs = sum(1 for ts in per if ts)
     lines.append(f"{len(rows)} name{'' if len(rows) == 1 else 's'} in {procs} process{'' if procs == 1 else 'es'}, "
-                 f"{_human(sum(t.nbytes for t in rows))}")
+                 f"{_human(sum(t.nbytes for t, _ in rows))}")
     return "\n".join(lines) + "\n"
 
 

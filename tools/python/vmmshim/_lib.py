@@ -136,6 +136,35 @@ class TensorDesc(ctypes.Structure):
     ]
 
 
+MESH_MAX_DIMS = 3
+PLACE_NONE, PLACE_REPLICATE, PLACE_PARTIAL, PLACE_SHARD = range(4)  # VMM_PLACE_*
+
+
+class Placement(ctypes.Structure):
+    """vmm_placement."""
+    _fields_ = [("kind", c_u8), ("dim", c_u8), ("mesh", ctypes.c_uint16), ("coord", ctypes.c_uint16),
+                ("reserved", ctypes.c_uint16), ("global_extent", ctypes.c_int64)]
+
+
+class Shard(ctypes.Structure):
+    """vmm_shard."""
+    _fields_ = [("mesh_ndim", c_u32), ("reserved", c_u32), ("place", Placement * MESH_MAX_DIMS)]
+
+
+class TensorShard(ctypes.Structure):
+    """vmm_tensor_shard."""
+    _fields_ = [("version", c_u64), ("shard", Shard)]
+
+
+class WeightsInfo(ctypes.Structure):
+    """vmm_weights_info."""
+    _fields_ = [("seq", c_u64), ("version", c_u64), ("job", ctypes.c_char * 24)]
+
+
+assert ctypes.sizeof(Placement) == 16 and ctypes.sizeof(Shard) == 56 and ctypes.sizeof(TensorShard) == 64, \
+    "vmm_shard's layout"
+
+
 class SleepReport(ctypes.Structure):
     """vmm_sleep_report."""
     _fields_ = [(name, c_u64) for name in (
@@ -198,6 +227,9 @@ _PROTOTYPES = {
     "vmm_import_read": (c_int, [_P, c_u64, ctypes.c_void_p, c_u64]),
     "vmm_import_check": (c_int, [_P, _P]),
     "vmm_list_tensors": (c_int, [_P, c_u32, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
+    "vmm_list_shards": (c_int, [_P, c_u32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                ctypes.POINTER(ctypes.c_size_t)]),
+    "vmm_weights_state": (c_int, [_P, c_u32, ctypes.POINTER(WeightsInfo)]),
     "vmm_keeper_of": (c_int, [_P, c_u32, ctypes.POINTER(KeeperInfo)]),
     "vmm_pause_process": (c_int, [_P, c_u32, ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(SleepReport),
                                   ctypes.c_size_t]),

@@ -5,10 +5,11 @@ library's symbols; the client library is not needed.  A tensor is anything with
 __cuda_array_interface__ (shape, strides, typestr taken from it) or, failing that, __dlpack__
 (the capsule's DLTensor read with ctypes, not consumed); a torch tensor that requires grad is
 described through its detach()."""
+import contextlib
 import ctypes
 import threading
 
-from . import _lib
+from . import _lib, _shards
 from ._errors import BY_STATUS, Error, InvalidArgument, NotUnderShim
 
 KDL_CUDA = 2
@@ -17,6 +18,7 @@ _KINDS = {"b": 6, "i": 0, "u": 1, "f": 2, "c": 5}
 
 _lock = threading.Lock()
 _shim = None
+_job = None  # the job tag this process published under
 
 _api = ctypes.PyDLL(None)
 _is_valid = _api.PyCapsule_IsValid
@@ -171,19 +173,51 @@ def _name_bytes(name):
     return name.encode("utf-8")
 
 
-def publish_many(tensors):
+def _extra(name):
+    """A shim function newer than vmm_publish_many (vmm_publish_shards and family); NotUnderShim
+    naming it when the preloaded shim predates it."""
+    _functions()
+    fn = getattr(ctypes.CDLL(None), name, None)
+    if fn is None:
+        raise NotUnderShim(f"vmmshim: the preloaded shim predates {name}", _lib.NO_SHIM)
+    return fn
+
+
+def publish_many(tensors, version=None, job=None):
     """Publish several tensors by name at once, all or none: tensors is a mapping of name to
     tensor (model.state_dict()) or an iterable of (name, tensor) pairs.  A name published before
-    is replaced.  Every tensor is described before any name changes; errors as publish's."""
-    _publish(list(tensors.items()) if hasattr(tensors, "items") else list(tensors), "vmmshim.publish_many")
+    is replaced.  Every tensor is described before any name changes; errors as publish's.
+    A DTensor (FSDP2's parameters) publishes its local shard, with where it lies in the whole
+    tensor (mesh, placements, this rank's coordinate, the global shape), for Group to assemble.
+    version: a number companions see per name (Group.take says which version it took).
+    job: the tag companions find this rank's job by (Group(job=...)), kept until another is given;
+    default, once some tensor is a DTensor, torchrun's run id (TORCHELASTIC_RUN_ID) or else
+    MASTER_ADDR:MASTER_PORT."""
+    global _job
+    items = list(tensors.items()) if hasattr(tensors, "items") else list(tensors)
+    sharded = _publish(items, "vmmshim.publish_many", version)
+    if job is None and sharded and _job is None:
+        job = _shards.default_job()
+    if job is not None and str(job) != _job:
+        _check(_job_fn()(str(job).encode()), "vmmshim.publish_many")
+        _job = str(job)
 
 
-def _publish(items, who):
+def _job_fn():
+    fn = _extra("vmm_publish_job")
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_char_p]
+    return fn
+
+
+def _publish(items, who, version=None):
+    """Publishes items; whether any was a DTensor."""
     fns = _functions()
     n = len(items)
     if n == 0:
-        return
+        return False
     descs = (_lib.TensorDesc * n)()
+    shards = (_lib.Shard * n)()
+    any_shard = False
     keep = []  # the names' bytes and the shape and stride arrays, alive until the call returns
     for i, item in enumerate(items):
         try:
@@ -191,6 +225,13 @@ def _publish(items, who):
         except (TypeError, ValueError):
             raise TypeError(f"vmmshim.publish_many wants a mapping or (name, tensor) pairs, not {item!r}") from None
         raw = _name_bytes(name)
+        if _shards.is_dtensor(obj):
+            try:
+                shards[i] = _shards.shard_desc(obj)
+            except ValueError as e:
+                raise ValueError(f"{who}: tensor {name!r}: {e}") from None
+            obj = obj.to_local()
+            any_shard = True
         try:
             address, (code, bits, lanes), shape, strides = describe(obj)
         except (TypeError, ValueError) as e:
@@ -204,7 +245,14 @@ def _publish(items, who):
         d.dtype = _lib.DType(code, bits, lanes)
         d.shape = ctypes.cast(shape_arr, ctypes.POINTER(ctypes.c_int64))
         d.strides = ctypes.cast(strides_arr, ctypes.POINTER(ctypes.c_int64))
-    _check(fns[0](descs, n), who)
+    if not any_shard and version is None:
+        _check(fns[0](descs, n), who)
+        return False
+    fn = _extra("vmm_publish_shards")
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_lib.TensorDesc), ctypes.POINTER(_lib.Shard), ctypes.c_size_t, ctypes.c_uint64]
+    _check(fn(descs, shards, n, int(version or 0)), who)
+    return any_shard
 
 
 def publish(name, tensor):
@@ -218,6 +266,23 @@ def publish(name, tensor):
     shim's), Access (memory the shim could not make exportable), OutOfMemory (262144 names), and
     TypeError / ValueError for an object that is no CUDA tensor."""
     _publish([(name, tensor)], "vmmshim.publish")
+
+
+@contextlib.contextmanager
+def updating(version):
+    """Around an in-place change of published tensors (an optimizer step): companions that take
+    with Group (or check vmm_weights_state around their copies) copy again rather than mix the
+    tensors before and after.  The change counts as done, at `version`, once the current CUDA
+    stream reaches the end of the block (a host function queued there: the block does not wait)."""
+    begin = _extra("vmm_update_begin")
+    begin.restype, begin.argtypes = ctypes.c_int, []
+    end = _extra("vmm_update_end")
+    end.restype, end.argtypes = ctypes.c_int, [ctypes.c_uint64, ctypes.c_void_p]
+    _check(begin(), "vmmshim.updating")
+    try:
+        yield
+    finally:
+        _check(end(int(version), _shards.current_stream()), "vmmshim.updating")
 
 
 def unpublish(name):
