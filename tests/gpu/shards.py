@@ -186,6 +186,7 @@ def run(args):
         nonlocal passed, failed
         print(("PASS " if ok else "FAIL ") + what, flush=True)
         passed, failed = passed + bool(ok), failed + (not ok)
+        return ok
 
     me = os.path.abspath(__file__)
     trainers = [subprocess.Popen([sys.executable, me, "trainer", str(r), str(args.world)], stdin=subprocess.PIPE,

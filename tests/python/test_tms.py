@@ -232,10 +232,21 @@ out["init"] = [cd.tms_get_interesting_region(), cd.tms_get_enable_cpu_backup(), 
 S.pause()
 out["paused"] = [state(a)[1], state(g)[1]]
 out["kept_cache"] = log.count("empty_cache") == 0
+class Counters(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_ulonglong) for n in sys.argv[1].split(",")]
+def phys():
+    c = Counters()
+    ctypes.CDLL("libcuda.so.1").fakecuda_counters(ctypes.byref(c))
+    return c.phys_bytes_live
 with S.disable():
     d = Tensor(2 * MiB); d.write(0x11)
     out["disabled_tag"] = vmmshim.thread_tag()
     out["disabled_awake"] = state(d)[1] is False and d.read()[:4] == bytes([0x11]) * 4
+    spent = Tensor(8 * MiB)
+    rt.cudaFree.argtypes = [ctypes.c_void_p]
+    assert rt.cudaFree(spent.ptr) == 0   # as the pool's cache emptied at the exit: held for quick reuse
+    held = phys()
+out["disable_exit_gives_back"] = held - phys() >= 8 * MiB
 out["tag_after_disable"] = vmmshim.thread_tag()
 S.pause()
 out["disabled_never_paused"] = state(d)[1] is False
@@ -440,6 +451,7 @@ def test_init_enable():
             f"disable(): allocations under tms-off, usable while the rest sleeps: {out['disabled_tag']} "
             f"{out['disabled_awake']} {out['tag_after_disable']}")
     T.check(out["disabled_never_paused"], "what disable() made is not paused by pause()")
+    T.check(out["disable_exit_gives_back"], "what disable() freed is the device's at its exit, not held for reuse")
     T.check(out["a_exact"], "TMS_INIT_ENABLE_CPU_BACKUP=1: the default tag comes back bit-exact")
     T.check(out["kept_cache"], "everything in regions: PyTorch's cache, all paused, is not emptied (training_engine)")
 

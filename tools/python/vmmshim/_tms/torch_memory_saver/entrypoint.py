@@ -259,6 +259,9 @@ class _TorchMemorySaverImpl:
                 yield
             with _sleep_torch.stepped_aside():  # its cache is emptied: PyTorch refuses that while routed
                 del pool
+            # and its memory is the device's at once, not held for quick reuse: TMS's disable() leaves
+            # nothing behind, which its users measure (training_engine: NVML back to the pause's)
+            _sleep.give_back()
         finally:
             _saver.set_config(interesting=True)
 
