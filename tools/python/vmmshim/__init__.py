@@ -39,7 +39,7 @@ from ._lib import (ALLOC_KEPT, ALLOC_MULTI_HANDLE, ALLOC_NOT_EXPORTABLE, ALLOC_P
 __version__ = "0.1.0"
 
 __all__ = ["Registry", "Allocation", "Process", "Tensor", "Buffer", "View", "publish", "publish_many", "unpublish",
-           "updating", "Group", "region", "set_thread_tag", "thread_tag", "pause", "resume", "prepare_pause", "SleepReport",
+           "updating", "Group", "Sidecar", "Receiver", "region", "set_thread_tag", "thread_tag", "pause", "resume", "prepare_pause", "SleepReport",
            "drop_idle", "to_torch",
            "Error", "LibraryNotFound", "InvalidArgument", "NotFound",
            "Access", "Corrupt", "VersionMismatch", "Busy", "Stale", "OwnerDead", "CudaError", "OutOfMemory",
@@ -844,3 +844,4 @@ class View:
 
 
 from ._group import Group  # noqa: E402  (it reads Tensor and _check from here)
+from ._sidecar import Receiver, Sidecar  # noqa: E402

@@ -88,19 +88,11 @@ class Group:
                 return Taken({n: [(p, sources[id(p)]) for p in ps] for n, ps in pieces.items()})
             out = Taken()
             dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-            for name, ps in pieces.items():
-                covered = _shards.cover(name, ps)
-                whole = ps[0].global_shape
-                offset, shape = ((0,) * len(whole), whole) if tp is None else _shards.tp_box(whole, *tp)
-                dest = into.get(name) if into else None
-                if dest is None:
-                    dest = torch.empty(shape, dtype=sources[id(ps[0])].dtype, device=dev)
-                elif tuple(dest.shape) != tuple(shape):
-                    raise ValueError(f"vmmshim.Group.take: into[{name!r}] has shape {list(dest.shape)}, "
-                                     f"the box is {list(shape)}")
-                _shards.assemble(_shards.plan(covered, offset, shape),
-                                 lambda reps, d=dest: _nearest(reps, sources, d), dest)
-                out[name] = dest
+            with torch.no_grad():  # into may hold a model's parameters
+                _fill(pieces, sources, out, into, tp, dev, torch)
+            # the copies ran on the current stream (of the current device, and of dev's for PyTorch's
+            # cross-device copies): every byte is read before the owners' state is looked at again
+            torch.cuda.current_stream().synchronize()
             torch.cuda.current_stream(dev).synchronize()
             return out
 
@@ -146,6 +138,21 @@ class Group:
             self._views.update(got)
         return {id(p): self._views[(p.pid, p.tensor.name, p.tensor.alloc_id, p.tensor.address)]
                 for ps in pieces.values() for p in ps}
+
+
+def _fill(pieces, sources, out, into, tp, dev, torch):
+    """The whole of each name (or its tp box) into into[name] or a new tensor on dev: out[name]."""
+    for name, ps in pieces.items():
+        covered = _shards.cover(name, ps)
+        whole = ps[0].global_shape
+        offset, shape = ((0,) * len(whole), whole) if tp is None else _shards.tp_box(whole, *tp)
+        dest = into.get(name) if into else None
+        if dest is None:
+            dest = torch.empty(shape, dtype=sources[id(ps[0])].dtype, device=dev)
+        elif tuple(dest.shape) != tuple(shape):
+            raise ValueError(f"vmmshim.Group.take: into[{name!r}] has shape {list(dest.shape)}, the box is {list(shape)}")
+        _shards.assemble(_shards.plan(covered, offset, shape), lambda reps, d=dest: _nearest(reps, sources, d), dest)
+        out[name] = dest
 
 
 def _nearest(reps, sources, dest):
