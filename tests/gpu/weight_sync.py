@@ -920,35 +920,46 @@ def part_takes(run, kind):
 # ---- part first ----------------------------------------------------------------------------------
 
 def part_first(run):
-    """The first take from a freshly started owner against later ones (issue 27): every round starts
-    its own trainers (native, reduce_tensor; under the shim, publish_many; under the shim with
-    VMMSHIM_PREEXPORT_MS=-1, reported only) holding the Llama-shaped 1B-class layout, then cold
+    """The first take from a freshly started owner against later ones (issue 27), under each allocator
+    setting of --confs (issue 38), the budget left shared between them: every round starts its own
+    trainers (native, reduce_tensor: under the default setting where the setting is
+    backend:cudaMallocAsync, which PyTorch cannot share; under the shim, publish_many; under the shim
+    with VMMSHIM_PREEXPORT_MS=-1, reported only) holding the Llama-shaped 1B-class layout, then cold
     companions (a process each, CUDA started, nothing taken yet), once the trainers are up as a
     rollout process would start: "first" is each way's first take from its fresh owner, "steady" a
     second cold companion's take after it.  Ratios round by round against reduce_tensor's rebuild of
     the same take in the same round."""
+    confs = [c for c in run.args.confs.split(",") if c]
+    for i, conf in enumerate(confs):
+        first_setting(run, conf, i, run.left() / (len(confs) - i))
+
+
+def first_setting(run, conf, index, share):
+    """part first under one allocator setting, in about `share` seconds."""
     args = run.args
     kind, rounds = "llama1b", args.rounds
-    reg = run.registry("first")
+    reg = run.registry(f"first{index}")
+    base_conf = "default" if "cudaMallocAsync" in conf else conf
+    P = "first" if conf == "default" else f"first [{conf}]"
     t_start = time.monotonic()
     ways = ["open_torch"] if args.standin else ["reduce-native", "open_torch"]
     res = {(k, w): [] for k in ("first", "steady") for w in ways}
     off_first, exports, gaps = [], {"first": [], "steady": [], "off": []}, []
     timings = {"first": [], "steady": [], "off": []}
-    print(f"== first: the {kind} layout ({'stand-in' if args.standin else 'GPU'}), {rounds} rounds, fresh owners each",
+    print(f"== {P}: the {kind} layout ({'stand-in' if args.standin else 'GPU'}), {rounds} rounds, fresh owners each",
           flush=True)
     try:
         for r in range(rounds):
-            if run.left() < (10 if args.standin else 45):
-                print(f"note: first: stopped after round {r - 1}: the budget is spent")
+            if run.left() < (10 if args.standin else 45) or (r and time.monotonic() - t_start > share):
+                print(f"note: {P}: stopped after round {r - 1}: the budget is spent")
                 break
-            tag = f"first-r{r}"
-            owners = {"open_torch": run.spawn("trainer", f"{tag}-trainer-shim", True, "default", reg, "--kind", kind,
+            tag = f"first{index}-r{r}"
+            owners = {"open_torch": run.spawn("trainer", f"{tag}-trainer-shim", True, conf, reg, "--kind", kind,
                                               "--publish"),
-                      "off": run.spawn("trainer", f"{tag}-trainer-shim-off", True, "default", reg, "--kind", kind,
+                      "off": run.spawn("trainer", f"{tag}-trainer-shim-off", True, conf, reg, "--kind", kind,
                                        "--publish", env_add={"VMMSHIM_PREEXPORT_MS": "-1"})}
             if "reduce-native" in ways:
-                owners["reduce-native"] = run.spawn("trainer", f"{tag}-trainer-native", False, "default",
+                owners["reduce-native"] = run.spawn("trainer", f"{tag}-trainer-native", False, base_conf,
                                                     reg + "-native", "--kind", kind, "--reduce")
             up = {k: p.recv(600) for k, p in owners.items()}
             t_up = time.monotonic()
@@ -960,10 +971,10 @@ def part_first(run):
             comps = {}
             for k in ("first", "steady"):
                 for w in ways:
-                    comps[(k, w)] = run.spawn("companion", f"{tag}-{k}-{w}", False, "default",
+                    comps[(k, w)] = run.spawn("companion", f"{tag}-{k}-{w}", False, base_conf,
                                               reg + ("-native" if w == "reduce-native" else ""), "--kind", kind,
                                               "--way", w)
-            comps[("first", "off")] = run.spawn("companion", f"{tag}-first-off", False, "default", reg, "--kind", kind,
+            comps[("first", "off")] = run.spawn("companion", f"{tag}-first-off", False, base_conf, reg, "--kind", kind,
                                                 "--way", "open_torch")
             for c in comps.values():
                 c.recv(300)
@@ -974,7 +985,7 @@ def part_first(run):
                     t = up[w]
                     a = comps[(k, w)].ask(pid=t["pid"], cmd="take", params=t["params"], reduce=t["reduce"], fp=t["fp"])
                     ok = a["diff"] <= 1e-3 * max(a["scale"], 1.0) and a["n"] == N_TENSORS[kind]
-                    run.record(part="first", round=r, take=k, way=w, **a)
+                    run.record(part="first", conf=conf, round=r, take=k, way=w, **a)
                     if not ok or r == 0:
                         how = "exact" if a["diff"] == 0 else f"within {a['diff']:.3g}"
                         run.check(ok, f"{tag} {k} {w}: {a['n']} tensors in {a['ms']:.2f} ms, fingerprint {how} of the "
@@ -988,9 +999,10 @@ def part_first(run):
                         res[(k, w)].append(a["ms"])
             run.close_all()
         # the table
-        print(f"\nfirst: taking all {N_TENSORS[kind]} tensors of the {kind} layout from a freshly started owner, "
+        print(f"\n{P}: taking all {N_TENSORS[kind]} tensors of the {kind} layout from a freshly started owner, "
               f"each take in a cold companion; ratio per round against reduce_tensor's rebuild of the same take "
-              f"(companions up {median(gaps):.0f} ms, median, after the owners)")
+              f"(companions up {median(gaps):.0f} ms, median, after the owners"
+              f"{'' if base_conf == conf else '; reduce_tensor from a trainer under the default setting'})")
         print("| take | open_torch (median) | spread | owner's export in it (median) | reduce_tensor rebuild | "
               "vs reduce_tensor | ratio spread |")
         print("|---|---|---|---|---|---|---|")
@@ -1003,32 +1015,32 @@ def part_first(run):
                   f"{f'{median(ratios):.2f}x' if ratios else 'n/a'} | {spread(ratios) if ratios else 'n/a'} |")
         print(f"| first take, VMMSHIM_PREEXPORT_MS=-1 (reported) | {fmt(median(off_first))} | {spread(off_first)} | "
               f"{fmt(median(exports['off']))} | | | |")
-        fractions_table("first: where open_torch's time went (median shares of its own total; python = outside the C "
+        fractions_table(f"{P}: where open_torch's time went (median shares of its own total; python = outside the C "
                         "library, names = reading the published names)",
                         {"first take": timings["first"], "steady": timings["steady"],
                          "first, VMMSHIM_PREEXPORT_MS=-1": timings["off"]})
         for k, ts in timings.items():
             if ts:
-                print(f"report: first: {k}: the harness's take {median([t['take_ms'] for t in ts]):.2f} ms, open_torch's own "
+                print(f"report: {P}: {k}: the harness's take {median([t['take_ms'] for t in ts]):.2f} ms, open_torch's own "
                       f"total {median([t['total_ns'] for t in ts]) / 1e6:.2f} ms, names {median([t.get('names_ns', 0) for t in ts]) / 1e6:.2f} ms")
         if exports["first"] and exports["off"]:
             run.check(median(exports["first"]) <= 0.25 * median(exports["off"]),
-                      f"first: the owner's exports in a first take {median(exports['first']):.2f} ms (median) with "
+                      f"{P}: the owner's exports in a first take {median(exports['first']):.2f} ms (median) with "
                       f"pre-export, {median(exports['off']):.2f} ms without: exported before the take")
         for k in ("first", "steady"):
             if meds[k][1] is not None:
-                run.target(meds[k][1] <= 1.0, f"first: {k} take {meds[k][0]:.2f} ms against reduce_tensor's rebuild in "
+                run.target(meds[k][1] <= 1.0, f"{P}: {k} take {meds[k][0]:.2f} ms against reduce_tensor's rebuild in "
                                               f"the same rounds: {meds[k][1]:.2f}x (target <= 1.00x)")
         if res[("steady", "open_torch")]:
-            print(f"report: first: the first take over the steady one {meds['first'][0] / meds['steady'][0]:.2f}x; "
+            print(f"report: {P}: the first take over the steady one {meds['first'][0] / meds['steady'][0]:.2f}x; "
                   f"without pre-export {median(off_first) / meds['steady'][0]:.2f}x")
     except RuntimeError as e:
-        run.check(False, f"first: {e}")
+        run.check(False, f"{P}: {e}")
     finally:
         run.close_all()
         run.unlink(reg)
         run.unlink(reg + "-native")
-        print(f"(first: {time.monotonic() - t_start:.0f} s)", flush=True)
+        print(f"({P}: {time.monotonic() - t_start:.0f} s)", flush=True)
 
 
 # ---- part load -----------------------------------------------------------------------------------

@@ -13,8 +13,10 @@
 #   first a Llama-shaped 1B-class layout (18 layers, width 2048, GQA, 165 bf16 tensors, 1.76 GiB),
 #         fresh trainers every round: the first take from a freshly started owner and a later
 #         cold companion's take (steady), each against reduce_tensor's in the same rounds (<= 1.0x),
-#         and the first take with VMMSHIM_PREEXPORT_MS=-1 (reported).  It does not fit the 570 s
-#         with the others: run it alone, WS_PARTS=first (about 2 minutes, WS_FIRST_S 240).
+#         and the first take with VMMSHIM_PREEXPORT_MS=-1 (reported), under each allocator setting
+#         of WS_FIRST_CONFS (default all three; reduce_tensor's trainer under the default one where
+#         the setting is backend:cudaMallocAsync).  It does not fit the 570 s with the others: run
+#         it alone, WS_PARTS=first (about 5 minutes, WS_FIRST_S 420).
 # About 4-6 minutes on an H100, each part capped (WS_GPT2_S 240, WS_7B_S 150, WS_LOAD_S 180 s) and
 # skipped when it would not fit what is left of WS_BUDGET (570 s): one 10-minute command.  Prints
 # each part's PASS/FAIL lines and tables, then "weight-sync: N passed, N failed".  Raw results and
@@ -106,7 +108,7 @@ else
   part gpt2 "${WS_GPT2_S:-240}"
   part 7b "${WS_7B_S:-150}"
   part load "${WS_LOAD_S:-180}"
-  part first "${WS_FIRST_S:-240}"
+  part first "${WS_FIRST_S:-420}" --confs "${WS_FIRST_CONFS:-default,backend:cudaMallocAsync,expandable_segments:True}"
 fi
 echo
 echo "weight-sync: $pass passed, $fail failed$([ "$DRY" = 1 ] && echo ' (--dry: the emulated driver)') in $((SECONDS - START)) s"
