@@ -46,4 +46,11 @@ void vmm__reg_index_unlock(vmm__reg *r);
 /* Only gc rebuilds (to sweep tombstones and entries a dead writer left). */
 void vmm__reg_index_rebuild_locked(vmm__reg *r);
 
+/* ---- names.c, for names_read.c ---- */
+
+/* The table's object name for (pid, start_time) beside r; 0 or -ENAMETOOLONG. */
+int vmm__names_path(const vmm__reg *r, uint32_t pid, uint64_t start_time, char *buf, size_t len);
+/* The reason into err (may be NULL); returns code. */
+int vmm__names_say(char *err, size_t errlen, int code, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+
 #endif

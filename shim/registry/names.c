@@ -12,6 +12,7 @@
  * retract call vmm__names_drop_slot, so every free route is covered).  One mutex serialises the
  * writer's threads; publish prepares everything that can fail (checks, the records, memory, the
  * object's pages) before it writes the first entry, so a failed call changes nothing. */
+#include "registry/internal.h"
 #include "registry/keep.h"
 #include "registry/names.h"
 #include "registry/seq.h"
@@ -31,7 +32,6 @@
 #define PAGE 4096u
 #define HEADER_SIZE PAGE
 #define MAX_SPAN (1ull << VMM_REG_MAX_LEVEL) /* no allocation is larger */
-#define SNAPSHOT_S 0.05                      /* longest a reader waits for one moment's names */
 
 typedef struct nm_name nm_name;
 typedef struct nm_rec nm_rec;
@@ -78,8 +78,7 @@ static pthread_mutex_t names_mutex = PTHREAD_MUTEX_INITIALIZER;
  * reachable so a leak checker does not blame the child for it. */
 static struct vmm__names *volatile inherited;
 
-static int say(char *err, size_t errlen, int code, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int say(char *err, size_t errlen, int code, const char *fmt, ...)
+int vmm__names_say(char *err, size_t errlen, int code, const char *fmt, ...)
 {
     if (err && errlen) {
         va_list ap;
@@ -90,7 +89,7 @@ static int say(char *err, size_t errlen, int code, const char *fmt, ...)
     return code;
 }
 
-static int table_path(const vmm__reg *r, uint32_t pid, uint64_t start_time, char *buf, size_t len)
+int vmm__names_path(const vmm__reg *r, uint32_t pid, uint64_t start_time, char *buf, size_t len)
 {
     int n = snprintf(buf, len, VMM_REG_NAMES_NAME, r->name, pid, (unsigned long long)start_time);
     return n > 0 && (size_t)n < len ? 0 : -ENAMETOOLONG;
@@ -184,14 +183,14 @@ static int shm_file(const char *name, char *buf, size_t len)
 static int table_make(vmm__reg *r, char *err, size_t errlen)
 {
     struct vmm__names *t = calloc(1, sizeof *t);
-    if (!t) return say(err, errlen, -ENOMEM, "out of memory");
+    if (!t) return vmm__names_say(err, errlen, -ENOMEM, "out of memory");
     t->fd = -1;
     char tmp[sizeof t->path + 8], tmp_file[sizeof tmp + 16], file[sizeof t->path + 16];
-    if (table_path(r, r->pid, r->start_time, t->path, sizeof t->path) ||
+    if (vmm__names_path(r, r->pid, r->start_time, t->path, sizeof t->path) ||
         snprintf(tmp, sizeof tmp, "%s.tmp", t->path) >= (int)sizeof tmp || shm_file(tmp, tmp_file, sizeof tmp_file) ||
         shm_file(t->path, file, sizeof file)) {
         free(t);
-        return say(err, errlen, -ENAMETOOLONG, "the name table's object name (registry %s) is too long", r->name);
+        return vmm__names_say(err, errlen, -ENAMETOOLONG, "the name table's object name (registry %s) is too long", r->name);
     }
     shm_unlink(tmp); /* a crash of this process's earlier image mid-make */
     t->fd = shm_open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -229,7 +228,7 @@ static int table_make(vmm__reg *r, char *err, size_t errlen)
         if (rename(tmp_file, file) != 0) rc = -errno, step = "rename";
     }
     if (rc) {
-        say(err, errlen, rc, "cannot make the name table %s: %s: %s", t->path, step, strerror(-rc));
+        vmm__names_say(err, errlen, rc, "cannot make the name table %s: %s: %s", t->path, step, strerror(-rc));
         if (t->fd >= 0) shm_unlink(tmp);
         table_free(t);
         return rc;
@@ -266,15 +265,15 @@ static void drop_name(vmm__reg *r, struct vmm__names *t, nm_name *n)
 
 static int check_name(const char *name, char *err, size_t errlen)
 {
-    if (!name) return say(err, errlen, -EINVAL, "a name is NULL");
+    if (!name) return vmm__names_say(err, errlen, -EINVAL, "a name is NULL");
     size_t len = strnlen(name, VMM_NAMES_NAME_MAX + 1);
-    if (len == 0) return say(err, errlen, -EINVAL, "a name is empty");
+    if (len == 0) return vmm__names_say(err, errlen, -EINVAL, "a name is empty");
     if (len > VMM_NAMES_NAME_MAX)
-        return say(err, errlen, -EINVAL, "name \"%.40s...\" is %zu bytes long; at most %u", name, strlen(name),
+        return vmm__names_say(err, errlen, -EINVAL, "name \"%.40s...\" is %zu bytes long; at most %u", name, strlen(name),
                    VMM_NAMES_NAME_MAX);
     for (size_t i = 0; i < len; i++)
         if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
-            return say(err, errlen, -EINVAL, "name \"%.*s\" holds a control character (byte 0x%02x at %zu)", (int)i, name,
+            return vmm__names_say(err, errlen, -EINVAL, "name \"%.*s\" holds a control character (byte 0x%02x at %zu)", (int)i, name,
                        (unsigned char)name[i], i);
     return 0;
 }
@@ -298,17 +297,17 @@ static int check_shard(const vmm__name_shard *sh, vmm_names_entry *v, char *err,
 {
     const char *nm = v->name;
     if (sh->mesh_ndim > VMM_NAMES_MESH_MAX_DIMS)
-        return say(err, errlen, -EINVAL, "\"%s\": a mesh of %u dimensions; at most %u", nm, sh->mesh_ndim, VMM_NAMES_MESH_MAX_DIMS);
+        return vmm__names_say(err, errlen, -EINVAL, "\"%s\": a mesh of %u dimensions; at most %u", nm, sh->mesh_ndim, VMM_NAMES_MESH_MAX_DIMS);
     for (uint32_t i = 0; i < sh->mesh_ndim; i++) {
         if (sh->kind[i] < VMM_NAMES_PLACE_REPLICATE || sh->kind[i] > VMM_NAMES_PLACE_SHARD)
-            return say(err, errlen, -EINVAL, "\"%s\": placement %u of mesh dimension %u is none of replicate, partial, shard", nm,
+            return vmm__names_say(err, errlen, -EINVAL, "\"%s\": placement %u of mesh dimension %u is none of replicate, partial, shard", nm,
                        sh->kind[i], i);
         if (sh->mesh[i] == 0 || sh->coord[i] >= sh->mesh[i])
-            return say(err, errlen, -EINVAL, "\"%s\": coordinate %u outside mesh dimension %u of extent %u", nm, sh->coord[i], i,
+            return vmm__names_say(err, errlen, -EINVAL, "\"%s\": coordinate %u outside mesh dimension %u of extent %u", nm, sh->coord[i], i,
                        sh->mesh[i]);
         if (sh->kind[i] == VMM_NAMES_PLACE_SHARD &&
             (sh->dim[i] >= v->ndim || sh->global_extent[i] < v->shape[sh->dim[i]]))
-            return say(err, errlen, -EINVAL, "\"%s\": mesh dimension %u splits dimension %u of %u with a whole extent of %lld", nm, i,
+            return vmm__names_say(err, errlen, -EINVAL, "\"%s\": mesh dimension %u splits dimension %u of %u with a whole extent of %lld", nm, i,
                        sh->dim[i], v->ndim, (long long)sh->global_extent[i]);
         v->place_kind[i] = sh->kind[i];
         v->place_dim[i] = sh->kind[i] == VMM_NAMES_PLACE_SHARD ? sh->dim[i] : 0;
@@ -323,7 +322,7 @@ static int check_shard(const vmm__name_shard *sh, vmm_names_entry *v, char *err,
         if (sh->kind[i] != VMM_NAMES_PLACE_SHARD) continue;
         uint32_t d = sh->dim[i];
         if (split[d] && sh->global_extent[i] != whole[d])
-            return say(err, errlen, -EINVAL, "\"%s\": two splits of dimension %u disagree on its whole extent", nm, d);
+            return vmm__names_say(err, errlen, -EINVAL, "\"%s\": two splits of dimension %u disagree on its whole extent", nm, d);
         if (!split[d]) left[d] = whole[d] = sh->global_extent[i], split[d] = true;
         int64_t piece = (left[d] + sh->mesh[i] - 1) / sh->mesh[i], start = (int64_t)sh->coord[i] * piece;
         if (start > left[d]) start = left[d];
@@ -331,7 +330,7 @@ static int check_shard(const vmm__name_shard *sh, vmm_names_entry *v, char *err,
     }
     for (uint32_t d = 0; d < v->ndim; d++)
         if (split[d] && left[d] != v->shape[d])
-            return say(err, errlen, -EINVAL, "\"%s\": its extent %lld along dimension %u is not the %lld its place gives", nm,
+            return vmm__names_say(err, errlen, -EINVAL, "\"%s\": its extent %lld along dimension %u is not the %lld its place gives", nm,
                        (long long)v->shape[d], d, (long long)left[d]);
     v->mesh_ndim = sh->mesh_ndim;
     return 0;
@@ -345,19 +344,19 @@ static int check_desc(plan *p, char *err, size_t errlen)
     const char *nm = d->name;
     uint32_t bits = (uint32_t)d->bits * d->lanes;
     if (d->bits == 0 || d->lanes == 0 || bits % 8)
-        return say(err, errlen, -EINVAL, "\"%s\": dtype (code %u, %u bits, %u lanes) is not a whole number of bytes", nm,
+        return vmm__names_say(err, errlen, -EINVAL, "\"%s\": dtype (code %u, %u bits, %u lanes) is not a whole number of bytes", nm,
                    d->code, d->bits, d->lanes);
     if (d->ndim > VMM_NAMES_MAX_DIMS)
-        return say(err, errlen, -EINVAL, "\"%s\": %u dimensions; at most %u", nm, d->ndim, VMM_NAMES_MAX_DIMS);
-    if (d->ndim && !d->shape) return say(err, errlen, -EINVAL, "\"%s\": shape is NULL", nm);
+        return vmm__names_say(err, errlen, -EINVAL, "\"%s\": %u dimensions; at most %u", nm, d->ndim, VMM_NAMES_MAX_DIMS);
+    if (d->ndim && !d->shape) return vmm__names_say(err, errlen, -EINVAL, "\"%s\": shape is NULL", nm);
     vmm_names_entry *v = &p->v;
     memset(v, 0, sizeof *v);
     uint64_t step = 1;
     bool too_big = false;
     for (uint32_t i = d->ndim; i-- > 0;) {
-        if (d->shape[i] < 0) return say(err, errlen, -EINVAL, "\"%s\": negative extent %lld in dimension %u", nm, (long long)d->shape[i], i);
+        if (d->shape[i] < 0) return vmm__names_say(err, errlen, -EINVAL, "\"%s\": negative extent %lld in dimension %u", nm, (long long)d->shape[i], i);
         if (d->strides && d->strides[i] < 0)
-            return say(err, errlen, -EINVAL, "\"%s\": negative stride %lld in dimension %u (not supported)", nm,
+            return vmm__names_say(err, errlen, -EINVAL, "\"%s\": negative stride %lld in dimension %u (not supported)", nm,
                        (long long)d->strides[i], i);
         v->shape[i] = d->shape[i];
         v->strides[i] = d->strides ? d->strides[i] : (int64_t)step;
@@ -365,9 +364,9 @@ static int check_desc(plan *p, char *err, size_t errlen)
             too_big = true;
     }
     uint64_t nbytes = vmm__names_span(bits / 8, d->ndim, v->shape, v->strides);
-    if (nbytes == 0) return say(err, errlen, -EINVAL, "\"%s\": the tensor has no elements (nothing to share)", nm);
+    if (nbytes == 0) return vmm__names_say(err, errlen, -EINVAL, "\"%s\": the tensor has no elements (nothing to share)", nm);
     if (too_big || nbytes > MAX_SPAN || d->address > UINT64_MAX - nbytes)
-        return say(err, errlen, -EINVAL, "\"%s\": shape and strides span more than any allocation holds", nm);
+        return vmm__names_say(err, errlen, -EINVAL, "\"%s\": shape and strides span more than any allocation holds", nm);
     v->address = d->address;
     v->nbytes = nbytes;
     v->dtype_code = d->code;
@@ -390,21 +389,21 @@ static int locate(vmm__reg *r, plan *p, char *err, size_t errlen)
         uint64_t slot;
         int rc = vmm__reg_find(r, r->pid, at, &rec, &slot);
         if (rc == -ENOENT && at == p->v.address)
-            return say(err, errlen, -ENOENT, "\"%s\": 0x%llx is not in the shim's memory of this process (no live allocation holds it)",
+            return vmm__names_say(err, errlen, -ENOENT, "\"%s\": 0x%llx is not in the shim's memory of this process (no live allocation holds it)",
                        nm, (unsigned long long)at);
         if (rc == -ENOENT)
-            return say(err, errlen, -ENOENT, "\"%s\": its %llu bytes from 0x%llx run past the shim's memory of this process at 0x%llx", nm,
+            return vmm__names_say(err, errlen, -ENOENT, "\"%s\": its %llu bytes from 0x%llx run past the shim's memory of this process at 0x%llx", nm,
                        (unsigned long long)p->v.nbytes, (unsigned long long)p->v.address, (unsigned long long)at);
-        if (rc) return say(err, errlen, rc, "\"%s\": the registry's record at 0x%llx stayed mid-update", nm, (unsigned long long)at);
+        if (rc) return vmm__names_say(err, errlen, rc, "\"%s\": the registry's record at 0x%llx stayed mid-update", nm, (unsigned long long)at);
         if (!(rec.handle_kinds & (VMM_HANDLE_BROKER | VMM_HANDLE_PIDFD)) || (rec.flags & VMM_REG_F_NOT_EXPORTABLE))
-            return say(err, errlen, -EACCES,
+            return vmm__names_say(err, errlen, -EACCES,
                        "\"%s\": 0x%llx lies in memory the shim could not make exportable (allocated during a stream capture "
                        "or with the device full), which no companion can open", nm, (unsigned long long)at);
-        if (rec.address + rec.extent <= at) return say(err, errlen, -EIO, "\"%s\": the registry's record for 0x%llx does not hold it", nm, (unsigned long long)at);
+        if (rec.address + rec.extent <= at) return vmm__names_say(err, errlen, -EIO, "\"%s\": the registry's record for 0x%llx does not hold it", nm, (unsigned long long)at);
         if (p->n_slots == cap) {
             cap = cap ? cap * 2 : 1;
             uint32_t *s = realloc(p->slots, cap * sizeof *s);
-            if (!s) return say(err, errlen, -ENOMEM, "out of memory");
+            if (!s) return vmm__names_say(err, errlen, -ENOMEM, "out of memory");
             p->slots = s;
         }
         if (p->n_slots == 0) {
@@ -421,10 +420,10 @@ static int prepare_memory(plan *p, char *err, size_t errlen)
 {
     p->links = calloc(p->n_slots, sizeof *p->links);
     p->spare = calloc(p->n_slots, sizeof *p->spare);
-    if (!p->links || !p->spare) return say(err, errlen, -ENOMEM, "out of memory");
+    if (!p->links || !p->spare) return vmm__names_say(err, errlen, -ENOMEM, "out of memory");
     for (uint32_t i = 0; i < p->n_slots; i++)
-        if (!(p->spare[i] = calloc(1, sizeof **p->spare))) return say(err, errlen, -ENOMEM, "out of memory");
-    if (!p->existing && !(p->fresh = calloc(1, sizeof *p->fresh))) return say(err, errlen, -ENOMEM, "out of memory");
+        if (!(p->spare[i] = calloc(1, sizeof **p->spare))) return vmm__names_say(err, errlen, -ENOMEM, "out of memory");
+    if (!p->existing && !(p->fresh = calloc(1, sizeof *p->fresh))) return vmm__names_say(err, errlen, -ENOMEM, "out of memory");
     return 0;
 }
 
@@ -477,12 +476,12 @@ static void commit(struct vmm__names *t, plan *p, uint32_t entry)
 
 int vmm__names_publish(vmm__reg *r, const vmm__name_desc *d, size_t n, char *err, size_t errlen)
 {
-    if (!r->attached) return say(err, errlen, -EINVAL, "this process is not registered");
+    if (!r->attached) return vmm__names_say(err, errlen, -EINVAL, "this process is not registered");
     if (n == 0) return 0;
-    if (!d) return say(err, errlen, -EINVAL, "the tensors are NULL");
-    if (n > VMM__NAMES_CAPACITY) return say(err, errlen, -ENOSPC, "%zu names; a table holds %u", n, VMM__NAMES_CAPACITY);
+    if (!d) return vmm__names_say(err, errlen, -EINVAL, "the tensors are NULL");
+    if (n > VMM__NAMES_CAPACITY) return vmm__names_say(err, errlen, -ENOSPC, "%zu names; a table holds %u", n, VMM__NAMES_CAPACITY);
     plan *ps = calloc(n, sizeof *ps);
-    if (!ps) return say(err, errlen, -ENOMEM, "out of memory");
+    if (!ps) return vmm__names_say(err, errlen, -ENOMEM, "out of memory");
     plan *seen = NULL;
     int rc = 0;
     pthread_mutex_lock(&names_mutex);
@@ -492,7 +491,7 @@ int vmm__names_publish(vmm__reg *r, const vmm__name_desc *d, size_t n, char *err
         plan *twice;
         HASH_FIND_STR(seen, ps[i].v.name, twice);
         if (twice) {
-            rc = say(err, errlen, -EINVAL, "\"%s\" is given twice in one call", ps[i].v.name);
+            rc = vmm__names_say(err, errlen, -EINVAL, "\"%s\" is given twice in one call", ps[i].v.name);
             break;
         }
         HASH_ADD_KEYPTR(hh, seen, ps[i].v.name, strlen(ps[i].v.name), &ps[i]);
@@ -514,17 +513,17 @@ int vmm__names_publish(vmm__reg *r, const vmm__name_desc *d, size_t n, char *err
         from_free = fresh < t->n_free ? fresh : t->n_free;
         from_new = fresh - from_free;
         if (used + from_new > VMM__NAMES_CAPACITY)
-            rc = say(err, errlen, -ENOSPC, "the name table is full (%u names)", VMM__NAMES_CAPACITY);
+            rc = vmm__names_say(err, errlen, -ENOSPC, "the name table is full (%u names)", VMM__NAMES_CAPACITY);
     }
     if (!rc && t->cap_free < used + from_new) {
         uint32_t cap = t->cap_free ? t->cap_free : 1024;
         while (cap < used + from_new) cap *= 2;
         uint32_t *f = realloc(t->free_entries, (size_t)cap * sizeof *f);
-        if (!f) rc = say(err, errlen, -ENOMEM, "out of memory");
+        if (!f) rc = vmm__names_say(err, errlen, -ENOMEM, "out of memory");
         else t->free_entries = f, t->cap_free = cap;
     }
     if (!rc && (rc = back_entries(t, used + from_new)) != 0)
-        say(err, errlen, rc, "cannot back the name table %s: %s", t->path, strerror(-rc));
+        vmm__names_say(err, errlen, rc, "cannot back the name table %s: %s", t->path, strerror(-rc));
     if (!rc) {
         changes_step(t);
         uint64_t next = used;
@@ -563,7 +562,7 @@ int vmm__names_unpublish(vmm__reg *r, const char *name, char *err, size_t errlen
         drop_name(r, t, n);
         changes_step(t);
     } else {
-        rc = say(err, errlen, -ENOENT, "no tensor named \"%s\" is published by this process", name);
+        rc = vmm__names_say(err, errlen, -ENOENT, "no tensor named \"%s\" is published by this process", name);
     }
     pthread_mutex_unlock(&names_mutex);
     return rc;
@@ -589,11 +588,11 @@ void vmm__names_drop_slot(vmm__reg *r, uint32_t slot)
 
 int vmm__names_set_job(vmm__reg *r, const char *job, char *err, size_t errlen)
 {
-    if (!r->attached) return say(err, errlen, -EINVAL, "this process is not registered");
+    if (!r->attached) return vmm__names_say(err, errlen, -EINVAL, "this process is not registered");
     size_t len = job ? strnlen(job, 24) : 0;
-    if (len >= 24) return say(err, errlen, -EINVAL, "a job tag is at most 23 bytes");
+    if (len >= 24) return vmm__names_say(err, errlen, -EINVAL, "a job tag is at most 23 bytes");
     for (size_t i = 0; i < len; i++)
-        if ((unsigned char)job[i] < 0x20 || job[i] == 0x7f) return say(err, errlen, -EINVAL, "the job tag holds a control character");
+        if ((unsigned char)job[i] < 0x20 || job[i] == 0x7f) return vmm__names_say(err, errlen, -EINVAL, "the job tag holds a control character");
     pthread_mutex_lock(&names_mutex);
     int rc = r->names ? 0 : table_make(r, err, errlen);
     if (!rc) {
@@ -613,7 +612,7 @@ static uint64_t updates_open;
 
 int vmm__names_update_begin(vmm__reg *r, char *err, size_t errlen)
 {
-    if (!r->attached) return say(err, errlen, -EINVAL, "this process is not registered");
+    if (!r->attached) return vmm__names_say(err, errlen, -EINVAL, "this process is not registered");
     pthread_mutex_lock(&names_mutex);
     int rc = r->names ? 0 : table_make(r, err, errlen);
     vmm_names_header *h = rc ? NULL : r->names->hdr;
@@ -660,7 +659,7 @@ void vmm__names_forget_after_fork(vmm__reg *r)
 void vmm__names_unlink(const vmm__reg *r, uint32_t pid, uint64_t start_time)
 {
     char path[sizeof r->name + 48];
-    if (pid && start_time && table_path(r, pid, start_time, path, sizeof path) == 0) shm_unlink(path);
+    if (pid && start_time && vmm__names_path(r, pid, start_time, path, sizeof path) == 0) shm_unlink(path);
 }
 
 /* A name table (or a ".tmp" one its owner died making) whose owner died and is not kept: the
@@ -678,158 +677,3 @@ static bool table_dead(const vmm__reg *r, const char *name, uint32_t pid, uint64
 }
 
 unsigned vmm__names_sweep(const vmm__reg *r) { return vmm__reg_sweep_files(r, "names", true, table_dead); }
-
-/* ---- reader ---- */
-
-int vmm__names_validate(const void *base, size_t size, uint32_t pid, uint64_t start_time, char *err, size_t errlen)
-{
-    const vmm_names_header *h = base;
-    if (size < sizeof *h) return say(err, errlen, -EPROTO, "name table: %zu bytes, shorter than its header", size);
-    if (h->magic != VMM_NAMES_MAGIC) return say(err, errlen, -EPROTO, "name table: wrong magic (not a vmmshim name table)");
-    if (__atomic_load_n(&h->ready, __ATOMIC_ACQUIRE) != 1)
-        return say(err, errlen, -EAGAIN, "name table: not initialised (its owner is still making it, or died doing so)");
-    if (h->compat_version > VMM_NAMES_VERSION)
-        return say(err, errlen, -ENOTSUP, "name table: layout version %u needs a reader of version %u; this one reads %u",
-                   h->version, h->compat_version, VMM_NAMES_VERSION);
-    if (h->entry_size != sizeof(vmm_names_entry) || h->header_size < sizeof *h || (h->header_size & 7) ||
-        h->capacity == 0 || h->capacity > (1u << 24) ||
-        h->header_size > size || (uint64_t)h->capacity * h->entry_size > size - h->header_size)
-        return say(err, errlen, -EPROTO, "name table: corrupt header (sizes)");
-    if (__atomic_load_n(&h->used, __ATOMIC_ACQUIRE) > h->capacity)
-        return say(err, errlen, -EPROTO, "name table: corrupt header (more entries used than it holds)");
-    if (h->pid != pid || h->start_time != start_time)
-        return say(err, errlen, -EPROTO, "name table: it is of pid %u (start time %llu), not of pid %u (start time %llu)",
-                   h->pid, (unsigned long long)h->start_time, pid, (unsigned long long)start_time);
-    return 0;
-}
-
-int vmm__names_open(const vmm__reg *r, uint32_t pid, uint64_t start_time, vmm__names_map *m, char *err, size_t errlen)
-{
-    memset(m, 0, sizeof *m);
-    m->fd = -1;
-    char path[sizeof r->name + 48];
-    if (table_path(r, pid, start_time, path, sizeof path)) return say(err, errlen, -ENAMETOOLONG, "name table name too long");
-    int fd = shm_open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0);
-    if (fd < 0) return say(err, errlen, -errno, "name table %s: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        int e = errno;
-        close(fd);
-        return say(err, errlen, -e, "name table %s: %s", path, strerror(e));
-    }
-    if ((size_t)st.st_size < sizeof(vmm_names_header)) {
-        close(fd);
-        return say(err, errlen, st.st_size == 0 ? -EAGAIN : -EPROTO, "name table %s: %s", path,
-                   st.st_size == 0 ? "empty (its owner is still making it)" : "shorter than its header");
-    }
-    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-        int e = errno;
-        close(fd);
-        return say(err, errlen, -e, "name table %s: mmap: %s", path, strerror(e));
-    }
-    int rc = vmm__names_validate(p, (size_t)st.st_size, pid, start_time, err, errlen);
-    if (rc) {
-        munmap(p, (size_t)st.st_size);
-        close(fd);
-        return rc;
-    }
-    m->fd = fd;
-    m->base = p;
-    m->size = (size_t)st.st_size;
-    m->hdr = p;
-    return 0;
-}
-
-void vmm__names_close(vmm__names_map *m)
-{
-    if (m->base) munmap((void *)m->base, m->size);
-    if (m->fd >= 0) close(m->fd);
-    memset(m, 0, sizeof *m);
-    m->fd = -1;
-}
-
-/* layout.h NAMES (2): the registry record the entry names still holds it. */
-static bool entry_held(const vmm__reg *r, const vmm_names_header *h, const vmm_names_entry *e, vmm__reg_wait *w)
-{
-    if (e->rec_slot >= r->hdr->capacity) return false;
-    /* a record chunk nobody owns may be a hole of the sparse registry: reading it would back it */
-    const uint64_t *chunks = (const uint64_t *)(r->base + r->hdr->chunk_off);
-    if (__atomic_load_n(&chunks[e->rec_slot / VMM_REG_CHUNK_RECORDS], __ATOMIC_ACQUIRE) == 0) return false;
-    vmm_reg_alloc rec;
-    if (vmm__reg_read_alloc_within(r, e->rec_slot, &rec, w) != 0) return false;
-    return rec.state == VMM_REG_LIVE && rec.pid == h->pid && rec.start_time == h->start_time &&
-           memcmp(rec.alloc_id, e->alloc_id, sizeof rec.alloc_id) == 0 && rec.address <= e->address &&
-           e->address - rec.address < rec.extent;
-}
-
-/* An entry read from another process's memory is checked before anyone uses its fields. */
-static bool entry_sane(vmm_names_entry *e)
-{
-    e->name[sizeof e->name - 1] = 0;
-    if (!e->name[0] || e->ndim > VMM_NAMES_MAX_DIMS || e->mesh_ndim > VMM_NAMES_MESH_MAX_DIMS || !e->dtype_bits || !e->dtype_lanes || !e->nbytes ||
-        e->address > UINT64_MAX - e->nbytes)
-        return false;
-    for (uint32_t i = 0; i < e->ndim; i++)
-        if (e->shape[i] < 0 || e->strides[i] < 0) return false;
-    return true;
-}
-
-int vmm__names_for_each(const vmm__reg *r, const vmm__names_map *m, vmm__names_fn fn, void *ctx)
-{
-    const vmm_names_header *h = m->hdr;
-    const uint8_t *entries = m->base + h->header_size;
-    vmm_names_entry *got = NULL;
-    size_t n = 0, cap = 0;
-    vmm__reg_wait w = {0};
-    double give_up = monotonic_s() + SNAPSHOT_S;
-    for (int attempt = 0;; attempt++) {
-        uint64_t c1 = __atomic_load_n(&h->changes, __ATOMIC_ACQUIRE);
-        bool late = monotonic_s() > give_up;
-        if ((c1 & 1u) && !late) {
-            if (attempt > 64) sched_yield();
-            continue;
-        }
-        n = 0;
-        uint64_t used = __atomic_load_n(&h->used, __ATOMIC_ACQUIRE);
-        if (used > h->capacity) used = h->capacity;
-        for (uint64_t i = 0; i < used; i++) {
-            const vmm_names_entry *src = (const vmm_names_entry *)(entries + i * sizeof(vmm_names_entry));
-            vmm_names_entry e = {0};
-            if (seq_read(src, sizeof e, &src->seq, &e, &w) != 0 || e.state != VMM_NAMES_LIVE || !entry_sane(&e)) continue;
-            if (!entry_held(r, h, &e, &w)) continue;
-            if (n == cap) {
-                size_t nc = cap ? cap * 2 : 64;
-                vmm_names_entry *g = realloc(got, nc * sizeof *g);
-                if (!g) {
-                    free(got);
-                    return -ENOMEM;
-                }
-                got = g, cap = nc;
-            }
-            got[n++] = e;
-        }
-        SEQ_FENCE(__ATOMIC_ACQUIRE);
-        /* one moment's names; past the wait, each entry consistent on its own will do (an owner
-         * in another pid namespace that died mid-change leaves changes odd for good) */
-        if ((__atomic_load_n(&h->changes, __ATOMIC_RELAXED) == c1 && !(c1 & 1u)) || late) break;
-    }
-    int rc = 0;
-    for (size_t i = 0; i < n && !rc; i++) rc = fn(ctx, &got[i]) ? 1 : 0;
-    free(got);
-    return 0;
-}
-
-void vmm__names_state(const vmm__names_map *m, uint64_t *seq, uint64_t *version, char job[24])
-{
-    const vmm_names_header *h = m->hdr;
-    uint64_t s1, v;
-    do {
-        s1 = __atomic_load_n(&h->weights_seq, __ATOMIC_ACQUIRE);
-        v = __atomic_load_n(&h->weights_version, __ATOMIC_RELAXED);
-        SEQ_FENCE(__ATOMIC_ACQUIRE);
-    } while (__atomic_load_n(&h->weights_seq, __ATOMIC_RELAXED) != s1 && !(s1 & 1u));
-    *seq = s1, *version = v;
-    memcpy(job, (const char *)h->job, 24);
-    job[23] = 0;
-}
