@@ -83,6 +83,14 @@ def use_mem_pool(pool):
     yield
 cuda.use_mem_pool = use_mem_pool
 sys.modules["torch"] = torch
+
+class Counters(ctypes.Structure):  # the emulated driver's (argv[1]: their names, from fakecuda.h)
+    _fields_ = [(n, ctypes.c_ulonglong) for n in sys.argv[1].split(",")]
+
+def phys():
+    c = Counters()
+    ctypes.CDLL("libcuda.so.1").fakecuda_counters(ctypes.byref(c))
+    return c.phys_bytes_live
 """
 
 API_CHILD = FAKE_TORCH + r"""
@@ -99,14 +107,6 @@ def states():
 
 def state(t):
     return states().get(hex(t.ptr))
-
-class Counters(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_ulonglong) for n in sys.argv[1].split(",")]
-
-def phys():
-    c = Counters()
-    ctypes.CDLL("libcuda.so.1").fakecuda_counters(ctypes.byref(c))
-    return c.phys_bytes_live
 
 S.hook_mode = "preload"
 with S.region(tag="weights", enable_cpu_backup=True):
@@ -232,12 +232,6 @@ out["init"] = [cd.tms_get_interesting_region(), cd.tms_get_enable_cpu_backup(), 
 S.pause()
 out["paused"] = [state(a)[1], state(g)[1]]
 out["kept_cache"] = log.count("empty_cache") == 0
-class Counters(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_ulonglong) for n in sys.argv[1].split(",")]
-def phys():
-    c = Counters()
-    ctypes.CDLL("libcuda.so.1").fakecuda_counters(ctypes.byref(c))
-    return c.phys_bytes_live
 with S.disable():
     d = Tensor(2 * MiB); d.write(0x11)
     out["disabled_tag"] = vmmshim.thread_tag()
