@@ -7,6 +7,7 @@
  * chunk ids, the kept fds) without a circle. */
 #include <errno.h>
 #include <fcntl.h>
+#include <link.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -238,6 +239,19 @@ static void at_exit_status(int status, void *arg)
     at_exit();
 }
 
+/* torch_memory_saver's preload hook defines cudaMalloc and cudaFree too: with both loaded, each
+ * takes the calls the loader's order gives it and frees memory the other made.  Found by its file
+ * name among the loaded objects (LD_PRELOAD'ed ones are loaded before any CUDA call). */
+static int find_tms_hook(struct dl_phdr_info *info, size_t size, void *found)
+{
+    (void)size;
+    const char *slash = strrchr(info->dlpi_name, '/');
+    const char *base = slash ? slash + 1 : info->dlpi_name;
+    if (strncmp(base, "torch_memory_saver_hook_mode_preload", 36) != 0) return 0;
+    snprintf(found, 128, "%s", base);
+    return 1;
+}
+
 static void init(void)
 {
     int opt_rc = vmm__opt_init();
@@ -250,6 +264,14 @@ static void init(void)
         return; /* strict mode refused an option; the message is out already */
     }
     if (!vmm__opt_bool(VMM__OPT_ENABLE)) return;
+    char tms[128];
+    if (dl_iterate_phdr(find_tms_hook, tms)) {
+        vmm__log(vmm__opt_bool(VMM__OPT_STRICT) ? VMM__LOG_ERROR : VMM__LOG_WARNING,
+                 "torch_memory_saver's hook %s is loaded too, and both would back cudaMalloc; passing every call "
+                 "through (`vmmshim run --torch-memory-saver` runs its API on the shim)", tms);
+        vmm__S.failed = 1;
+        return;
+    }
     char why[200];
     if (load_driver(why, sizeof why) != 0) {
         vmm__log(vmm__opt_bool(VMM__OPT_STRICT) ? VMM__LOG_ERROR : VMM__LOG_WARNING,

@@ -297,6 +297,17 @@ def last_json(run, what):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def registry_allocations(pid):
+    """pid's allocations in the test's registry; none where no process made the registry yet."""
+    sys.path.insert(0, str(PACKAGE))
+    import vmmshim
+    try:
+        with vmmshim.Registry() as reg:
+            return [a for a in reg.allocations() if a.pid == pid]
+    except vmmshim.NotFound:
+        return []
+
+
 def test_switch():
     env = dict(os.environ, VMMSHIM_SHIM_LIB=str(BUILD / "libvmmshim.so"), PYTHONPATH=str(PACKAGE))
     env.pop("VMMSHIM_SLEEP_ADOPTED", None)
@@ -326,6 +337,24 @@ def test_switch():
     last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
     T.check(r.returncode != 0 and last.startswith("ImportError: vmmshim: error:") and "LD_PRELOAD" in last,
             f"the real TMS's hook preloaded: importing the stand-in raises one line: {last!r}")
+    # both preloaded with no stand-in (a plain `vmmshim run` of a job that uses the real TMS, whose
+    # configure_subprocess adds its hook): the shim steps aside in one line, and TMS gets the calls
+    both = " ".join(p for p in (os.environ.get("LD_PRELOAD", ""), str(BUILD / "libvmmshim.so"), hook) if p)
+    alloc = ("import ctypes, os\nrt = ctypes.CDLL('libcudart.so.13')\n"
+             "rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]\n"
+             "p = ctypes.c_void_p()\nprint(rt.cudaMalloc(ctypes.byref(p), 1 << 20), os.getpid())\n")
+    for strict in ("0", "1"):
+        r = subprocess.run([sys.executable, "-c", alloc], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, LD_PRELOAD=both, VMMSHIM_STRICT=strict))
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("vmmshim:")]
+        word = "error" if strict == "1" else "warning"
+        out = r.stdout.split()
+        mine = registry_allocations(int(out[-1])) if out else []
+        T.check(r.returncode == 0 and len(lines) == 1 and lines[0].startswith(f"vmmshim: {word}:") and
+                "torch_memory_saver_hook_mode_preload_cu13" in lines[0] and not mine and
+                out[:1] == (["0"] if strict == "0" else [out[0]]) and (strict == "0" or out[0] != "0"),
+                f"both hooks preloaded (VMMSHIM_STRICT={strict}): one {word} line, nothing backed by the shim, "
+                f"cudaMalloc {'passed through' if strict == '0' else 'refused'}: {r.stdout!r} {r.stderr[-400:]!r}")
     spawn = ("import os, subprocess, sys, torch_memory_saver as t\n"
              "before = os.environ.get('LD_PRELOAD')\n"
              "with t.configure_subprocess():\n"
