@@ -17,7 +17,8 @@ Checks:
   were retried, and the update's end lands only once the stream reaches it;
 - the sidecar's protocol (vmmshim._sidecar) between one sidecar and two receivers on threads, over
   a stand-in for torch.distributed: whole tensors and a TP slice arrive bit-exact, a round whose
-  owners changed version mid-way runs again, and a stop ends serve().
+  owners changed version mid-way runs again, and a stop ends serve(); with two sidecars, one a GPU,
+  each imports only the pieces on its GPU.
 Ends with "N passed, N failed"."""
 import json
 import os
@@ -445,36 +446,80 @@ class FakeDist:
 
 
 class FakeSource:
-    """Two ranks' pieces of w (5x4) and b (replicated 4), the owners' versions scripted: the first
-    round's second look sees version 2 where the first saw 1."""
+    """Two ranks' pieces of w (5x4) and b (replicated 4), rank pid-1 on GPU pid-1; the owners'
+    versions scripted through `shared` (every sidecar's source sees the same owners): with move,
+    the first round's second look sees version 2 where the first saw 1."""
 
-    def __init__(self):
+    def __init__(self, shared, move=True):
         S, R = _lib.PLACE_SHARD, _lib.PLACE_REPLICATE
         self.p = {"w": [fake_piece("w", 1, (3, 4), [(S, 0, 2, 0, 5)]), fake_piece("w", 2, (2, 4), [(S, 0, 2, 1, 5)])],
                   "b": [fake_piece("b", 1, (4,), [(R, 0, 2, 0, 0)]), fake_piece("b", 2, (4,), [(R, 0, 2, 1, 0)])]}
-        self.version, self.looks = 1, 0
+        for ps in self.p.values():
+            for piece in ps:
+                piece.device_index = piece.pid - 1
+        self.shared, self.move, self.opened = shared, move, set()
 
     def pieces(self, names=None):
         return {n: ps for n, ps in self.p.items() if names is None or n in names}
 
     def states(self):
-        self.looks += 1
-        if self.looks == 2:
-            self.version = 2
-        v = float(self.version)
-        self.values = {"w": [v * 100 + i for i in range(20)], "b": [v * 1000 + i for i in range(4)]}
-        return {1: (2 * self.version, self.version), 2: (2 * self.version, self.version)}
+        self.shared["looks"] = self.shared.get("looks", 0) + 1
+        if self.move and self.shared["looks"] == 2:
+            self.shared["version"] = 2
+        v = self.shared.setdefault("version", 1)
+        return {1: (2 * v, v), 2: (2 * v, v)}
 
     def open(self, pieces):
+        v = float(self.shared.setdefault("version", 1))
+        values = {"w": [v * 100 + i for i in range(20)], "b": [v * 1000 + i for i in range(4)]}
         out = {}
         for name, ps in pieces.items():
             for p in ps:
+                self.opened.add((name, p.pid))
                 start = p.offset[0] * (4 if name == "w" else 1)
                 n = 1
                 for d in p.shape:
                     n *= d
-                out[id(p)] = Host(p.shape, self.values[name][start:start + n])
+                out[id(p)] = Host(p.shape, values[name][start:start + n])
         return out
+
+
+def test_two_sidecars():
+    """Two sidecars, one a GPU, and two receivers: each sidecar imports only its GPU's pieces."""
+    dist, shared, results, errors = FakeDist(4), {}, {}, []
+    sources = [FakeSource(shared, move=False), FakeSource(shared, move=False)]
+
+    def sidecar(rank):
+        dist.local.rank = rank
+        try:
+            _sidecar.Sidecar(sources[rank], dist, n_sidecars=2, torch=HostTorch).serve()
+        except Exception as e:
+            errors.append(f"sidecar {rank}: {type(e).__name__}: {e}")
+
+    def receiver(rank):
+        dist.local.rank = rank
+        try:
+            rx = _sidecar.Receiver(dist, n_sidecars=2, torch=HostTorch)
+            whole = {"w": Host((5, 4)), "b": Host((4,))}
+            results[rank] = rx.refresh(whole)
+            results[f"{rank}.w"] = whole["w"].values()
+            rx.stop()
+        except Exception as e:
+            errors.append(f"receiver {rank}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=sidecar, args=(r,)) for r in (0, 1)] + \
+              [threading.Thread(target=receiver, args=(r,)) for r in (2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    T.check(not errors and not any(t.is_alive() for t in threads), f"two sidecars: the round ran on every rank: {errors}")
+    if errors:
+        return
+    T.check(results["2.w"] == results["3.w"] == [100.0 + i for i in range(20)],
+            "two sidecars: w assembled from both GPUs' sidecars, bit-exact at both receivers")
+    T.check(sources[0].opened == {("w", 1), ("b", 1)} and sources[1].opened == {("w", 2), ("b", 2)},
+            f"each sidecar imports only the pieces on its GPU: {sorted(sources[0].opened)} {sorted(sources[1].opened)}")
 
 
 def test_sidecar():
@@ -484,7 +529,7 @@ def test_sidecar():
     def sidecar():
         dist.local.rank = 0
         try:
-            sc = _sidecar.Sidecar(FakeSource(), dist, n_sidecars=1, torch=HostTorch)
+            sc = _sidecar.Sidecar(FakeSource({}), dist, n_sidecars=1, torch=HostTorch)
             results["rounds"] = sc.serve()
             results["retries"] = sc.retries
         except Exception as e:
@@ -529,6 +574,7 @@ def main():
         test_owners()
         test_race()
         test_sidecar()
+        test_two_sidecars()
     finally:
         harness.cleanup()
     T.done()

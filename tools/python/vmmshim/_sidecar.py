@@ -87,9 +87,10 @@ class Sidecar:
                 boxes = [(off, shp, self._sidecar_of(reps[0])) for off, shp, reps in covered]
                 manifest["names"].append((name, pieces[name][0].tensor.dtype, pieces[name][0].global_shape, boxes))
         manifest = L.obj(manifest, src=0)
-        # each sidecar reads the pieces it sends (sidecar 0 read the names; the others read them again)
-        mine = self.source.pieces([n for n, *_ in manifest["names"]])
-        sources = self.source.open(mine)
+        # each sidecar imports only the pieces it sends, those on its own GPU
+        found = self.source.pieces([n for n, *_ in manifest["names"]])
+        mine = {n: [p for p in ps if self._sidecar_of(p) == L.rank] for n, ps in found.items()}
+        sources = self.source.open({n: ps for n, ps in mine.items() if ps})
         for name, _, _, boxes in manifest["names"]:
             for off, shp, sc in boxes:
                 if sc != L.rank:
