@@ -107,8 +107,6 @@ void vmm__purge_kick_locked(void)
     }
 }
 
-void vmm__set_alloc_margin(uint64_t bytes) { __atomic_store_n(&vmm__S.alloc_margin, bytes, __ATOMIC_RELAXED); }
-
 uint64_t vmm__give_back_now(void)
 {
     uint64_t freed = 0;

@@ -63,6 +63,8 @@ static _Thread_local int margin_refused; /* the verdict of this thread's last se
 
 int vmm__margin_refused(void) { return margin_refused; }
 
+void vmm__set_alloc_margin(uint64_t bytes) { __atomic_store_n(&vmm__S.alloc_margin, bytes, __ATOMIC_RELAXED); }
+
 static int within_margin(uint64_t size)
 {
     uint64_t margin = __atomic_load_n(&vmm__S.alloc_margin, __ATOMIC_RELAXED);

@@ -141,22 +141,21 @@ VMM_HOOK vmm_status vmm_publish_shards(const vmm_tensor_desc *tensors, const vmm
     return publish("vmm_publish_shards", tensors, shards, n, version);
 }
 
+/* A names.c call's result as the public API answers it: rc 0, or its reason (why) for fn. */
+static vmm_status answer(const char *fn, int rc, const char *why) { return rc ? fail(status_of(rc), fn, why) : VMM_OK; }
+
 VMM_HOOK vmm_status vmm_publish_job(const char *job)
 {
     vmm__reg *r = registry_or_fail("vmm_publish_job");
-    if (!r) return VMM_ERR_NO_SHIM;
     char why[400];
-    int rc = vmm__names_set_job(r, job, why, sizeof why);
-    return rc ? fail(status_of(rc), "vmm_publish_job", why) : VMM_OK;
+    return r ? answer("vmm_publish_job", vmm__names_set_job(r, job, why, sizeof why), why) : VMM_ERR_NO_SHIM;
 }
 
 VMM_HOOK vmm_status vmm_update_begin(void)
 {
     vmm__reg *r = registry_or_fail("vmm_update_begin");
-    if (!r) return VMM_ERR_NO_SHIM;
     char why[400];
-    int rc = vmm__names_update_begin(r, why, sizeof why);
-    return rc ? fail(status_of(rc), "vmm_update_begin", why) : VMM_OK;
+    return r ? answer("vmm_update_begin", vmm__names_update_begin(r, why, sizeof why), why) : VMM_ERR_NO_SHIM;
 }
 
 static void CUDA_CB update_reached(void *version)
@@ -180,10 +179,8 @@ VMM_HOOK vmm_status vmm_update_end(uint64_t version, void *stream)
 VMM_HOOK vmm_status vmm_unpublish(const char *name)
 {
     vmm__reg *r = registry_or_fail("vmm_unpublish");
-    if (!r) return VMM_ERR_NO_SHIM;
     char why[400];
-    int rc = vmm__names_unpublish(r, name, why, sizeof why);
-    return rc ? fail(status_of(rc), "vmm_unpublish", why) : VMM_OK;
+    return r ? answer("vmm_unpublish", vmm__names_unpublish(r, name, why, sizeof why), why) : VMM_ERR_NO_SHIM;
 }
 
 VMM_HOOK const char *vmm_publish_error(void) { return last_error; }

@@ -445,6 +445,25 @@ class FakeDist:
                 raise TimeoutError("barrier")
 
 
+def run_ranks(dist, roles):
+    """Each rank's role(rank) on a thread of its own as that rank of dist; what failed or hung."""
+    errors = []
+
+    def one(rank, role):
+        dist.local.rank = rank
+        try:
+            role(rank)
+        except Exception as e:
+            errors.append(f"rank {rank}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=one, args=item) for item in roles.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors + [f"{t.name} still running" for t in threads if t.is_alive()]
+
+
 class FakeSource:
     """Two ranks' pieces of w (5x4) and b (replicated 4), rank pid-1 on GPU pid-1; the owners'
     versions scripted through `shared` (every sidecar's source sees the same owners): with move,
@@ -486,34 +505,21 @@ class FakeSource:
 
 def test_two_sidecars():
     """Two sidecars, one a GPU, and two receivers: each sidecar imports only its GPU's pieces."""
-    dist, shared, results, errors = FakeDist(4), {}, {}, []
+    dist, shared, results = FakeDist(4), {}, {}
     sources = [FakeSource(shared, move=False), FakeSource(shared, move=False)]
 
     def sidecar(rank):
-        dist.local.rank = rank
-        try:
-            _sidecar.Sidecar(sources[rank], dist, n_sidecars=2, torch=HostTorch).serve()
-        except Exception as e:
-            errors.append(f"sidecar {rank}: {type(e).__name__}: {e}")
+        _sidecar.Sidecar(sources[rank], dist, n_sidecars=2, torch=HostTorch).serve()
 
     def receiver(rank):
-        dist.local.rank = rank
-        try:
-            rx = _sidecar.Receiver(dist, n_sidecars=2, torch=HostTorch)
-            whole = {"w": Host((5, 4)), "b": Host((4,))}
-            results[rank] = rx.refresh(whole)
-            results[f"{rank}.w"] = whole["w"].values()
-            rx.stop()
-        except Exception as e:
-            errors.append(f"receiver {rank}: {type(e).__name__}: {e}")
+        rx = _sidecar.Receiver(dist, n_sidecars=2, torch=HostTorch)
+        whole = {"w": Host((5, 4)), "b": Host((4,))}
+        results[rank] = rx.refresh(whole)
+        results[f"{rank}.w"] = whole["w"].values()
+        rx.stop()
 
-    threads = [threading.Thread(target=sidecar, args=(r,)) for r in (0, 1)] + \
-              [threading.Thread(target=receiver, args=(r,)) for r in (2, 3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    T.check(not errors and not any(t.is_alive() for t in threads), f"two sidecars: the round ran on every rank: {errors}")
+    errors = run_ranks(dist, {0: sidecar, 1: sidecar, 2: receiver, 3: receiver})
+    T.check(not errors, f"two sidecars: the round ran on every rank: {errors}")
     if errors:
         return
     T.check(results["2.w"] == results["3.w"] == [100.0 + i for i in range(20)],
@@ -523,38 +529,25 @@ def test_two_sidecars():
 
 
 def test_sidecar():
-    dist = FakeDist(3)
-    results, errors = {}, []
+    dist, results = FakeDist(3), {}
 
-    def sidecar():
-        dist.local.rank = 0
-        try:
-            sc = _sidecar.Sidecar(FakeSource({}), dist, n_sidecars=1, torch=HostTorch)
-            results["rounds"] = sc.serve()
-            results["retries"] = sc.retries
-        except Exception as e:
-            errors.append(f"sidecar: {type(e).__name__}: {e}")
+    def sidecar(rank):
+        sc = _sidecar.Sidecar(FakeSource({}), dist, n_sidecars=1, torch=HostTorch)
+        results["rounds"] = sc.serve()
+        results["retries"] = sc.retries
 
     def receiver(rank):
-        dist.local.rank = rank
-        try:
-            rx = _sidecar.Receiver(dist, n_sidecars=1, torch=HostTorch)
-            whole = {"w": Host((5, 4)), "b": Host((4,))}
-            results[rank] = rx.refresh(whole)
-            results[f"{rank}.w"], results[f"{rank}.b"] = whole["w"].values(), whole["b"].values()
-            sliced = {"w": Host((5, 2))}
-            results[f"{rank}.slice"] = rx.refresh(sliced, names=["w"], tp=(1, rank - 1, 2))
-            results[f"{rank}.sw"] = sliced["w"].values()
-            rx.stop()
-        except Exception as e:
-            errors.append(f"receiver {rank}: {type(e).__name__}: {e}")
+        rx = _sidecar.Receiver(dist, n_sidecars=1, torch=HostTorch)
+        whole = {"w": Host((5, 4)), "b": Host((4,))}
+        results[rank] = rx.refresh(whole)
+        results[f"{rank}.w"], results[f"{rank}.b"] = whole["w"].values(), whole["b"].values()
+        sliced = {"w": Host((5, 2))}
+        results[f"{rank}.slice"] = rx.refresh(sliced, names=["w"], tp=(1, rank - 1, 2))
+        results[f"{rank}.sw"] = sliced["w"].values()
+        rx.stop()
 
-    threads = [threading.Thread(target=sidecar)] + [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    T.check(not errors and not any(t.is_alive() for t in threads), f"the round ran on every rank: {errors}")
+    errors = run_ranks(dist, {0: sidecar, 1: receiver, 2: receiver})
+    T.check(not errors, f"the round ran on every rank: {errors}")
     if errors:
         return
     T.check(results[1] == (2, 2) and results[2] == (2, 2),

@@ -48,17 +48,16 @@ class _Link:
 
 class Sidecar:
     """Serves source's tensors (a vmmshim.Group of the owners on this node) as sidecar `rank` of
-    n_sidecars.  device: this sidecar's GPU index (pieces there are its to send); sidecar_of maps a
-    piece's GPU to the sidecar that sends it (default: index modulo n_sidecars)."""
+    n_sidecars: it sends the pieces on GPU i where i modulo n_sidecars is its rank (sidecar i on
+    GPU i)."""
 
-    def __init__(self, source, dist, n_sidecars=1, group=None, device=None, torch=None):
+    def __init__(self, source, dist, n_sidecars=1, group=None, torch=None):
         self.source, self.link = source, _Link(dist, n_sidecars, group)
         if self.link.rank >= n_sidecars:
             raise ValueError(f"vmmshim.Sidecar: rank {self.link.rank} is a receiver's")
         if torch is None:
             import torch
         self.torch = torch
-        self.device = device
         self.rounds = self.retries = 0
 
     def serve(self):
@@ -77,7 +76,7 @@ class Sidecar:
 
     def _round(self, ask):
         L = self.link
-        manifest = sources = None
+        manifest = None
         if L.rank == 0:
             before = self.source.states()
             pieces = self.source.pieces(ask.get("names"))
@@ -115,13 +114,13 @@ class Receiver:
     (or those of names) into into[name], the whole tensor, or with tp=(dim, rank, world) that
     slice; it returns the version taken and how many attempts it took."""
 
-    def __init__(self, dist, n_sidecars=1, group=None, device=None, torch=None):
+    def __init__(self, dist, n_sidecars=1, group=None, torch=None):
         self.link = _Link(dist, n_sidecars, group)
         if self.link.rank < n_sidecars:
             raise ValueError(f"vmmshim.Receiver: rank {self.link.rank} is a sidecar's")
         if torch is None:
             import torch
-        self.torch, self.device = torch, device
+        self.torch = torch
         self.leader = self.link.rank == n_sidecars
 
     def refresh(self, into, names=None, tp=None):
