@@ -12,7 +12,8 @@ ceil(rows / W) as FSDP2 pads it), small integers so that adding 1 is exact in bf
            again here; its time and bytes/s; a TP slice (dim 0, each rank of 2) bit-exact; the
            pieces zero-copy (views=True), each on the GPU it lives on
   race     the trainers add 1 to every piece in place, --race times, each inside
-           vmmshim.updating(step) (the optimizer step); meanwhile the companion takes again and again:
+           vmmshim.updating(step) (the optimizer step), the ranks meeting at a barrier after each
+           as FSDP's collectives make them; meanwhile the companion takes again and again:
            every take holds one version, whole (base + version), and takes that raced a step were
            taken again
   sidecar  a sidecar process (Group of the trainers) and a receiver in a process group of their own
@@ -78,7 +79,8 @@ def trainer(rank, world):
                 with vmmshim.updating(step):
                     for p in local:
                         p.add_(1)
-                time.sleep(0.01)  # the next step's forward and backward: the weights stay
+                dist.barrier()  # the next step's collectives keep the ranks in step, as FSDP's do
+                time.sleep(0.05)  # the next step's forward and backward (longer than a take): the weights stay
             torch.cuda.synchronize()
             print(json.dumps({"raced": steps, "s": time.perf_counter() - t0}), flush=True)
         elif cmd[0] == "quit":
