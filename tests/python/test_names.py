@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import harness
 from harness import BUILD, PACKAGE, ROOT
@@ -197,6 +198,30 @@ def with_owner(reg, own):
         some = reg.open_torch(pid, {k: got[k] for k in ("w", "bf")})
         T.check(list(some) == ["w", "bf"], f"open_torch of some Tensors: {list(some)}")
         del ts, some
+        gc.collect()
+        vmmshim.drop_idle()
+        # the import starts from the table's addresses and sizes; its rows are read while the grant
+        # (0.3 s a cuMemSetAccess here) runs on the library's thread
+        from vmmshim import _torch
+        seen, parse = {}, _torch._table_rows
+
+        def watched(raw, owner):
+            seen["maps"], seen["at"] = harness.fakecuda_counters()["calls_cuMemMap"], time.monotonic()
+            return parse(raw, owner)
+        fake = ctypes.CDLL("libcuda.so.1")
+        fake.fakecuda_set_access_delay_us(ctypes.c_ulonglong(300000))
+        _torch._table_rows, maps0, t0 = watched, harness.fakecuda_counters()["calls_cuMemMap"], time.monotonic()
+        try:
+            ts, tm = reg.open_torch(pid, timing=True)
+            t1 = time.monotonic()
+        finally:
+            _torch._table_rows = parse
+            fake.fakecuda_set_access_delay_us(ctypes.c_ulonglong(0))
+        T.check(seen.get("maps", maps0) > maps0 and seen["at"] - t0 < 0.25 <= t1 - t0 and set(ts) == set(got) and
+                tm["names_ns"] > 0 and ctypes.string_at(ts["w"].data_ptr(), 64) == words(3, 65536 // 8, 8),
+                f"open_torch(pid): the rows read after the mappings ({seen.get('maps', maps0) - maps0} before them), "
+                f"{seen.get('at', t0) - t0:.3f} s into a {t1 - t0:.3f} s take with a 0.3 s grant")
+        del ts
     finally:
         sys.modules.pop("torch", None)
 

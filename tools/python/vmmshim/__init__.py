@@ -308,6 +308,10 @@ class Registry:
 
     def _tensor_table(self, pid):
         """vmm_list_tensors' array, each entry its _lib.TENSOR_UNPACK fields."""
+        return _lib.TENSOR_UNPACK.iter_unpack(self._tensor_raw(pid)[0])
+
+    def _tensor_raw(self, pid):
+        """(vmm_list_tensors' array as a memoryview of its bytes, the number of entries)."""
         listed, n, room = _lib.lib().vmm_list_tensors, ctypes.c_size_t(), 256
         while True:
             buf = ctypes.create_string_buffer(room * _lib.TENSOR_UNPACK.size)
@@ -315,7 +319,7 @@ class Registry:
             if n.value <= room:
                 break
             room = n.value + 64  # more names than room: again, with room for them and some more
-        return _lib.TENSOR_UNPACK.iter_unpack(memoryview(buf)[:n.value * _lib.TENSOR_UNPACK.size])
+        return memoryview(buf).cast("B")[:n.value * _lib.TENSOR_UNPACK.size], n.value
 
     def open_tensors(self, pid, names=None, timing=False):
         """{name: View} of pid's named tensors (all of them, or those named in names), imported with

@@ -101,21 +101,38 @@ def to_torch(views):
     return dict(zip(keys, out)) if keys is not None else out
 
 
-def _table_rows(reg, pid):
-    """{name: row} of every tensor pid publishes, straight from its name table: the owner checked
-    each layout when it published, and the table gives nbytes, so no Tensor object is made and no
-    layout is worked out again (on an H200 host Registry.tensors' objects were a tenth of a GPT-2
-    take).  A loop of as few steps a row as it can be: it is a tenth of a cold companion's take."""
+def _table_rows(raw, pid):
+    """([names], [rows]) of every tensor in vmm_list_tensors' array raw, straight from the owner's
+    name table: the owner checked each layout when it published, and the table gives nbytes, so no
+    Tensor object is made and no layout is worked out again (on an H200 host Registry.tensors'
+    objects were a tenth of a GPT-2 take).  A loop of as few steps a row as it can be."""
     m = _lib.MAX_DIMS
     dtype_of = _dtypes.BY_DLPACK.get
-    out = {}
-    for f in reg._tensor_table(pid):
-        raw = f[0]
-        name = raw[:raw.find(b"\0")].decode("utf-8", "replace")  # the library ends every name with a NUL
+    names, rows = [], []
+    for f in _lib.TENSOR_UNPACK.iter_unpack(raw):
+        raw_name = f[0]
+        name = raw_name[:raw_name.find(b"\0")].decode("utf-8", "replace")  # the library ends every name with a NUL
         dt = dtype_of(f[2:5]) or _dtypes.of_published(name, pid, f[2:5])
         n = f[5] if f[5] <= m else m
-        out[name] = (f[6], f[7], dt, f[8:8 + n], f[8 + m:8 + m + n], f[8 + 2 * m])
-    return out
+        names.append(name)
+        rows.append((f[6], f[7], dt, f[8:8 + n], f[8 + m:8 + m + n], f[8 + 2 * m]))
+    return names, rows
+
+
+def _table_columns(raw, n):
+    """The addresses and sizes of vmm_list_tensors' array raw of n entries, as ctypes arrays for
+    vmm_import_many_begin, read without unpacking an entry."""
+    words, stride = raw.cast("Q"), _lib.TENSOR_UNPACK.size // 8
+    at, size = _lib.TensorInfo.address.offset // 8, _lib.TensorInfo.nbytes.offset // 8
+    return ((_lib.c_u64 * n).from_buffer_copy(words[at::stride].tobytes()),
+            (_lib.c_u64 * n).from_buffer_copy(words[size::stride].tobytes()))
+
+
+def _check_rows(rows):
+    for address, nbytes, dt, shape, _, _ in rows:
+        if address <= 0 or nbytes == 0 or address % dt.itemsize:
+            raise ValueError(f"vmmshim: open_torch takes tensors of at least one element at an address aligned for "
+                             f"their dtype, not {dt.name}{list(shape)} at 0x{address:x}")
 
 
 def _row(spec):
@@ -140,23 +157,27 @@ def open_torch(reg, pid, tensors, timing):
     t0 = time.perf_counter_ns()
     t_names = 0
     if tensors is None:
-        by_name = _table_rows(reg, pid)
+        # The import starts from the table's addresses and sizes alone; its rows (names, dtypes,
+        # shapes) are read while the library's thread grants access.
+        raw, n = reg._tensor_raw(pid)
+        keys = rows = None
+        if n:
+            addresses, sizes = _table_columns(raw, n)
         t_names = time.perf_counter_ns() - t0
-        keys, rows = list(by_name), list(by_name.values())
     else:
         keys = list(tensors) if isinstance(tensors, dict) else None
         rows = [_row(tensors[k]) for k in keys] if keys is not None else [_row(t) for t in tensors]
-    for address, nbytes, dt, shape, _, _ in rows:
-        if address <= 0 or nbytes == 0 or address % dt.itemsize:
-            raise ValueError(f"vmmshim: open_torch takes tensors of at least one element at an address aligned for "
-                             f"their dtype, not {dt.name}{list(shape)} at 0x{address:x}")
-    n = len(rows)
+        _check_rows(rows)
+        n = len(rows)
+        if n:
+            addresses = (_lib.c_u64 * n)(*(r[0] for r in rows))
+            sizes = (_lib.c_u64 * n)(*(r[1] for r in rows))
     out = [None] * n
     c_timing, t_lib = None, 0
+    if not n and rows is None:
+        keys = []
     if n:
         L = _lib.lib()
-        addresses = (_lib.c_u64 * n)(*(r[0] for r in rows))
-        sizes = (_lib.c_u64 * n)(*(r[1] for r in rows))
         imps = (_lib._P * n)()
         begun = ctypes.create_string_buffer(n * _lib.IMPORT_DESC.size)
         job = ctypes.c_void_p()
@@ -168,6 +189,11 @@ def open_torch(reg, pid, tensors, timing):
         # pointers (nothing touches the memory), their stretches' owners holding no import until the
         # end says the memory is there.
         try:
+            if rows is None:
+                t1 = time.perf_counter_ns()
+                keys, rows = _table_rows(raw, pid)
+                _check_rows(rows)
+                t_names += time.perf_counter_ns() - t1
             owners = _build(torch, pid, rows, begun, out)
         except BaseException:
             _end(L, job, imps, n)
