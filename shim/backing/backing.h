@@ -119,6 +119,15 @@ uint64_t vmm__free_mark(void);
 /* The program synchronized `stream`, or its current context (whole_context), successfully; mark
  * from vmm__free_mark() before the call. */
 void vmm__synchronized(int whole_context, CUstream stream, uint64_t mark);
+/* The program's event dependencies between streams (streams.c), reported by the driver hooks while
+ * vmm__following(): some default pool refuses internal dependencies and follows events, so a free on
+ * one stream serves another once that one waited for an event recorded after the free.  mark: from
+ * vmm__free_mark() before the real record.  Not for a stream being captured. */
+extern __attribute__((visibility("hidden"))) int vmm__follow_on;
+static inline int vmm__following(void) { return __atomic_load_n(&vmm__follow_on, __ATOMIC_RELAXED); }
+void vmm__follow_recorded(CUevent e, CUstream s, uint64_t mark);
+void vmm__follow_waited(CUstream s, CUevent e);
+void vmm__follow_forget(CUevent e);
 /* `stream` is about to be destroyed: the frees on it still without an event get one now. */
 void vmm__stream_destroying(CUstream stream);
 /* The device is full for the program's own cuMemCreate: when a keeper keeps this process, ask it

@@ -241,8 +241,12 @@ int vmm__margin_refused(void);
 void vmm__start_broker(void);
 
 /* ---- records.c: one registry record per allocation ---- */
-/* segment.c: the key the pools know a stream by (the per-thread default stream: one per thread). */
+/* streams.c: the key the pools know a stream by (the per-thread default stream: one per thread), and
+ * the highest free number `waiter` waited past on `source` through the program's own events (the
+ * pools' ops.followed; 0: none known). */
 uint64_t vmm__stream_key(CUstream s);
+uint64_t vmm__followed(void *ctx, uint64_t waiter, uint64_t source);
+void vmm__follow_set(int on);
 /* records.c: the arena of one of the shim's pools holding p (allocated, free or not mapped), and the
  * live allocation whose [addr, addr + requested) holds p (paused ones too); NULL when none. */
 vmm__arena *vmm__arena_containing_locked(uint64_t p);

@@ -270,24 +270,42 @@ static void set_reuse(int dev, unsigned bit, int on)
     pthread_mutex_lock(&vmm__S.lock);
     d->reuse_off = on ? d->reuse_off & ~bit : d->reuse_off | bit;
     if (d->pool_ready) VMM__FOR_POOLS(d, p, k)
-        if (k) p->reuse = (VMM_POOL_REUSE_OPPORTUNISTIC | VMM_POOL_REUSE_INTERNAL) & ~d->reuse_off;
+        if (k) p->reuse = VMM_POOL_REUSE_ALL & ~d->reuse_off;
+    /* with internal dependencies allowed, the waiting pass covers what following events would */
+    int follow = 0;
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        unsigned off = vmm__S.dev[i].reuse_off;
+        follow |= (off & VMM_POOL_REUSE_INTERNAL) && !(off & VMM_POOL_REUSE_FOLLOW);
+    }
+    vmm__follow_set(follow);
     pthread_mutex_unlock(&vmm__S.lock);
+}
+
+static unsigned reuse_bit(CUmemPool_attribute attr)
+{
+    return attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC            ? VMM_POOL_REUSE_OPPORTUNISTIC
+           : attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES  ? VMM_POOL_REUSE_INTERNAL
+           : attr == CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES   ? VMM_POOL_REUSE_FOLLOW
+                                                                         : 0;
 }
 
 void vmm__mempool_attribute_set(int dev, CUmemPool_attribute attr, const void *value)
 {
-    if (dev >= 0 && value && (attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC || attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES)) {
+    unsigned bit = reuse_bit(attr);
+    if (dev >= 0 && value && bit) {
         int on = *(const int *)value != 0;
         vmm__debug("default memory pool of device %d: %s reuse %s on the shim's memory", dev,
-                   attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC ? "opportunistic" : "internal-dependency",
+                   bit == VMM_POOL_REUSE_OPPORTUNISTIC ? "opportunistic"
+                   : bit == VMM_POOL_REUSE_INTERNAL    ? "internal-dependency"
+                                                       : "event-dependency",
                    on ? "allowed" : "refused");
-        set_reuse(dev, attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC ? VMM_POOL_REUSE_OPPORTUNISTIC : VMM_POOL_REUSE_INTERNAL, on);
+        set_reuse(dev, bit, on);
         return;
     }
     if (dev < 0 || !value ||
         (attr != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD && attr != CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH &&
          attr != CU_MEMPOOL_ATTR_USED_MEM_HIGH))
-        return; /* following event dependencies steers the real pool's reuse only (the shim follows none) */
+        return;
     if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) {
         uint64_t bytes = *(const cuuint64_t *)value;
         vmm__debug("default memory pool of device %d: release threshold %llu bytes set on the shim's memory", dev,

@@ -250,20 +250,8 @@ static int record_now(void *ctx, uint64_t stream_id, void *stream_ctx, void **ou
     return r;
 }
 
-/* The per-thread default stream is one handle (CU_STREAM_PER_THREAD) naming a stream of each thread,
- * and the pool hands a free out at once on the stream it was freed on: so each thread gets a key of
- * its own for it, odd (no stream handle is; 1 is the legacy stream's) and never given twice.
- * stream_wait turns a key back into the handle, which the allocating thread's own call resolves to
- * that thread's stream. */
-uint64_t vmm__stream_key(CUstream s)
-{
-    static _Thread_local uint64_t mine;
-    static uint64_t next = 3;
-    if (s != CU_STREAM_PER_THREAD) return (uint64_t)(uintptr_t)s;
-    if (!mine) mine = __atomic_fetch_add(&next, 2, __ATOMIC_RELAXED);
-    return mine;
-}
-
+/* A key of vmm__stream_key (streams.c) back into the handle: the allocating thread's own call resolves
+ * CU_STREAM_PER_THREAD to that thread's stream. */
 static CUstream stream_of_key(uint64_t key) { return (key & 1) && key > 2 ? CU_STREAM_PER_THREAD : (CUstream)(uintptr_t)key; }
 
 /* Another stream takes a free not reached yet (pool.h, VMM_POOL_REUSE_INTERNAL): it waits for the
@@ -301,7 +289,8 @@ void vmm__pair_init_locked(device_state *d, vmm__pool *pair, uint32_t tag)
                          .now_ns = vmm__now_ns,
                          .seg_move = seg_move,
                          .unmap_old = unmap_old,
-                         .stream_wait = vmm__cu.StreamWaitEvent ? stream_wait : NULL};
+                         .stream_wait = vmm__cu.StreamWaitEvent ? stream_wait : NULL,
+                         .followed = vmm__followed};
     uint64_t arena = arena_bytes(d);
     for (int k = 0; k < 2; k++) {
         vmm__pool_init(&pair[k], &ops, d->granularity, arena, vmm__retain_of(d, k), vmm__S.isolate);

@@ -588,3 +588,74 @@ VMM_HOOK CUresult cuStreamDestroy(CUstream s)
     if (!vmm__in_shim()) vmm__stream_destroying(s);
     return real_(s);
 }
+
+/* The program's event dependencies between streams, for a default pool that follows them
+ * (backing/streams.c); one load while none does.  A record or wait into a capture is a node of a
+ * graph, not an order between the streams now. */
+#define RECORDED(call, e, s)                                                                          \
+    do {                                                                                              \
+        if (!vmm__following() || vmm__in_shim()) return call;                                         \
+        uint64_t mark_ = vmm__free_mark();                                                            \
+        CUresult rc_ = call;                                                                          \
+        if (rc_ == CUDA_SUCCESS && !vmm__stream_capturing(s)) vmm__follow_recorded(e, s, mark_);      \
+        return rc_;                                                                                   \
+    } while (0)
+
+#define WAITED(call, s, e)                                                                            \
+    do {                                                                                              \
+        if (!vmm__following() || vmm__in_shim()) return call;                                         \
+        CUresult rc_ = call;                                                                          \
+        if (rc_ == CUDA_SUCCESS && !vmm__stream_capturing(s)) vmm__follow_waited(s, e);               \
+        return rc_;                                                                                   \
+    } while (0)
+
+VMM_HOOK CUresult cuEventRecord(CUevent e, CUstream s)
+{
+    VMM_REAL_DRIVER(cuEventRecord, CUDA_ERROR_NOT_INITIALIZED);
+    RECORDED(real_(e, s), e, s);
+}
+
+VMM_HOOK CUresult cuEventRecord_ptsz(CUevent e, CUstream s)
+{
+    VMM_REAL_DRIVER(cuEventRecord_ptsz, CUDA_ERROR_NOT_INITIALIZED);
+    RECORDED(real_(e, s), e, per_thread(s));
+}
+
+VMM_HOOK CUresult cuEventRecordWithFlags(CUevent e, CUstream s, unsigned flags)
+{
+    VMM_REAL_DRIVER(cuEventRecordWithFlags, CUDA_ERROR_NOT_INITIALIZED);
+    RECORDED(real_(e, s, flags), e, s);
+}
+
+VMM_HOOK CUresult cuEventRecordWithFlags_ptsz(CUevent e, CUstream s, unsigned flags)
+{
+    VMM_REAL_DRIVER(cuEventRecordWithFlags_ptsz, CUDA_ERROR_NOT_INITIALIZED);
+    RECORDED(real_(e, s, flags), e, per_thread(s));
+}
+
+VMM_HOOK CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags)
+{
+    VMM_REAL_DRIVER(cuStreamWaitEvent, CUDA_ERROR_NOT_INITIALIZED);
+    WAITED(real_(s, e, flags), s, e);
+}
+
+VMM_HOOK CUresult cuStreamWaitEvent_ptsz(CUstream s, CUevent e, unsigned flags)
+{
+    VMM_REAL_DRIVER(cuStreamWaitEvent_ptsz, CUDA_ERROR_NOT_INITIALIZED);
+    WAITED(real_(s, e, flags), per_thread(s), e);
+}
+
+/* A destroyed event's handle may name a new one, never recorded: what its record said goes. */
+VMM_HOOK CUresult cuEventDestroy_v2(CUevent e)
+{
+    VMM_REAL_DRIVER(cuEventDestroy_v2, CUDA_ERROR_NOT_INITIALIZED);
+    if (!vmm__in_shim()) vmm__follow_forget(e);
+    return real_(e);
+}
+
+VMM_HOOK CUresult cuEventDestroy(CUevent e)
+{
+    VMM_REAL_DRIVER(cuEventDestroy, CUDA_ERROR_NOT_INITIALIZED);
+    if (!vmm__in_shim()) vmm__follow_forget(e);
+    return real_(e);
+}

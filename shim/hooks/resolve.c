@@ -36,7 +36,9 @@
     X(cuStreamBeginCapture_v2_ptsz) X(cuStreamBeginCapture) X(cuStreamBeginCapture_ptsz)              \
     X(cuStreamBeginCaptureToGraph) X(cuStreamBeginCaptureToGraph_ptsz) X(cuStreamEndCapture)          \
     X(cuStreamEndCapture_ptsz) X(cuCtxSynchronize) X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz)   \
-    X(cuStreamDestroy_v2) X(cuStreamDestroy)         \
+    X(cuStreamDestroy_v2) X(cuStreamDestroy) X(cuEventRecord) X(cuEventRecord_ptsz)                  \
+    X(cuEventRecordWithFlags) X(cuEventRecordWithFlags_ptsz) X(cuStreamWaitEvent)                     \
+    X(cuStreamWaitEvent_ptsz) X(cuEventDestroy_v2) X(cuEventDestroy)                                  \
     X(cuGetProcAddress) X(cuGetProcAddress_v2)
 
 typedef struct wrap_entry {

@@ -67,12 +67,16 @@ int vmm__ev_reached(vmm__pool *p, vmm__block *b)
 
 /* May `stream` (any stream when !ordered) use free block b now?  Its own stream may at once:
  * work it queues runs after the free.  Others once the free's event was reached (OPPORTUNISTIC),
- * or, in the allocation's waiting pass, at once with the stream made to wait for the free's event
- * (INTERNAL), as the native pool does. */
+ * or at once when the stream waited for an event recorded after the free (FOLLOW), or, in the
+ * allocation's waiting pass, at once with the stream made to wait for the free's event (INTERNAL),
+ * as the native pool does. */
 int vmm__ev_usable(vmm__pool *p, vmm__block *b, int ordered, uint64_t stream)
 {
     if (!b->event) return 1;
     if (ordered && b->stream == stream) return 1;
+    if (ordered && p->reuse & VMM_POOL_REUSE_FOLLOW && b->event->seq && p->ops.followed &&
+        b->event->seq < p->ops.followed(p->ops.ctx, stream, b->stream))
+        return 1; /* before asking the event: no record needed */
     if ((!ordered || p->reuse & VMM_POOL_REUSE_OPPORTUNISTIC) && vmm__ev_reached(p, b)) return 1;
     if (!ordered || !p->waiting || !(p->reuse & VMM_POOL_REUSE_INTERNAL) || !p->ops.stream_wait) return 0;
     int r = vmm__ev_record(p, b->event, b->stream);

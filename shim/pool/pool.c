@@ -878,7 +878,7 @@ void vmm__pool_init(vmm__pool *p, const vmm__pool_ops *ops, uint64_t granule, ui
     p->arena_size = round_up(arena_size > p->granule ? arena_size : p->granule, p->granule);
     p->retain = retain;
     p->isolate = isolate;
-    p->reuse = VMM_POOL_REUSE_OPPORTUNISTIC | VMM_POOL_REUSE_INTERNAL;
+    p->reuse = VMM_POOL_REUSE_ALL;
 }
 
 void vmm__pool_settle(vmm__pool *p)

@@ -109,6 +109,10 @@ typedef struct vmm__pool_ops {
     /* Optional (NULL: a free reaches another stream only once its event is reached).  Make
      * `stream` wait for recorded event (cuStreamWaitEvent): 0, or nonzero with nothing changed. */
     int (*stream_wait)(void *ctx, uint64_t stream, void *event);
+    /* Optional (NULL: no dependency is followed).  The highest free number (vmm__pool_free_unrecorded's
+     * seq) that `waiter` waited past on `source` through the program's own events: frees below it
+     * on source are behind waiter's work.  0: none. */
+    uint64_t (*followed)(void *ctx, uint64_t waiter, uint64_t source);
 } vmm__pool_ops;
 
 /* How a stream-ordered pool lets a free reach another stream, as the native pool's reuse
@@ -116,12 +120,15 @@ typedef struct vmm__pool_ops {
  * OPPORTUNISTIC  a free whose event the stream reached already serves any stream;
  * INTERNAL       a free not reached yet serves another stream, which is made to wait for it
  *                (ops.stream_wait), when no free block is usable without a wait, before growing.
- * With neither, a free serves another stream once a synchronization covered it.  A free the pool
+ * FOLLOW         a free not reached yet serves another stream that waited for an event recorded
+ *                on the free's stream after it (ops.followed), with no wait added.
+ * With none, a free serves another stream once a synchronization covered it.  A free the pool
  * has seen reached (a synchronization, the give-back's polling) no longer says which stream freed
- * it and serves any stream, OPPORTUNISTIC or not; following the program's own event dependencies
- * (cudaMemPoolReuseFollowEventDependencies) is left to INTERNAL, which covers them. */
+ * it and serves any stream, OPPORTUNISTIC or not. */
 #define VMM_POOL_REUSE_OPPORTUNISTIC 1u
 #define VMM_POOL_REUSE_INTERNAL 2u
+#define VMM_POOL_REUSE_FOLLOW 4u
+#define VMM_POOL_REUSE_ALL (VMM_POOL_REUSE_OPPORTUNISTIC | VMM_POOL_REUSE_INTERNAL | VMM_POOL_REUSE_FOLLOW)
 
 #define VMM_POOL_CLASSES 320
 

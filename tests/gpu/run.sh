@@ -19,6 +19,8 @@ check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
 
 cc_rt() { gcc -O2 -std=c11 -D_GNU_SOURCE -I"$CUDA/include" "$1" -o "$2" -L"$CUDA/lib64" -lcudart -pthread -Wl,-rpath,"$CUDA/lib64"; }
 for p in semantics threads owner async_reuse oom reset capture_free graph_free; do cc_rt tests/progs/$p.c "$W/$p" || bad "build $p"; done
+gcc -O2 -std=c11 -D_GNU_SOURCE -I"$CUDA/include" tests/progs/follow_reuse.c -o "$W/follow_reuse" -L"$CUDA/lib64" -lcudart -lcuda \
+  -pthread -Wl,-rpath,"$CUDA/lib64" || bad "build follow_reuse"
 nvcc -O2 -arch=sm_90 -cudart shared -Itools/include tests/gpu/kernels.cu -o "$W/kernels" -L"$B" -lvmmshim-client -Xlinker -rpath -Xlinker "$B" || bad "build kernels"
 
 echo "== runtime semantics, native vs shim"
@@ -26,6 +28,13 @@ echo "== runtime semantics, native vs shim"
 env $SHIM "$W/semantics" > "$W/sem.shim" 2>"$W/sem.err"
 check "semantics identical to native" "cmp -s '$W/sem.native' '$W/sem.shim'"
 diff "$W/sem.native" "$W/sem.shim" | head -20; cat "$W/sem.err" | head -5
+
+echo "== a free reused by another stream through the program's event dependencies, native vs shim"
+"$W/follow_reuse" > "$W/follow.native" 2>&1
+env $SHIM "$W/follow_reuse" > "$W/follow.shim" 2>"$W/follow.err"
+cat "$W/follow.shim"
+check "follow_reuse: the same reuse as native (cudaMemPoolReuseFollowEventDependencies)" "cmp -s '$W/follow.native' '$W/follow.shim'"
+diff "$W/follow.native" "$W/follow.shim" | head -10; head -5 "$W/follow.err"
 
 echo "== cudaDeviceReset with live and cached memory, native vs shim"
 "$W/reset" > "$W/reset.native" 2>&1

@@ -130,7 +130,7 @@ static void setup(vmm__pool *p, uint64_t capacity, uint64_t retain, int isolate)
     record_answer = 1;
     move_answer = 0;
     vmm__pool_ops ops = {NULL,   fk_reserve, fk_unreserve, fk_create, fk_destroy, fk_done, fk_record, fk_release,
-                         fk_now, fk_move,    fk_unmap_old, NULL};
+                         fk_now, fk_move,    fk_unmap_old, NULL,      NULL};
     vmm__pool_init(p, &ops, GRANULE, 16 * GiB, retain, isolate);
 }
 
@@ -399,6 +399,52 @@ static void test_internal_dependencies(void)
     }
 }
 
+static uint64_t follow_waiter, follow_source, follow_mark;
+
+static uint64_t fk_followed(void *ctx, uint64_t waiter, uint64_t source)
+{
+    (void)ctx;
+    return waiter == follow_waiter && source == follow_source ? follow_mark : 0;
+}
+
+/* The program's own event dependencies (VMM_POOL_REUSE_FOLLOW), internal dependencies refused:
+ * another stream that waited for an event recorded on the freeing stream after the free (a mark
+ * above the free's number) takes the pending free at once, with no wait added; a mark at the free's
+ * number or below (the event recorded before the free), a wait on another stream, or FOLLOW off:
+ * new memory. */
+static void test_follow_dependencies(void)
+{
+    vmm__pool p;
+    for (int variant = 0; variant < 4; variant++) {
+        setup(&p, 8 * GiB, 0, 0);
+        p.ops.stream_wait = fk_wait;
+        p.ops.followed = fk_followed;
+        p.reuse &= ~VMM_POOL_REUSE_INTERNAL;
+        waits = wait_answer = 0;
+        follow_waiter = 9, follow_source = 7, follow_mark = 2; /* frees numbered 1 were before the record */
+        if (variant == 1) follow_mark = 1;
+        if (variant == 2) follow_source = 5;
+        if (variant == 3) p.reuse &= ~VMM_POOL_REUSE_FOLLOW;
+        vmm__block *a = take(&p, 8 * MiB, 1, 7);
+        uint64_t addr = a->addr, reserved = p.reserved;
+        vmm__pool_free_unrecorded(&p, a, 7, (void *)0x1, 1);
+        vmm__block *c = take(&p, 8 * MiB, 1, 9);
+        if (variant == 0)
+            CHECK(c && c->addr == addr && p.reserved == reserved && waits == 0 && records == 0,
+                  "a stream that waited past the free takes it, no wait or record added (%d waits, %d records)", waits,
+                  records);
+        else
+            CHECK(c && c->addr != addr && p.reserved > reserved && waits == 0, "variant %d: new memory", variant);
+        vmm__pool_free(&p, c, 9, NULL);
+        for (int i = 0; i < n_events; i++) events[i].done = 1;
+        vmm__pool_reached_by_sync(&p, 1, 0, (void *)0x1, 100);
+        vmm__pool_release(&p, 0, 0, UINT64_MAX);
+        CHECK(p.reserved == 0 && live_events == 0 && double_releases == 0 && consistent(&p),
+              "variant %d: all given back, every event released once", variant);
+        vmm__pool_destroy(&p);
+    }
+}
+
 /* The freeing stream takes part of a block whose free is in flight: the rest still waits on the
  * free, since work queued before it may still use that memory (it was given back, unmapped, under
  * a running kernel on the GPU when the rest lost its event). */
@@ -649,6 +695,7 @@ int main(void)
     test_va_kept();
     test_streams();
     test_internal_dependencies();
+    test_follow_dependencies();
     test_unrecorded();
     test_rest_keeps_waiting();
     test_oom();

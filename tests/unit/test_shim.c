@@ -106,6 +106,24 @@ static void test_async_order(void)
     CHECK(strstr(out, "other stream after the freeing stream was destroyed: reused, made to wait: yes") != NULL, "%s", out);
 }
 
+/* cudaMemPoolReuseFollowEventDependencies with opportunistic reuse and internal dependencies refused
+ * (tests/progs/follow_reuse.c), the GPU lagging: a free on stream a serves stream b only after b
+ * waited for an event recorded on a after the free, and not once following is refused too. */
+static void test_follow_events(void)
+{
+    char prog[600], out[4096], err[4096];
+    snprintf(prog, sizeof prog, "%s/progs/follow_reuse", build);
+    char *argv[] = {prog, NULL};
+    const char *env[] = {preload, "FAKECUDA_EVENT_DELAY_US=300000", NULL};
+    int rc = run(argv, env, out, sizeof out, err, sizeof err);
+    CHECK(rc == 0, "rc %d: %s", rc, err);
+    CHECK(strstr(out, "b waited for an event recorded after the free: reused\n") != NULL, "%s", out);
+    CHECK(strstr(out, "b waited for nothing: new\n") != NULL, "%s", out);
+    CHECK(strstr(out, "b waited for an event recorded before the free: new\n") != NULL, "%s", out);
+    CHECK(strstr(out, "following refused, b waited for an event recorded after the free: new\n") != NULL, "%s", out);
+    CHECK(strstr(out, "following allowed again: reused\n") != NULL, "%s", out);
+}
+
 /* A real program's stream-ordered allocations (a GPT-2-class model trained with varying sequence
  * lengths under PyTorch's backend:cudaMallocAsync, recorded on an H200 by tests/gpu/alloc_trace.c)
  * replayed on a GPU that lags 5 ms behind the host: the default pool must hold no more than the
@@ -751,6 +769,7 @@ int main(void)
     test_captured_free();
     test_threads();
     test_async_order();
+    test_follow_events();
     test_lagging_replay();
     test_fsdp_replay();
     test_stream_patterns();
