@@ -15,8 +15,10 @@
 #         cold companion's take (steady), each against reduce_tensor's in the same rounds (<= 1.0x),
 #         and the first take with VMMSHIM_PREEXPORT_MS=-1 (reported), under each allocator setting
 #         of WS_FIRST_CONFS (default all three; reduce_tensor's trainer under the default one where
-#         the setting is backend:cudaMallocAsync).  It does not fit the 570 s with the others: run
-#         it alone, WS_PARTS=first (about 5 minutes, WS_FIRST_S 420).
+#         the setting is backend:cudaMallocAsync), WS_FIRST_ROUNDS (9) rounds each: with 5, one
+#         row's median ratio moved 0.78-1.09x between runs (reduce_tensor's own take 7.0-10.1 ms).
+#         It does not fit the 570 s with the others: run it alone, WS_PARTS=first (about 6 minutes,
+#         WS_FIRST_S 420).
 # About 4-6 minutes on an H100, each part capped (WS_GPT2_S 240, WS_7B_S 150, WS_LOAD_S 180 s) and
 # skipped when it would not fit what is left of WS_BUDGET (570 s): one 10-minute command.  Prints
 # each part's PASS/FAIL lines and tables, then "weight-sync: N passed, N failed".  Raw results and
@@ -108,7 +110,8 @@ else
   part gpt2 "${WS_GPT2_S:-240}"
   part 7b "${WS_7B_S:-150}"
   part load "${WS_LOAD_S:-180}"
-  part first "${WS_FIRST_S:-420}" --confs "${WS_FIRST_CONFS:-default,backend:cudaMallocAsync,expandable_segments:True}"
+  part first "${WS_FIRST_S:-420}" --confs "${WS_FIRST_CONFS:-default,backend:cudaMallocAsync,expandable_segments:True}" \
+    --rounds "${WS_FIRST_ROUNDS:-9}"
 fi
 echo
 echo "weight-sync: $pass passed, $fail failed$([ "$DRY" = 1 ] && echo ' (--dry: the emulated driver)') in $((SECONDS - START)) s"
