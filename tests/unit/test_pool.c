@@ -399,6 +399,41 @@ static void test_internal_dependencies(void)
     }
 }
 
+/* Opportunistic reuse (VMM_POOL_REUSE_OPPORTUNISTIC), internal dependencies refused: a free on
+ * another stream whose event was reached serves the asking stream at once with no wait; one not
+ * reached yet does not (new memory).  With OPPORTUNISTIC off the pool does not ask, but a free it
+ * has seen reached on its own (a give-back's look, growing) still serves any stream (pool.h): not
+ * tested as native, which is not measured. */
+static void test_opportunistic(void)
+{
+    vmm__pool p;
+    for (int variant = 0; variant < 2; variant++) {
+        setup(&p, 8 * GiB, 0, 0);
+        p.ops.stream_wait = fk_wait;
+        p.reuse &= ~VMM_POOL_REUSE_INTERNAL;
+        waits = wait_answer = 0;
+        vmm__block *a = take(&p, 8 * MiB, 1, 7);
+        uint64_t addr = a->addr, reserved = p.reserved;
+        unsigned made = dev.creates;
+        vmm__pool_free(&p, a, 7, ev_new());
+        if (variant == 0) events[n_events - 1].done = 1; /* the GPU reached the free */
+        vmm__block *c = take(&p, 8 * MiB, 1, 9);
+        if (variant == 0)
+            CHECK(c && c->addr == addr && p.reserved == reserved && dev.creates == made && waits == 0,
+                  "a reached free serves another stream at once, no segment made, no wait (%u made, %d waits)",
+                  dev.creates - made, waits);
+        else
+            CHECK(c && c->addr != addr && p.reserved > reserved && waits == 0, "variant %d: new memory", variant);
+        vmm__pool_free(&p, c, 9, NULL);
+        for (int i = 0; i < n_events; i++) events[i].done = 1;
+        vmm__pool_reached_by_sync(&p, 1, 0, (void *)0x1, 100);
+        vmm__pool_release(&p, 0, 0, UINT64_MAX);
+        CHECK(p.reserved == 0 && live_events == 0 && double_releases == 0 && consistent(&p),
+              "variant %d: all given back, every event released once", variant);
+        vmm__pool_destroy(&p);
+    }
+}
+
 static uint64_t follow_waiter, follow_source, follow_mark;
 
 static uint64_t fk_followed(void *ctx, uint64_t waiter, uint64_t source)
@@ -696,6 +731,7 @@ int main(void)
     test_streams();
     test_internal_dependencies();
     test_follow_dependencies();
+    test_opportunistic();
     test_unrecorded();
     test_rest_keeps_waiting();
     test_oom();
