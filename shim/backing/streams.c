@@ -44,8 +44,8 @@ uint64_t vmm__stream_key(CUstream s)
 }
 
 /* The legacy stream has two names: one key for both here. */
-static uint64_t key_of(CUstream s) { return s == CU_STREAM_LEGACY ? 0 : vmm__stream_key(s); }
 static uint64_t same_legacy(uint64_t key) { return key == (uint64_t)(uintptr_t)CU_STREAM_LEGACY ? 0 : key; }
+static uint64_t key_of(CUstream s) { return same_legacy(vmm__stream_key(s)); }
 
 static unsigned slot_of(uint64_t x, unsigned n) { return (unsigned)((x * 0x9E3779B97F4A7C15ull) >> 40) % n; }
 

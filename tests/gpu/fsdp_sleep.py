@@ -224,17 +224,20 @@ def hybrid_main(rank, init, out, sleep):
     dist.destroy_process_group()
 
 
-def main():
+def run_ranks(fn, arg):
+    """fn(rank, init, out, arg) in two processes (mp.spawn, a file:// store in a new directory out),
+    then each rank's lines (out/rankR) printed in rank order."""
     import torch.multiprocessing as mp
-    what, sleep = sys.argv[1], "--sleep" in sys.argv
     out = tempfile.mkdtemp()
-    init = "file://" + os.path.join(out, "init")
-    fn = fsdp_main if what == "fsdp" else hybrid_main
-    mp.spawn(fn, args=(init, out, sleep), nprocs=2)
+    mp.spawn(fn, args=("file://" + os.path.join(out, "init"), out, arg), nprocs=2)
     for r in range(2):
         with open(os.path.join(out, f"rank{r}")) as f:
             sys.stdout.write(f.read())
     sys.stdout.flush()
+
+
+def main():
+    run_ranks(fsdp_main if sys.argv[1] == "fsdp" else hybrid_main, "--sleep" in sys.argv)
 
 
 if __name__ == "__main__":

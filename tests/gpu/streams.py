@@ -26,7 +26,6 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -87,12 +86,8 @@ def worker(rank, init, out, mode):
 
 
 def run(mode):
-    import torch.multiprocessing as mp
-    out = tempfile.mkdtemp()
-    mp.spawn(worker, args=("file://" + os.path.join(out, "init"), out, mode), nprocs=2)
-    for r in range(2):
-        with open(os.path.join(out, f"rank{r}")) as f:
-            sys.stdout.write(f.read())
+    import fsdp_sleep
+    fsdp_sleep.run_ranks(worker, mode)
 
 
 def parse(path):

@@ -399,6 +399,19 @@ static void test_internal_dependencies(void)
     }
 }
 
+/* The end of a cross-stream variant: the other stream's block freed, every free reached and
+ * settled, and everything must go back with every event released once. */
+static void cross_stream_end(vmm__pool *p, vmm__block *c, int variant)
+{
+    vmm__pool_free(p, c, 9, NULL);
+    for (int i = 0; i < n_events; i++) events[i].done = 1;
+    vmm__pool_reached_by_sync(p, 1, 0, (void *)0x1, 100);
+    vmm__pool_release(p, 0, 0, UINT64_MAX);
+    CHECK(p->reserved == 0 && live_events == 0 && double_releases == 0 && consistent(p),
+          "variant %d: all given back, every event released once", variant);
+    vmm__pool_destroy(p);
+}
+
 /* Opportunistic reuse (VMM_POOL_REUSE_OPPORTUNISTIC), internal dependencies refused: a free on
  * another stream whose event was reached serves the asking stream at once with no wait; one not
  * reached yet does not (new memory).  With OPPORTUNISTIC off the pool does not ask, but a free it
@@ -424,13 +437,7 @@ static void test_opportunistic(void)
                   dev.creates - made, waits);
         else
             CHECK(c && c->addr != addr && p.reserved > reserved && waits == 0, "variant %d: new memory", variant);
-        vmm__pool_free(&p, c, 9, NULL);
-        for (int i = 0; i < n_events; i++) events[i].done = 1;
-        vmm__pool_reached_by_sync(&p, 1, 0, (void *)0x1, 100);
-        vmm__pool_release(&p, 0, 0, UINT64_MAX);
-        CHECK(p.reserved == 0 && live_events == 0 && double_releases == 0 && consistent(&p),
-              "variant %d: all given back, every event released once", variant);
-        vmm__pool_destroy(&p);
+        cross_stream_end(&p, c, variant);
     }
 }
 
@@ -470,13 +477,7 @@ static void test_follow_dependencies(void)
                   records);
         else
             CHECK(c && c->addr != addr && p.reserved > reserved && waits == 0, "variant %d: new memory", variant);
-        vmm__pool_free(&p, c, 9, NULL);
-        for (int i = 0; i < n_events; i++) events[i].done = 1;
-        vmm__pool_reached_by_sync(&p, 1, 0, (void *)0x1, 100);
-        vmm__pool_release(&p, 0, 0, UINT64_MAX);
-        CHECK(p.reserved == 0 && live_events == 0 && double_releases == 0 && consistent(&p),
-              "variant %d: all given back, every event released once", variant);
-        vmm__pool_destroy(&p);
+        cross_stream_end(&p, c, variant);
     }
 }
 

@@ -160,7 +160,7 @@ def open_torch(reg, pid, tensors, timing):
         # The import starts from the table's addresses and sizes alone; its rows (names, dtypes,
         # shapes) are read while the library's thread grants access.
         raw, n = reg._tensor_raw(pid)
-        keys = rows = None
+        keys, rows = [], None
         if n:
             addresses, sizes = _table_columns(raw, n)
         t_names = time.perf_counter_ns() - t0
@@ -174,8 +174,6 @@ def open_torch(reg, pid, tensors, timing):
             sizes = (_lib.c_u64 * n)(*(r[1] for r in rows))
     out = [None] * n
     c_timing, t_lib = None, 0
-    if not n and rows is None:
-        keys = []
     if n:
         L = _lib.lib()
         imps = (_lib._P * n)()
