@@ -18,7 +18,7 @@ bad()  { fail=$((fail+1)); echo "FAIL $*"; }
 check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
 
 cc_rt() { gcc -O2 -std=c11 -D_GNU_SOURCE -I"$CUDA/include" "$1" -o "$2" -L"$CUDA/lib64" -lcudart -pthread -Wl,-rpath,"$CUDA/lib64"; }
-for p in semantics threads owner async_reuse oom reset capture_free graph_free; do cc_rt tests/progs/$p.c "$W/$p" || bad "build $p"; done
+for p in semantics threads owner oom reset capture_free graph_free; do cc_rt tests/progs/$p.c "$W/$p" || bad "build $p"; done
 gcc -O2 -std=c11 -D_GNU_SOURCE -I"$CUDA/include" tests/progs/follow_reuse.c -o "$W/follow_reuse" -L"$CUDA/lib64" -lcudart -lcuda \
   -pthread -Wl,-rpath,"$CUDA/lib64" || bad "build follow_reuse"
 nvcc -O2 -arch=sm_90 -cudart shared -Itools/include tests/gpu/kernels.cu -o "$W/kernels" -L"$B" -lvmmshim-client -Xlinker -rpath -Xlinker "$B" || bad "build kernels"
