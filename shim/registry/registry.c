@@ -388,11 +388,19 @@ static bool level_search(const vmm__reg *r, uint32_t pid, unsigned g, uint64_t a
 
 int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_alloc *out, uint64_t *slot)
 {
-    return vmm__reg_find_near(r, pid, address, 0, out, slot);
+    return vmm__reg_find_near(r, pid, address, 0, NULL, out, slot);
 }
 
-int vmm__reg_find_near(const vmm__reg *r, uint32_t pid, uint64_t address, uint64_t size, vmm_reg_alloc *out,
-                       uint64_t *slot)
+#define LEVEL_BITS (((1ull << (VMM_REG_MAX_LEVEL + 1)) - 1) & ~((1ull << VMM_REG_MIN_LEVEL) - 1))
+
+static int found_at(uint64_t *levels, unsigned g)
+{
+    if (levels) *levels |= 1ull << g;
+    return 0;
+}
+
+int vmm__reg_find_near(const vmm__reg *r, uint32_t pid, uint64_t address, uint64_t size, uint64_t *levels,
+                       vmm_reg_alloc *out, uint64_t *slot)
 {
     /* a record holding [address, address + size) is at least size bytes: its level is size's or
      * above, so those levels are searched first (an importer's range inside one allocation is
@@ -409,10 +417,13 @@ int vmm__reg_find_near(const vmm__reg *r, uint32_t pid, uint64_t address, uint64
         /* Search even while gc rebuilds the index: what a search finds is checked against the
          * record itself; only "not found" needs a quiet index. */
         if ((s1 & 1u) && attempt > 64) sched_yield();
+        uint64_t first = levels ? *levels & LEVEL_BITS : 0;
+        for (uint64_t bits = first; bits; bits &= bits - 1)
+            if (level_search(r, pid, (unsigned)__builtin_ctzll(bits), address, out, slot, &w)) return 0;
         for (unsigned g = g0; g <= VMM_REG_MAX_LEVEL; g++)
-            if (level_search(r, pid, g, address, out, slot, &w)) return 0;
+            if (!(first >> g & 1) && level_search(r, pid, g, address, out, slot, &w)) return found_at(levels, g);
         for (unsigned g = g0; g-- > VMM_REG_MIN_LEVEL;)
-            if (level_search(r, pid, g, address, out, slot, &w)) return 0;
+            if (!(first >> g & 1) && level_search(r, pid, g, address, out, slot, &w)) return found_at(levels, g);
         SEQ_FENCE(__ATOMIC_ACQUIRE);
         if (!(s1 & 1u) && __atomic_load_n(&r->hdr->index_seq, __ATOMIC_RELAXED) == s1) return -ENOENT;
         /* Retrying waits out a rebuild, which takes milliseconds.  An index that stays odd (gc

@@ -95,9 +95,12 @@ int vmm__reg_read_alloc_within(const vmm__reg *r, uint64_t slot, vmm_reg_alloc *
 int vmm__reg_read_proc_within(const vmm__reg *r, uint32_t index, vmm_reg_proc *out, vmm__reg_wait *w);
 int vmm__reg_find(const vmm__reg *r, uint32_t pid, uint64_t address, vmm_reg_alloc *out, uint64_t *slot);
 /* The same, told that the caller's range [address, address + size) most likely lies in one record
- * (size 0: no hint): the levels it can be at are searched first, the same answer in fewer searches. */
-int vmm__reg_find_near(const vmm__reg *r, uint32_t pid, uint64_t address, uint64_t size, vmm_reg_alloc *out,
-                       uint64_t *slot);
+ * (size 0: no hint): the levels it can be at are searched first, the same answer in fewer searches.
+ * levels (NULL: none), a bit per index level, names levels to search before those: where earlier
+ * searches of one caller found their records (the bit of this one's is set).  A cold reader pays a
+ * page fault a search (the index is megabytes); a model's tensors lie in allocations of a few sizes. */
+int vmm__reg_find_near(const vmm__reg *r, uint32_t pid, uint64_t address, uint64_t size, uint64_t *levels,
+                       vmm_reg_alloc *out, uint64_t *slot);
 /* Proc slot of a live-or-dead owner by pid (first match), for tools. */
 int vmm__reg_find_proc(const vmm__reg *r, uint32_t pid, vmm_reg_proc *out, uint32_t *index);
 /* Visit every record in a bound chunk: callback gets the slot and a consistent copy. */

@@ -421,7 +421,7 @@ static void test_find_near(void)
         at += sizes[i];
     }
     uint64_t hole = at + 8192;
-    int same = 0, total = 0;
+    int same = 0, total = 0, learned = 0, learned_total = 0;
     for (int i = 0; i < 8; i++) {
         uint64_t where[3] = {base[i], base[i] + sizes[i] / 2, base[i] + sizes[i] - 1};
         uint64_t hints[6] = {0, 1, sizes[i] / 3 + 1, sizes[i], 4 * sizes[i] + 4096, 1ull << 40};
@@ -430,17 +430,33 @@ static void test_find_near(void)
                 vmm_reg_alloc a, b;
                 uint64_t sa = 0, sb = 0;
                 int ra = vmm__reg_find(&r, me, where[w], &a, &sa);
-                int rb = vmm__reg_find_near(&r, me, where[w], hints[h], &b, &sb);
+                int rb = vmm__reg_find_near(&r, me, where[w], hints[h], NULL, &b, &sb);
                 total++;
                 same += ra == 0 && rb == 0 && sa == slot[i] && sb == slot[i] && b.address == base[i];
+                /* levels searched first, right ones, wrong ones or all, change no answer; a level
+                 * learned is the record's own */
+                uint64_t masks[4] = {0, 1ull << vmm_reg_level(sizes[(i + 1) % 8]), ~0ull, 1ull << vmm_reg_level(sizes[i])};
+                for (int k = 0; k < 4; k++) {
+                    uint64_t levels = masks[k], sc = 0;
+                    vmm_reg_alloc c;
+                    int rc = vmm__reg_find_near(&r, me, where[w], hints[h], &levels, &c, &sc);
+                    learned_total++;
+                    learned += rc == 0 && sc == slot[i] && c.address == base[i] &&
+                               (levels == masks[k] || levels == (masks[k] | 1ull << vmm_reg_level(sizes[i]))) &&
+                               (levels >> vmm_reg_level(sizes[i]) & 1);
+                }
             }
     }
     CHECK(same == total, "vmm__reg_find_near found the record vmm__reg_find finds %d times of %d", same, total);
+    CHECK(learned == learned_total, "vmm__reg_find_near with levels to search first found the same record and learned its "
+                                    "level %d times of %d", learned, learned_total);
     vmm_reg_alloc out;
     uint64_t fs;
-    CHECK(vmm__reg_find_near(&r, me, hole, 0, &out, &fs) == -ENOENT && vmm__reg_find_near(&r, me, hole, 4096, &out, &fs) == -ENOENT &&
-              vmm__reg_find_near(&r, me, hole, 1ull << 40, &out, &fs) == -ENOENT,
+    CHECK(vmm__reg_find_near(&r, me, hole, 0, NULL, &out, &fs) == -ENOENT && vmm__reg_find_near(&r, me, hole, 4096, NULL, &out, &fs) == -ENOENT &&
+              vmm__reg_find_near(&r, me, hole, 1ull << 40, NULL, &out, &fs) == -ENOENT,
           "a hole is not found, whatever the hint");
+    uint64_t all = ~0ull;
+    CHECK(vmm__reg_find_near(&r, me, hole, 4096, &all, &out, &fs) == -ENOENT, "a hole is not found with every level first");
     vmm__reg_close(&r);
     shm_unlink(name);
 }
