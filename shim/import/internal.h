@@ -291,6 +291,11 @@ typedef struct piece {
 
 typedef struct range_plan {
     vmm__liveness_cache *live; /* the owner's liveness, judged once for the call (NULL: each lookup) */
+    /* records this call read already (the range before's): one holding a place serves it with no
+     * index search, the call checking every record it used against the registry before it maps */
+    const vmm_alloc_info *seen;
+    size_t n_seen;
+    const vmm_alloc_info *hint; /* the record the caller read for the range's start (NULL: none), used alike */
     uint32_t pid;
     uint64_t address, end;
     vmm_alloc_info *rec; /* the records covering [address, end), in order */

@@ -37,6 +37,11 @@ static vmm_status many_find(many *m, size_t i, uint64_t address, uint64_t size)
     r->p.pid = m->pid;
     r->p.address = address;
     r->p.live = &m->live;
+    if (m->hint && m->hint[i].extent) r->p.hint = &m->hint[i];
+    if (i > 0) { /* a model's tensors lie in their allocations in the order they are named */
+        r->p.seen = m->r[i - 1].p.rec;
+        r->p.n_seen = m->r[i - 1].p.n_rec;
+    }
     if (size == 0) { /* the whole allocation holding address, as vmm_import maps it */
         vmm_alloc_info a;
         vmm_status st = vmm__find_cached(m->reg, m->pid, address, &a, &m->live);
@@ -249,6 +254,7 @@ static vmm_status many_complete(many *m, vmm_status st, vmm_imported **out)
     free(m->units_ix.slot);
     free(m->chunks_ix.slot);
     free(m->addresses);
+    free(m->hint);
     pthread_mutex_destroy(&m->lock);
     pthread_cond_destroy(&m->cv);
     vmm__mt.import_ns = m->import_ns;
@@ -320,13 +326,17 @@ vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *add
 }
 
 vmm_status vmm__import_many_begin(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *sizes,
-                                  size_t n, many **job)
+                                  vmm_alloc_info *hints, size_t n, many **job)
 {
     NEED(job, "job is NULL");
     *job = NULL;
     many *m;
     vmm_status st = many_new("vmm_import_many_begin", reg, pid, addresses, sizes, n, &m);
-    if (st != VMM_OK) return st;
+    if (st != VMM_OK) {
+        free(hints);
+        return st;
+    }
+    m->hint = hints;
     st = n ? many_prepare(m, true) : VMM_OK;
     if (st != VMM_OK) return many_complete(m, st, NULL);
     m->mt = vmm__mt;

@@ -82,6 +82,7 @@ typedef struct map_op {
 typedef struct many {
     vmm_registry *reg;
     vmm__liveness_cache live;
+    vmm_alloc_info *hint; /* per range, the record its caller read (vmm__import_many_begin's hints), or NULL */
     uint32_t pid, threads;
     CUcontext ctx;
     here_device here;

@@ -34,8 +34,14 @@ vmm_status vmm__range_walk(vmm_registry *reg, range_plan *p)
 {
     for (uint64_t at = p->address; at < p->end;) {
         vmm_alloc_info a;
-        vmm_status st = p->live ? vmm__find_cached_near(reg, p->pid, at, p->end - at, &a, p->live)
-                                : vmm__find(reg, p->pid, at, &a);
+        const vmm_alloc_info *seen =
+            p->hint && p->hint->address <= at && at - p->hint->address < p->hint->extent ? p->hint : NULL;
+        for (size_t k = 0; k < p->n_seen && !seen; k++)
+            if (p->seen[k].address <= at && at - p->seen[k].address < p->seen[k].extent) seen = &p->seen[k];
+        vmm_status st = seen ? VMM_OK
+                        : p->live ? vmm__find_cached_near(reg, p->pid, at, p->end - at, &a, p->live)
+                                  : vmm__find(reg, p->pid, at, &a);
+        if (seen) a = *seen;
         if (st == VMM_ERR_NOT_FOUND) {
             if (at == p->address)
                 return set_err(VMM_ERR_NOT_FOUND, "pid %u has no live allocation at 0x%llx, where the range starts",

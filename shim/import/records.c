@@ -479,11 +479,11 @@ vmm_status vmm__foreach_proc(vmm_registry *reg, vmm_proc_fn fn, void *ctx)
     return VMM_OK;
 }
 
-vmm_status vmm__find_proc(vmm_registry *reg, uint32_t pid, vmm_proc_info *out)
+static vmm_status find_proc(vmm_registry *reg, uint32_t pid, vmm_proc_info *out, bool with_paused)
 {
     vmm_proc_info best;
     proc_walk w = {.r = &reg->r, .want_pid = pid, .best = &best};
-    paused_prepare(&w);
+    if (with_paused) paused_prepare(&w);
     vmm__scan_claims(&reg->r, proc_visit, &w);
     paused_done(&w);
     if (!w.found) return set_error(VMM_ERR_NOT_FOUND, "registry %s: no process %u in it", reg->r.name, pid);
@@ -491,11 +491,21 @@ vmm_status vmm__find_proc(vmm_registry *reg, uint32_t pid, vmm_proc_info *out)
     return VMM_OK;
 }
 
-/* The live record of pid holding address, or the error a caller reports. */
-static vmm_status find_record(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t size_hint, vmm_reg_alloc *rec,
-                              uint64_t *slot)
+vmm_status vmm__find_proc(vmm_registry *reg, uint32_t pid, vmm_proc_info *out)
 {
-    int rc = vmm__reg_find_near(&reg->r, pid, address, size_hint, rec, slot);
+    return find_proc(reg, pid, out, true);
+}
+
+vmm_status vmm__find_proc_identity(vmm_registry *reg, uint32_t pid, vmm_proc_info *out)
+{
+    return find_proc(reg, pid, out, false);
+}
+
+/* The live record of pid holding address, or the error a caller reports. */
+static vmm_status find_record(vmm_registry *reg, uint32_t pid, uint64_t address, uint64_t size_hint, uint64_t *levels,
+                              vmm_reg_alloc *rec, uint64_t *slot)
+{
+    int rc = vmm__reg_find_near(&reg->r, pid, address, size_hint, levels, rec, slot);
     if (rc == -ENOENT)
         return set_error(VMM_ERR_NOT_FOUND, "registry %s: no live allocation of pid %u contains 0x%llx", reg->r.name,
                          pid, (unsigned long long)address);
@@ -509,7 +519,7 @@ vmm_status vmm__find(vmm_registry *reg, uint32_t pid, uint64_t address, vmm_allo
 {
     vmm_reg_alloc rec;
     uint64_t slot = 0;
-    vmm_status st = find_record(reg, pid, address, 0, &rec, &slot);
+    vmm_status st = find_record(reg, pid, address, 0, NULL, &rec, &slot);
     if (st == VMM_OK) alloc_info_from(out, slot, &rec, record_owner(&reg->r, &rec));
     return st;
 }
@@ -525,7 +535,7 @@ vmm_status vmm__find_cached_near(vmm_registry *reg, uint32_t pid, uint64_t addre
 {
     vmm_reg_alloc rec;
     uint64_t slot = 0;
-    vmm_status st = find_record(reg, pid, address, size_hint, &rec, &slot);
+    vmm_status st = find_record(reg, pid, address, size_hint, &cache->levels, &rec, &slot);
     if (st != VMM_OK) return st;
     if (!cache->valid || cache->pid != rec.pid || cache->start_time != rec.start_time || cache->pidns != rec.pidns) {
         cache->alive = vmm__reg_liveness(rec.pid, rec.start_time, rec.pidns);

@@ -1022,7 +1022,9 @@ def first_setting(run, conf, index, share):
         for k, ts in timings.items():
             if ts:
                 print(f"report: {P}: {k}: the harness's take {median([t['take_ms'] for t in ts]):.2f} ms, open_torch's own "
-                      f"total {median([t['total_ns'] for t in ts]) / 1e6:.2f} ms, names {median([t.get('names_ns', 0) for t in ts]) / 1e6:.2f} ms")
+                      f"total {median([t['total_ns'] for t in ts]) / 1e6:.2f} ms, names {median([t.get('names_ns', 0) for t in ts]) / 1e6:.2f} ms"
+                      + "".join(f", {step} {median([t.get(step + '_ns', 0) for t in ts]) / 1e6:.2f} ms"
+                                for step in ("before", "find", "broker", "import", "access", "build", "end")))
         if exports["first"] and exports["off"]:
             run.check(median(exports["first"]) <= 0.25 * median(exports["off"]),
                       f"{P}: the owner's exports in a first take {median(exports['first']):.2f} ms (median) with "

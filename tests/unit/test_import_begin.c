@@ -11,9 +11,11 @@
  * mapped, reserved or held); a bad argument or a range in no allocation fails begin with no job;
  * n 0 is a job that ends at once; end with out NULL undoes the job; a chunk another thread maps
  * while the grant is under way serves the end's import, whose pointer then differs from begin's
- * (what vmmshim.h tells a binding to compare). */
+ * (what vmmshim.h tells a binding to compare).  Records handed in as hints (vmm_import_tensors_begin's)
+ * serve when right, are passed over when of another allocation, and fail the call when stale. */
 #include "../fakecuda/fakecuda.h"
 #include "check.h"
+#include "import/import.h"
 #include "importcheck.h"
 #include "spawn.h"
 #include "spansowner.h"
@@ -24,6 +26,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
@@ -288,6 +291,36 @@ int main(void)
         if (other) CHECK(vmm_import_release(other) == VMM_OK, "release the other: %s", vmm_last_error());
         g_access_delay(0);
         same_as_before(c0, "raced");
+    }
+
+    /* 7. hints (vmm_import_tensors_begin's records, read by the name table's slots): right ones
+     * serve with the same bytes; one of another allocation is passed over; a stale one (its
+     * generation gone) fails the call as a record freed since the find does, nothing left */
+    {
+        struct fakecuda_counters c0 = counters();
+        vmm_alloc_info a0, a3;
+        CHECK(vmm_find(reg, pid, big[0], &a0) == VMM_OK && vmm_find(reg, pid, big[3], &a3) == VMM_OK, "find: %s",
+              vmm_last_error());
+        uint64_t ha[2] = {big[0] + 4 * KIB, big[3]}, hs[2] = {MIB, 2 * MIB};
+        for (int round = 0; round < 2; round++) {
+            vmm_alloc_info *hints = calloc(2, sizeof *hints);
+            hints[0] = a0;
+            hints[1] = a0; /* covers neither byte of range 1 */
+            if (round) hints[0].generation++;
+            struct many *m = NULL;
+            vmm_imported *out[2] = {0};
+            vmm_status st = vmm__import_many_begin(reg, pid, ha, hs, hints, 2, &m);
+            if (st == VMM_OK) st = vmm__import_many_end(m, out);
+            if (!round) {
+                CHECK(st == VMM_OK && first_wrong(vmm_import_ptr(out[0]), MIB, 200, KIB / 2) < 0 &&
+                          first_wrong(vmm_import_ptr(out[1]), 2 * MIB, 203, 0) < 0,
+                      "hints: the ranges' bytes (%s)", vmm_last_error());
+                release_all(out, 2);
+            } else {
+                CHECK(st == VMM_ERR_STALE && !out[0] && !out[1], "a stale hint: status %d (%s)", st, vmm_last_error());
+            }
+        }
+        same_as_before(c0, "hints");
     }
 
     CHECK(vmm_import_release(held) == VMM_OK, "release the cached chunk's import: %s", vmm_last_error());

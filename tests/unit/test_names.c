@@ -644,6 +644,36 @@ static void test_under_shim(void)
         }
     }
 
+    /* the same names listed and imported in one call (the records taken from the table) */
+    vmm_tensor_info tb[8];
+    vmm_import_desc db[8];
+    vmm_import_job *job = (vmm_import_job *)1;
+    size_t nb = 99;
+    CHECK(vmm_import_tensors_begin(reg, (uint32_t)g_pid, tb, 1, &nb, db, &job) == VMM_OK && nb == 3 && job == NULL,
+          "vmm_import_tensors_begin with room for one: the count, no job (%zu)", nb);
+    CHECK(vmm_import_tensors_begin(reg, 0x7ffffff0u, tb, 8, &nb, db, &job) == VMM_ERR_NOT_FOUND && nb == 0 && job == NULL,
+          "vmm_import_tensors_begin of a pid not under the shim: %s", vmm_last_error());
+    CHECK(vmm_import_tensors_begin(reg, (uint32_t)g_pid, tb, 8, &nb, NULL, &job) == VMM_ERR_INVALID && job == NULL,
+          "vmm_import_tensors_begin: desc NULL with room asked for");
+    CHECK(vmm_import_tensors_begin(reg, (uint32_t)g_pid, tb, 8, &nb, db, &job) == VMM_OK && nb == 3 && job &&
+              !memcmp(tb, s.t, 3 * sizeof tb[0]),
+          "vmm_import_tensors_begin: the three names as vmm_foreach_tensor gives them, and a job: %s", vmm_last_error());
+    if (job) {
+        vmm_imported *ib[3] = {0};
+        vmm_import_desc ended[3];
+        CHECK(vmm_import_many_end(job, ib) == VMM_OK && vmm_import_describe(ib, 3, ended) == VMM_OK &&
+                  !memcmp(ended, db, sizeof ended),
+              "its end: imports where begin said (%s)", vmm_last_error());
+        bool right = ib[0] && ib[1] && ib[2];
+        for (int i = 0; right && i < 3; i++) {
+            const volatile uint64_t *p = (const volatile uint64_t *)(uintptr_t)vmm_import_ptr(ib[i]);
+            uint64_t first = tb[i].address == b0 ? word(5, 0) : tb[i].address == b0 + MIB ? word(5, MIB / 8) : word(6, 0);
+            right = db[i].size == tb[i].nbytes && p[0] == first;
+        }
+        CHECK(right, "each name's bytes are the owner's");
+        for (int i = 0; i < 3; i++) vmm_import_release(ib[i]);
+    }
+
     /* bad input, as the owner sees it */
     char longname[200];
     memset(longname, 'L', 128);

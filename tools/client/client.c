@@ -260,7 +260,7 @@ VMM_PUBLIC vmm_status vmm_keeper_of(vmm_registry *reg, uint32_t pid, vmm_keeper_
     NEED(pid != 0, "pid is 0");
     memset(out, 0, sizeof *out);
     vmm_proc_info p;
-    vmm_status st = vmm__find_proc(reg, pid, &p);
+    vmm_status st = vmm__find_proc_identity(reg, pid, &p);
     if (st != VMM_OK) return st;
     vmm_keep_file f;
     int rc = vmm__keep_read(&reg->r, pid, p.start_time, &f);

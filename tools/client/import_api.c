@@ -3,8 +3,10 @@
  * checks its arguments there and reports them under its public name. */
 #include "vmmshim.h"
 #include "import/import.h"
+#include "internal.h"
 
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define VMM_PUBLIC __attribute__((visibility("default")))
@@ -37,14 +39,12 @@ VMM_PUBLIC vmm_status vmm_import_many(vmm_registry *reg, uint32_t pid, const uin
     return vmm__import_many(reg, pid, addresses, sizes, n, out);
 }
 
-VMM_PUBLIC vmm_status vmm_import_many_begin(vmm_registry *reg, uint32_t pid, const uint64_t *addresses,
-                                            const uint64_t *sizes, size_t n, vmm_import_desc *desc, vmm_import_job **job)
+/* vmm_import_many_begin, hints given (vmm__import_many_begin's), its job described in desc. */
+static vmm_status begin_described(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *sizes,
+                                  vmm_alloc_info *hints, size_t n, vmm_import_desc *desc, vmm_import_job **job)
 {
-    if (!job) return vmm__error(VMM_ERR_INVALID, "vmm_import_many_begin: job is NULL");
-    *job = NULL;
-    if (n && !desc) return vmm__error(VMM_ERR_INVALID, "vmm_import_many_begin: desc is NULL");
     struct many *m;
-    vmm_status st = vmm__import_many_begin(reg, pid, addresses, sizes, n, &m);
+    vmm_status st = vmm__import_many_begin(reg, pid, addresses, sizes, hints, n, &m);
     if (st != VMM_OK) return st;
     for (size_t i = 0; i < n; i++) {
         int device;
@@ -54,6 +54,59 @@ VMM_PUBLIC vmm_status vmm_import_many_begin(vmm_registry *reg, uint32_t pid, con
     }
     *job = (vmm_import_job *)m;
     return VMM_OK;
+}
+
+VMM_PUBLIC vmm_status vmm_import_many_begin(vmm_registry *reg, uint32_t pid, const uint64_t *addresses,
+                                            const uint64_t *sizes, size_t n, vmm_import_desc *desc, vmm_import_job **job)
+{
+    if (!job) return vmm__error(VMM_ERR_INVALID, "vmm_import_many_begin: job is NULL");
+    *job = NULL;
+    if (n && !desc) return vmm__error(VMM_ERR_INVALID, "vmm_import_many_begin: desc is NULL");
+    return begin_described(reg, pid, addresses, sizes, NULL, n, desc, job);
+}
+
+/* The records the names lie in, read by the slots their table gives: each is a hint (extent 0
+ * where the slot holds another allocation now), so that the import finds no record again. */
+static vmm_alloc_info *records_of(vmm_registry *reg, uint32_t pid, const vmm_tensor_info *t, const uint64_t *slots,
+                                  size_t n)
+{
+    vmm_alloc_info *hints = calloc(n, sizeof *hints);
+    for (size_t i = 0; hints && i < n; i++) {
+        vmm_alloc_info a;
+        if (vmm__read_slot(reg, slots[i], &a) == VMM_OK && a.pid == pid &&
+            memcmp(a.alloc_id, t[i].alloc_id, sizeof a.alloc_id) == 0 && a.address <= t[i].address &&
+            t[i].address - a.address < a.extent)
+            hints[i] = a;
+    }
+    return hints;
+}
+
+VMM_PUBLIC vmm_status vmm_import_tensors_begin(vmm_registry *reg, uint32_t pid, vmm_tensor_info *tensors, size_t max,
+                                               size_t *n, vmm_import_desc *desc, vmm_import_job **job)
+{
+    if (!job || !n) return vmm__error(VMM_ERR_INVALID, "vmm_import_tensors_begin: %s is NULL", job ? "n" : "job");
+    *job = NULL;
+    *n = 0;
+    if (max && (!tensors || !desc))
+        return vmm__error(VMM_ERR_INVALID, "vmm_import_tensors_begin: %s is NULL", tensors ? "desc" : "tensors");
+    if (!reg || !pid) return vmm__error(VMM_ERR_INVALID, "vmm_import_tensors_begin: %s", reg ? "pid is 0" : "reg is NULL");
+    uint64_t *slots = calloc(max ? max : 1, sizeof *slots);
+    if (!slots) return vmm__error(VMM_ERR_NOMEM, "vmm_import_tensors_begin: out of memory");
+    vmm_status st = vmm__list_tensor_slots(reg, pid, tensors, slots, max, n);
+    size_t k = *n;
+    uint64_t *ranges = st == VMM_OK && k && k <= max ? calloc(2 * k, sizeof *ranges) : NULL;
+    if (ranges) {
+        for (size_t i = 0; i < k; i++) {
+            ranges[i] = tensors[i].address;
+            ranges[k + i] = tensors[i].nbytes;
+        }
+        st = begin_described(reg, pid, ranges, ranges + k, records_of(reg, pid, tensors, slots, k), k, desc, job);
+    } else if (st == VMM_OK && k && k <= max) {
+        st = vmm__error(VMM_ERR_NOMEM, "vmm_import_tensors_begin: out of memory");
+    }
+    free(ranges);
+    free(slots);
+    return st;
 }
 
 VMM_PUBLIC vmm_status vmm_import_many_end(vmm_import_job *job, vmm_imported **out)

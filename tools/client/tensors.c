@@ -5,6 +5,7 @@
  * it does not run under the shim: VMM_ERR_NO_SHIM. */
 #include "vmmshim.h"
 #include "import/import.h"
+#include "internal.h"
 
 #include "registry/names.h"
 
@@ -58,16 +59,18 @@ typedef struct {
     vmm_tensor_info *out;
     bool found;
     vmm_tensor_shard *shards; /* vmm_list_shards */
+    uint64_t *slots;          /* vmm__list_tensor_slots */
     size_t max, n;
 } tensor_walk;
 
 static int visit(void *ctx, const vmm_names_entry *e)
 {
     tensor_walk *w = ctx;
-    if (w->shards) {
+    if (w->shards || w->slots) {
         if (w->n < w->max) {
             info_from(&w->out[w->n], w->pid, e);
-            shard_from(&w->shards[w->n], e);
+            if (w->shards) shard_from(&w->shards[w->n], e);
+            if (w->slots) w->slots[w->n] = e->rec_slot;
         }
         w->n++;
         return 0;
@@ -88,7 +91,7 @@ static vmm_status open_table(vmm_registry *reg, const char *fn, uint32_t pid, vm
 {
     memset(m, 0, sizeof *m);
     vmm_proc_info p;
-    if (vmm__find_proc(reg, pid, &p) != VMM_OK)
+    if (vmm__find_proc_identity(reg, pid, &p) != VMM_OK)
         return vmm__error(VMM_ERR_NOT_FOUND,
                           "%s: pid %u has no record in registry %s (it does not run under the shim, or publishes in "
                           "another registry)",
@@ -181,6 +184,16 @@ VMM_PUBLIC vmm_status vmm_list_shards(vmm_registry *reg, uint32_t pid, vmm_tenso
     vmm_tensor_shard none;
     tensor_walk w = {.out = out, .shards = max ? shards : &none, .max = max};
     vmm_status st = walk(reg, "vmm_list_shards", pid, &w);
+    *n = w.n;
+    return st;
+}
+
+vmm_status vmm__list_tensor_slots(vmm_registry *reg, uint32_t pid, vmm_tensor_info *out, uint64_t *slots, size_t max,
+                                  size_t *n)
+{
+    uint64_t none;
+    tensor_walk w = {.out = out, .slots = max ? slots : &none, .max = max};
+    vmm_status st = walk(reg, "vmm_import_tensors_begin", pid, &w);
     *n = w.n;
     return st;
 }

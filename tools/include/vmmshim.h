@@ -402,6 +402,14 @@ typedef struct vmm_tensor_shard {
 /* vmm_list_tensors with each name's shard beside it (shards[i] for out[i]). */
 vmm_status vmm_list_shards(vmm_registry *reg, uint32_t pid, vmm_tensor_info *out, vmm_tensor_shard *shards, size_t max,
                            size_t *n);
+/* vmm_list_tensors into tensors[0..min(max, *n)) and vmm_import_many_begin of every one of them
+ * (addresses and nbytes), desc[i] for tensors[i], in one call: the import takes each record the
+ * name table points at instead of searching the registry's index for it (a cold companion's
+ * index search costs a page fault).  End the job with vmm_import_many_end.  No job (*job NULL)
+ * when pid publishes no names (*n 0) or more than max (*n of them: call again with room for
+ * them).  Statuses as vmm_list_tensors', then vmm_import_many_begin's. */
+vmm_status vmm_import_tensors_begin(vmm_registry *reg, uint32_t pid, vmm_tensor_info *tensors, size_t max, size_t *n,
+                                    vmm_import_desc *desc, vmm_import_job **job);
 /* What a reader checks around its copies to get one version of an owner's tensors (vmm_update_begin):
  * seq is odd while the owner changes them, and moves with every change; version is the one the
  * last change ended at; job the owner's job tag ("" none).  A living owner that publishes no

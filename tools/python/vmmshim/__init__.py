@@ -376,7 +376,9 @@ class Registry:
         made on the way.  The imports under a stretch stay until its last tensor is gone.  All or
         nothing, with open_many's errors; Stale for a Tensor whose allocation was freed since its
         name was read; ValueError for a tensor of no element or unaligned for its dtype.
-        timing=True returns (tensors, timing): open_many's, with names_ns (reading the names)."""
+        timing=True returns (tensors, timing): open_many's, with names_ns (reading the names),
+        before_ns (up to the import's start), build_ns (the tensors made while the grant runs) and
+        end_ns (the wait for the grant, and the hand-out)."""
         from . import _torch
         return _torch.open_torch(self, pid, tensors, timing)
 

@@ -221,6 +221,8 @@ _PROTOTYPES = {
     "vmm_import_many_begin": (c_int, [_P, c_u32, ctypes.POINTER(c_u64), ctypes.POINTER(c_u64), ctypes.c_size_t,
                                       ctypes.c_void_p, ctypes.POINTER(_P)]),
     "vmm_import_many_end": (c_int, [_P, ctypes.POINTER(_P)]),
+    "vmm_import_tensors_begin": (c_int, [_P, c_u32, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+                                         ctypes.c_void_p, ctypes.POINTER(_P)]),
     "vmm_import_many_last_timing": (c_int, [ctypes.POINTER(ManyTiming)]),
     "vmm_import_release": (c_int, [_P]),
     "vmm_import_drop_idle": (c_int, []),

@@ -119,15 +119,6 @@ def _table_rows(raw, pid):
     return names, rows
 
 
-def _table_columns(raw, n):
-    """The addresses and sizes of vmm_list_tensors' array raw of n entries, as ctypes arrays for
-    vmm_import_many_begin, read without unpacking an entry."""
-    words, stride = raw.cast("Q"), _lib.TENSOR_UNPACK.size // 8
-    at, size = _lib.TensorInfo.address.offset // 8, _lib.TensorInfo.nbytes.offset // 8
-    return ((_lib.c_u64 * n).from_buffer_copy(words[at::stride].tobytes()),
-            (_lib.c_u64 * n).from_buffer_copy(words[size::stride].tobytes()))
-
-
 def _check_rows(rows):
     for address, nbytes, dt, shape, _, _ in rows:
         if address <= 0 or nbytes == 0 or address % dt.itemsize:
@@ -149,21 +140,35 @@ def _row(spec):
     return _index(address, "address"), nbytes, dt, shape, strides, None
 
 
+def _begin_all(reg, pid):
+    """vmm_import_tensors_begin of every tensor pid publishes: (the tensor table's bytes, n, the
+    begun import's descriptions, its job); no job when there is no tensor."""
+    from . import _check
+    begin, n, job, room = _lib.lib().vmm_import_tensors_begin, ctypes.c_size_t(), ctypes.c_void_p(), 256
+    while True:
+        raw = ctypes.create_string_buffer(room * _lib.TENSOR_UNPACK.size)
+        begun = ctypes.create_string_buffer(room * _lib.IMPORT_DESC.size)
+        _check(begin(reg._h(), pid, raw, room, ctypes.byref(n), begun, ctypes.byref(job)))
+        if n.value <= room:
+            break
+        room = n.value + 64  # more names than room: again, with room for them and some more
+    return memoryview(raw).cast("B")[:n.value * _lib.TENSOR_UNPACK.size], n.value, begun.raw[:n.value * _lib.IMPORT_DESC.size], job
+
+
 def open_torch(reg, pid, tensors, timing):
     """Registry.open_torch (see there)."""
     from . import _check, _timing_of
     import torch
 
     t0 = time.perf_counter_ns()
-    t_names = 0
+    L = _lib.lib()
+    c_timing, t_lib, t_before, t_build, t_wait, t_names = None, 0, 0, 0, 0, 0
     if tensors is None:
-        # The import starts from the table's addresses and sizes alone; its rows (names, dtypes,
-        # shapes) are read while the library's thread grants access.
-        raw, n = reg._tensor_raw(pid)
+        # One call lists the names and begins their import from the records the table points at;
+        # the rows (names, dtypes, shapes) are read while the library's thread grants access.
+        raw, n, begun, job = _begin_all(reg, pid)
+        t_lib = time.perf_counter_ns() - t0
         keys, rows = [], None
-        if n:
-            addresses, sizes = _table_columns(raw, n)
-        t_names = time.perf_counter_ns() - t0
     else:
         keys = list(tensors) if isinstance(tensors, dict) else None
         rows = [_row(tensors[k]) for k in keys] if keys is not None else [_row(t) for t in tensors]
@@ -172,17 +177,18 @@ def open_torch(reg, pid, tensors, timing):
         if n:
             addresses = (_lib.c_u64 * n)(*(r[0] for r in rows))
             sizes = (_lib.c_u64 * n)(*(r[1] for r in rows))
+            described = ctypes.create_string_buffer(n * _lib.IMPORT_DESC.size)
+            job = ctypes.c_void_p()
+            t1 = time.perf_counter_ns()
+            t_before = t1 - t0
+            status = L.vmm_import_many_begin(reg._h(), pid, addresses, sizes, n, described, ctypes.byref(job))
+            t_lib = time.perf_counter_ns() - t1
+            _check(status)
+            begun = described.raw
     out = [None] * n
-    c_timing, t_lib = None, 0
     if n:
-        L = _lib.lib()
         imps = (_lib._P * n)()
-        begun = ctypes.create_string_buffer(n * _lib.IMPORT_DESC.size)
-        job = ctypes.c_void_p()
-        t1 = time.perf_counter_ns()
-        status = L.vmm_import_many_begin(reg._h(), pid, addresses, sizes, n, begun, ctypes.byref(job))
-        t_lib = time.perf_counter_ns() - t1
-        _check(status)
+        t_build = time.perf_counter_ns()
         # The driver grants access on the library's thread meanwhile: the tensors are made over the
         # pointers (nothing touches the memory), their stretches' owners holding no import until the
         # end says the memory is there.
@@ -191,14 +197,16 @@ def open_torch(reg, pid, tensors, timing):
                 t1 = time.perf_counter_ns()
                 keys, rows = _table_rows(raw, pid)
                 _check_rows(rows)
-                t_names += time.perf_counter_ns() - t1
+                t_names = time.perf_counter_ns() - t1
             owners = _build(torch, pid, rows, begun, out)
         except BaseException:
             _end(L, job, imps, n)
             raise
         t1 = time.perf_counter_ns()
+        t_build = t1 - t_build
         status = L.vmm_import_many_end(job, imps)
-        t_lib += time.perf_counter_ns() - t1
+        t_wait = time.perf_counter_ns() - t1
+        t_lib += t_wait
         _check(status)
         try:
             if timing:
@@ -206,9 +214,9 @@ def open_torch(reg, pid, tensors, timing):
                 L.vmm_import_many_last_timing(c_timing)
             ended = ctypes.create_string_buffer(n * _lib.IMPORT_DESC.size)
             _check(L.vmm_import_describe(imps, n, ended))
-            if ended.raw != begun.raw:  # another thread mapped a chunk first: its mapping serves
+            if ended.raw != begun:  # another thread mapped a chunk first: its mapping serves
                 out[:] = [None] * n
-                owners = _build(torch, pid, rows, ended, out)
+                owners = _build(torch, pid, rows, ended.raw, out)
         except BaseException:
             for i in range(n):
                 L.vmm_import_release(imps[i])
@@ -219,7 +227,7 @@ def open_torch(reg, pid, tensors, timing):
     if not timing:
         return result
     times = _timing_of(c_timing, time.perf_counter_ns() - t0, t_lib)
-    times["names_ns"] = t_names
+    times.update(names_ns=t_names, before_ns=t_before, build_ns=t_build, end_ns=t_wait)
     return result, times
 
 
