@@ -328,7 +328,10 @@ vmm_status vmm__import_many(vmm_registry *reg, uint32_t pid, const uint64_t *add
 vmm_status vmm__import_many_begin(vmm_registry *reg, uint32_t pid, const uint64_t *addresses, const uint64_t *sizes,
                                   vmm_alloc_info *hints, size_t n, many **job)
 {
-    NEED(job, "job is NULL");
+    if (!job) {
+        free(hints);
+        return set_err(VMM_ERR_INVALID, "vmm_import_many_begin: job is NULL");
+    }
     *job = NULL;
     many *m;
     vmm_status st = many_new("vmm_import_many_begin", reg, pid, addresses, sizes, n, &m);
